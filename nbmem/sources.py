@@ -1,0 +1,427 @@
+"""Where the numbers come from: NVML, the torch caching allocator, and the host.
+
+Each driver has one choke point (`NvmlSource._call`, `TorchSource._stats`) with one error policy:
+a failure becomes ``None`` (unknown) plus a reason the user is told once, never a made-up zero.
+Nothing here creates a CUDA context: torch is read only from ``sys.modules`` (if the user never
+imported torch there are no tensors to see) and only when ``torch.cuda.is_initialized()``.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Mapping
+
+#: How often the NVML process list may be asked for: it takes the driver's lock and can cost
+#: milliseconds (MangoHud measured 4.5 ms for the graphics list), so never faster than this.
+PROCESS_LIST_MIN_INTERVAL_S = 1.0
+
+
+@dataclass(frozen=True, slots=True)
+class GpuProcess:
+    """Another process on a GPU, as NVML lists it."""
+
+    pid: int
+    used_bytes: int | None
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class GpuReading:
+    """NVML's view of one visible device; ``None`` where NVML could not say."""
+
+    used_bytes: int | None
+    total_bytes: int | None
+    process_used_bytes: int | None
+    other_processes_bytes: int | None
+    processes: tuple[GpuProcess, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class AllocatorReading:
+    """The torch caching allocator's counters for one device."""
+
+    allocated_bytes: int
+    reserved_bytes: int
+    active_bytes: int
+    inactive_split_bytes: int
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    num_ooms: int
+
+
+@dataclass(frozen=True, slots=True)
+class GpuDevice:
+    """A CUDA device this process can see, with its NVML identity."""
+
+    name: str  # "cuda:0" in this process's numbering
+    torch_index: int
+    nvml_index: int
+    uuid: str
+    model: str
+
+
+class NvmlFailure(Exception):
+    """An NVML call failed; the message says why in words a user can act on."""
+
+
+def parse_visible_devices(value: str | None, uuids: list[str]) -> tuple[list[int], str | None]:
+    """Map ``CUDA_VISIBLE_DEVICES`` to NVML indices without touching CUDA.
+
+    Follows CUDA's rules: integers and (prefixes of) ``GPU-…`` UUIDs, and enumeration stops at the
+    first entry that is invalid. Returns the NVML indices in CUDA order and, where something could not
+    be mapped, a reason.
+    """
+    if value is None:
+        return list(range(len(uuids))), None
+    out: list[int] = []
+    for raw in value.split(","):
+        token = raw.strip()
+        if not token:
+            break
+        if token.startswith("MIG-"):
+            return out, f"CUDA_VISIBLE_DEVICES names a MIG instance ({token}); NVML numbers for MIG are not mapped"
+        if token.lstrip("-").isdigit():
+            idx = int(token)
+            if idx < 0 or idx >= len(uuids) or idx in out:
+                break
+            out.append(idx)
+            continue
+        matches = [i for i, u in enumerate(uuids) if u.startswith(token) or u.startswith("GPU-" + token)]
+        if len(matches) != 1 or matches[0] in out:
+            break
+        out.append(matches[0])
+    return out, None
+
+
+def _process_name(pid: int) -> str:
+    try:
+        import psutil
+
+        p = psutil.Process(pid)
+        cmd = " ".join(p.cmdline())
+        if "ipykernel" in cmd:
+            return f"Jupyter kernel ({p.name()})"
+        return p.name()
+    except Exception:  # PIDs from the host are not visible inside a container
+        return "?"
+
+
+class NvmlSource:
+    """NVML device totals and per-process usage, for the devices this process can see."""
+
+    def __init__(self, nvml: Any | None = None, environ: Mapping[str, str] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._nv = nvml
+        self._env = os.environ if environ is None else environ
+        self._clock = clock
+        self._lock = threading.Lock()  # NVML handles are shared by the sampler and the cell hooks
+        self.devices: list[GpuDevice] = []
+        self.reason: str | None = None  # why NVML sees nothing, when it does not
+        self.process_reason: str | None = None  # why per-process numbers are unknown
+        self._handles: dict[str, Any] = {}
+        self._proc_cache: dict[str, tuple[float, tuple[GpuProcess, ...]]] = {}
+        self._started = False
+
+    # -- the one choke point -------------------------------------------------------------------
+    def _call(self, fn: str, *args: Any, **kwargs: Any) -> Any:
+        try:
+            with self._lock:
+                return getattr(self._nv, fn)(*args, **kwargs)
+        except Exception as e:  # pynvml raises NVMLError subclasses; a missing symbol is AttributeError
+            raise NvmlFailure(f"{fn}: {e}") from None
+
+    def start(self) -> None:
+        """Initialise NVML and find the visible devices; afterwards ``reason`` says what failed."""
+        if self._started:
+            return
+        self._started = True
+        if self._nv is None:
+            try:
+                import pynvml  # nvidia-ml-py, NVIDIA's own binding
+
+                self._nv = pynvml
+            except ImportError:
+                self.reason = "nvidia-ml-py is not installed (pip install nvidia-ml-py)"
+                return
+        try:
+            self._call("nvmlInit")
+        except NvmlFailure as e:
+            self.reason = f"NVML is not available ({e}): no NVIDIA driver, or no GPU on this machine"
+            self._nv = None
+            return
+        try:
+            count = int(self._call("nvmlDeviceGetCount"))
+            handles = [self._call("nvmlDeviceGetHandleByIndex", i) for i in range(count)]
+            uuids = [_text(self._call("nvmlDeviceGetUUID", h)) for h in handles]
+            models = [_text(self._call("nvmlDeviceGetName", h)) for h in handles]
+        except NvmlFailure as e:
+            self.reason = f"NVML could not list devices ({e})"
+            return
+        indices, why = parse_visible_devices(self._env.get("CUDA_VISIBLE_DEVICES"), uuids)
+        if why:
+            self.reason = why
+        for torch_index, nv in enumerate(indices):
+            dev = GpuDevice(f"cuda:{torch_index}", torch_index, nv, uuids[nv], models[nv])
+            self.devices.append(dev)
+            self._handles[dev.name] = handles[nv]
+        if not self.devices and not self.reason:
+            self.reason = "NVML sees no GPU that CUDA_VISIBLE_DEVICES leaves visible"
+
+    def close(self) -> None:
+        if self._nv is not None and self._started and self._handles is not None:
+            try:
+                self._call("nvmlShutdown")
+            except NvmlFailure:
+                pass
+        self._started = False
+        self._handles = {}
+        self.devices = []
+
+    # -- readings ------------------------------------------------------------------------------
+    def memory(self, device: str) -> tuple[int | None, int | None]:
+        """(used, total) bytes; the v2 query so driver-reserved memory is not counted as used."""
+        h = self._handles.get(device)
+        if h is None:
+            return None, None
+        try:
+            v2 = getattr(self._nv, "nvmlMemory_v2", None)
+            info = self._call("nvmlDeviceGetMemoryInfo", h, version=v2) if v2 else None
+        except NvmlFailure:
+            info = None  # driver older than R510: fall back to v1
+        if info is None:
+            try:
+                info = self._call("nvmlDeviceGetMemoryInfo", h)
+            except NvmlFailure:
+                return None, None
+        return int(info.used), int(info.total)
+
+    def processes(self, device: str, *, max_age_s: float = PROCESS_LIST_MIN_INTERVAL_S) -> tuple[GpuProcess, ...] | None:
+        """Processes using the device, cached so NVML is asked at most once per ``max_age_s``."""
+        h = self._handles.get(device)
+        if h is None:
+            return None
+        now = self._clock()
+        cached = self._proc_cache.get(device)
+        if cached and now - cached[0] < max_age_s:
+            return cached[1]
+        try:
+            raw = list(self._call("nvmlDeviceGetComputeRunningProcesses", h))
+        except NvmlFailure as e:
+            self.process_reason = f"NVML cannot list processes on {device} ({e})"
+            return None
+        not_available = getattr(self._nv, "NVML_VALUE_NOT_AVAILABLE", None)
+        procs = []
+        for p in raw:
+            used = getattr(p, "usedGpuMemory", None)
+            if used is None or used == not_available:
+                used = None  # WDDM and MIG report no per-process memory
+            procs.append(GpuProcess(int(p.pid), None if used is None else int(used), _process_name(int(p.pid))))
+        result = tuple(procs)
+        self._proc_cache[device] = (now, result)
+        return result
+
+    def read(self, device: str, *, cuda_in_use: bool, pid: int | None = None) -> GpuReading:
+        """NVML's numbers for one device; per-process values are ``None`` where they cannot be known."""
+        used, total = self.memory(device)
+        procs = self.processes(device)
+        if procs is None:
+            return GpuReading(used, total, None, None)
+        me = os.getpid() if pid is None else pid
+        mine = [p for p in procs if p.pid == me]
+        others = tuple(p for p in procs if p.pid != me)
+        if mine:
+            own = mine[0].used_bytes
+        elif cuda_in_use:
+            # We hold a CUDA context yet NVML lists no process with our PID: we are in a PID namespace
+            # (a container without --pid=host), so NVML's PIDs are the host's and cannot be matched.
+            self.process_reason = ("NVML lists no process with this PID although CUDA is in use: a container "
+                                   "without host PIDs; per-process numbers are unknown")
+            return GpuReading(used, total, None, None, others)
+        else:
+            own = 0  # no CUDA context in this process: it holds nothing on the device
+        other_bytes = None if any(p.used_bytes is None for p in others) else sum(p.used_bytes or 0 for p in others)
+        if own is None or other_bytes is None:
+            self.process_reason = "NVML gives no per-process memory on this system (WDDM or MIG)"
+        return GpuReading(used, total, own, other_bytes, others)
+
+
+def _text(v: Any) -> str:
+    return v.decode() if isinstance(v, bytes) else str(v)
+
+
+class TorchSource:
+    """The torch caching allocator, read only once CUDA is initialised (never initialises it)."""
+
+    @staticmethod
+    def torch() -> Any | None:
+        return sys.modules.get("torch")
+
+    def cuda_initialized(self) -> bool:
+        t = self.torch()
+        cuda = getattr(t, "cuda", None) if t is not None else None
+        try:
+            return bool(cuda is not None and cuda.is_initialized())
+        except Exception:
+            return False
+
+    def device_count(self) -> int:
+        """Devices torch sees; asked only once CUDA is initialised, so asking costs nothing."""
+        if not self.cuda_initialized():
+            return 0
+        t = self.torch()
+        assert t is not None
+        return int(t.cuda.device_count())
+
+    # -- the one choke point -------------------------------------------------------------------
+    def _stats(self, index: int) -> dict[str, Any] | None:
+        if not self.cuda_initialized():
+            return None
+        t = self.torch()
+        assert t is not None
+        try:
+            return dict(t.cuda.memory_stats(index))
+        except Exception:
+            return None
+
+    def read(self, index: int) -> AllocatorReading | None:
+        s = self._stats(index)
+        if not s:
+            return None
+        g = s.get
+        return AllocatorReading(
+            allocated_bytes=int(g("allocated_bytes.all.current", 0)),
+            reserved_bytes=int(g("reserved_bytes.all.current", 0)),
+            active_bytes=int(g("active_bytes.all.current", 0)),
+            inactive_split_bytes=int(g("inactive_split_bytes.all.current", 0)),
+            peak_allocated_bytes=int(g("allocated_bytes.all.peak", 0)),
+            peak_reserved_bytes=int(g("reserved_bytes.all.peak", 0)),
+            num_ooms=int(g("num_ooms", 0)),
+        )
+
+    def reset_peak(self, index: int) -> None:
+        """Reset the allocator's peak counter: only ever on an explicit ``--reset-peak``."""
+        if self.cuda_initialized():
+            t = self.torch()
+            assert t is not None
+            t.cuda.reset_peak_memory_stats(index)
+
+
+@dataclass
+class HostSource:
+    """This process's resident memory."""
+
+    _proc: Any = field(default=None, repr=False)
+
+    def rss_bytes(self) -> int | None:
+        try:
+            if self._proc is None:
+                import psutil
+
+                self._proc = psutil.Process()
+            return int(self._proc.memory_info().rss)
+        except Exception:
+            return _statm_rss()
+
+    @staticmethod
+    def max_rss_bytes() -> int | None:
+        """The kernel's high-water mark of RSS (exact, unlike polling)."""
+        try:
+            kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        except Exception:
+            return None
+        return int(kb) * (1 if sys.platform == "darwin" else 1024)
+
+
+def _statm_rss() -> int | None:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except Exception:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One device at one instant; ``None`` means unknown."""
+
+    t_wall: float
+    device: str
+    allocated_bytes: int | None
+    reserved_bytes: int | None
+    active_bytes: int | None
+    inactive_split_bytes: int | None
+    nvml_used_bytes: int | None
+    nvml_total_bytes: int | None
+    process_used_bytes: int | None
+    other_processes_bytes: int | None
+    rss_bytes: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class Boundary:
+    """Everything read at a cell boundary: allocator counters (exact), NVML and RSS."""
+
+    t_wall: float
+    t_monotonic: float
+    rss_bytes: int | None
+    max_rss_bytes: int | None
+    allocator: Mapping[str, AllocatorReading | None]
+    nvml: Mapping[str, GpuReading]
+
+
+class Probe:
+    """All sources behind one face: what the sampler and the cell hooks read."""
+
+    def __init__(self, nvml: NvmlSource | None = None, torch: TorchSource | None = None,
+                 host: HostSource | None = None, wall: Callable[[], float] = time.time,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
+        self.nvml = nvml or NvmlSource()
+        self.torch = torch or TorchSource()
+        self.host = host or HostSource()
+        self._wall = wall
+        self._mono = monotonic
+
+    def start(self) -> None:
+        self.nvml.start()
+
+    def close(self) -> None:
+        self.nvml.close()
+
+    def gpu_names(self) -> list[str]:
+        """Visible GPUs: NVML's list, or torch's once CUDA is up and NVML is missing."""
+        names = [d.name for d in self.nvml.devices]
+        if not names:
+            names = [f"cuda:{i}" for i in range(self.torch.device_count())]
+        return names
+
+    def _allocator(self) -> dict[str, AllocatorReading | None]:
+        if not self.torch.cuda_initialized():
+            return {}
+        return {f"cuda:{i}": self.torch.read(i) for i in range(self.torch.device_count())}
+
+    def samples(self) -> list[Sample]:
+        """One sample per device (``cpu`` first), as the sampler stores them."""
+        now = self._wall()
+        rss = self.host.rss_bytes()
+        out = [Sample(now, "cpu", None, None, None, None, None, None, None, None, rss)]
+        alloc = self._allocator()
+        cuda_up = bool(alloc)
+        for name in self.gpu_names():
+            a = alloc.get(name)
+            g = self.nvml.read(name, cuda_in_use=cuda_up)
+            out.append(Sample(
+                now, name,
+                a.allocated_bytes if a else None, a.reserved_bytes if a else None,
+                a.active_bytes if a else None, a.inactive_split_bytes if a else None,
+                g.used_bytes, g.total_bytes, g.process_used_bytes, g.other_processes_bytes, rss))
+        return out
+
+    def boundary(self) -> Boundary:
+        alloc = self._allocator()
+        nv = {name: self.nvml.read(name, cuda_in_use=bool(alloc)) for name in self.gpu_names()}
+        return Boundary(self._wall(), self._mono(), self.host.rss_bytes(), self.host.max_rss_bytes(), alloc, nv)
