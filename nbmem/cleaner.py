@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import gc
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from .formatting import esc, fmt_bytes, html_table, text_table
 
@@ -34,12 +34,13 @@ class CleanupReport:
     steps: tuple[CleanupStep, ...]
 
     @property
-    def freed_allocated_bytes(self) -> int:
-        return sum(s.freed_allocated_bytes or 0 for s in self.steps)
+    def freed_allocated_bytes(self) -> int | None:
+        return _total(s.freed_allocated_bytes for s in self.steps)
 
     @property
-    def freed_reserved_bytes(self) -> int:
-        return sum(s.freed_reserved_bytes or 0 for s in self.steps)
+    def freed_reserved_bytes(self) -> int | None:
+        """None when no step could measure reserved memory (no CUDA): unknown, not zero."""
+        return _total(s.freed_reserved_bytes for s in self.steps)
 
     def _rows(self) -> list[list[str]]:
         return [[s.action, s.target, fmt_bytes(s.freed_allocated_bytes), fmt_bytes(s.freed_reserved_bytes), s.note]
@@ -64,6 +65,11 @@ class CleanupReport:
 
     def row(self) -> dict[str, object]:
         return {"freed_allocated_bytes": self.freed_allocated_bytes, "freed_reserved_bytes": self.freed_reserved_bytes}
+
+
+def _total(values: Iterable[int | None]) -> int | None:
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
 
 
 def _freed(before: Mapping[str, tuple[int | None, int | None]],

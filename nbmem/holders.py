@@ -171,7 +171,7 @@ class _Walker:
         oid = id(obj)
         node = self.node_of.get(oid)
         if node is not None:
-            if parent >= 0 and parent != self.parent[node]:
+            if parent != self.parent[node] or label != self.label[node]:
                 al = self.aliases.setdefault(node, [])
                 if len(al) < self.max_holders:
                     al.append((parent, label))

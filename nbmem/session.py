@@ -9,7 +9,7 @@ from __future__ import annotations
 import threading
 import traceback as _tb
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 from . import holders as _leaks
@@ -168,7 +168,8 @@ class Session:
     def begin_cell(self, cell: int, *, reset_peak: bool | None = None, scan: bool | None = None) -> None:
         reset = self.settings.reset_peak if reset_peak is None else reset_peak
         do_scan = self.settings.scan if scan is None else scan
-        if do_scan and self._last_scan is None:
+        if do_scan and (self._last_scan is None or not self.monitoring):
+            # With monitoring on, the previous cell's closing scan is this cell's baseline.
             self._last_scan = self.scan_now()
         if reset:
             for i in range(self.probe.torch.device_count()):
@@ -186,22 +187,26 @@ class Session:
         after = self.probe.boundary()
         err = type(error).__name__ if error is not None else ""
         records = cell_records(o.cell, o.before, after, error=err, was_reset=o.reset)
-        for r in records:
-            self.store.add_cell(r)
         found: tuple[_leaks.Finding, ...] = ()
         unattributed: list[tuple[str, int]] = []
         if o.scan:
+            prev = self._last_scan
             cur = self.scan_now()
+            # The CPU has no allocator counters: its "allocated" is the live CPU tensor storages the scan found.
+            records = [replace(r, allocated_before_bytes=prev.totals.get("cpu", 0) if prev else None,
+                               allocated_after_bytes=cur.totals.get("cpu", 0)) if r.device == "cpu" else r
+                       for r in records]
             found = tuple(_leaks.findings(cur, self._last_scan, o.cell, threshold_bytes=self.settings.threshold_bytes))
-            for k in cur.storages:
-                self._first_seen.setdefault(k, o.cell)
+            self._first_seen = {k: self._first_seen.get(k, o.cell) for k in cur.storages}
             self._last_scan = cur
             self._remember(o.cell, found)
             for r in records:
-                if r.allocated_after_bytes is not None:
+                if r.allocated_after_bytes is not None and r.device != "cpu":
                     gap = r.allocated_after_bytes - cur.totals.get(r.device, 0)
                     if gap >= self.settings.threshold_bytes:
                         unattributed.append((r.device, gap))
+        for r in records:
+            self.store.add_cell(r)
         oom = err == "OutOfMemoryError" or "out of memory" in str(error or "").lower()
         report = CellReport(o.cell, records[0].duration_s, tuple(records), found, tuple(unattributed), err,
                             self._oom_advice(records) if oom else ())

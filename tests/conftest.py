@@ -1,0 +1,74 @@
+"""Shared fixtures: a real IPython shell, and a guard that nbmem leaves nothing behind."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+
+import pytest
+
+# A private IPython profile dir and no history database, before IPython is imported anywhere.
+os.environ.setdefault("IPYTHONDIR", tempfile.mkdtemp(prefix="nbmem-ipython-"))
+
+from IPython.core.interactiveshell import InteractiveShell  # noqa: E402
+from traitlets.config import Config  # noqa: E402
+
+
+def nbmem_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("nbmem")]
+
+
+def nbmem_callbacks(sh: InteractiveShell) -> list[object]:
+    out = []
+    for cbs in sh.events.callbacks.values():
+        out += [cb for cb in cbs if "nbmem" in (getattr(cb, "__module__", "") or "")]
+    return out
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_behind():
+    """After every test: no nbmem thread runs (the sampler is joined on unload)."""
+    yield
+    for t in nbmem_threads():
+        t.join(2)
+    assert not nbmem_threads(), f"nbmem threads left running: {nbmem_threads()}"
+
+
+@pytest.fixture
+def shell():
+    """A fresh plain InteractiveShell (no kernel, no front end); nbmem unloaded and checked at the end."""
+    InteractiveShell.clear_instance()
+    cfg = Config()
+    cfg.HistoryManager.hist_file = ":memory:"
+    cfg.Nbmem.gauge = "none"
+    sh = InteractiveShell.instance(config=cfg)
+    yield sh
+    sh.run_line_magic("unload_ext", "nbmem")
+    assert not nbmem_callbacks(sh), f"nbmem callbacks left registered: {nbmem_callbacks(sh)}"
+    assert "cudamem" not in sh.magics_manager.magics["line"]
+    InteractiveShell.clear_instance()
+
+
+@pytest.fixture
+def ip(shell):
+    """The shell with nbmem loaded and every cell monitored."""
+    ok(shell, "%load_ext nbmem")
+    ok(shell, "%cudamem on")
+    ok(shell, "import torch")
+    return shell
+
+
+def run(sh: InteractiveShell, src: str):
+    """Run a cell as a notebook would (stored in history, so it has an execution count)."""
+    return sh.run_cell(src, store_history=True)
+
+
+def ok(sh: InteractiveShell, src: str):
+    r = run(sh, src)
+    assert r.success, f"cell failed: {src!r}: {r.error_before_exec or r.error_in_exec!r}"
+    return r
+
+
+def last_cell(sh: InteractiveShell) -> int:
+    return sh.execution_count - 1

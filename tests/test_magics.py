@@ -1,0 +1,214 @@
+"""The extension in a real InteractiveShell: load/unload, %%cudamem, %cudamem commands, bad input."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from IPython.core.error import UsageError
+
+import nbmem
+from nbmem.magics import _ACTIVE
+from tests.conftest import last_cell, nbmem_callbacks, nbmem_threads, ok, run
+
+MB = 2**20
+
+
+def test_import_is_light():
+    import subprocess
+    import sys
+
+    code = ("import sys, nbmem; bad = [m for m in ('torch', 'pynvml', 'pandas', 'IPython', 'anywidget') "
+            "if m in sys.modules]; print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"
+
+
+def test_load_twice_is_once_and_unload_leaves_nothing(shell):
+    ok(shell, "%load_ext nbmem")
+    ok(shell, "%reload_ext nbmem")
+    ok(shell, "%load_ext nbmem")
+    assert len(nbmem_callbacks(shell)) == 2
+    assert len(nbmem_threads()) == 1
+    ok(shell, "%unload_ext nbmem")
+    ok(shell, "%unload_ext nbmem")
+    assert nbmem_callbacks(shell) == [] and nbmem_threads() == []
+    assert shell not in _ACTIVE
+    with pytest.raises(RuntimeError, match="load_ext nbmem"):
+        nbmem.leaks()
+
+
+def test_load_says_once_what_it_cannot_see(shell, capsys):
+    ok(shell, "%load_ext nbmem")
+    out = capsys.readouterr().out
+    assert "nbmem:" in out and ("no GPU seen" in out or "watching" in out)
+    assert out.count("nbmem:") == 1
+
+
+def test_load_never_initialises_cuda(shell):
+    ok(shell, "%load_ext nbmem")
+    ok(shell, "%cudamem on")
+    ok(shell, "import torch\nx = torch.ones(3)")
+    ok(shell, "%cudamem status")
+    assert not torch.cuda.is_initialized()
+
+
+def test_cell_magic_reports_and_records(shell):
+    ok(shell, "%load_ext nbmem")
+    ok(shell, "import torch")
+    r = ok(shell, "%%cudamem\nkept = torch.empty(4 * 2**20)\ntmp = torch.empty(2**20)\ndel tmp")
+    assert r.success
+    cell = last_cell(shell)
+    rep = nbmem.report()
+    assert list(rep.index) == [cell]
+    row = rep.loc[cell]
+    assert row["device"] == "cpu" and row["delta_allocated_bytes"] == 16 * MB and row["error"] == ""
+    assert row["duration_s"] > 0
+    leaks = nbmem.leaks(cell=cell)
+    assert list(leaks["name"]) == ["kept"]
+    assert shell.user_ns["kept"].numel() == 4 * MB  # the body really ran in the user namespace
+
+
+def test_cell_magic_records_the_error_and_the_shell_shows_it(shell, capsys):
+    ok(shell, "%load_ext nbmem")
+    run(shell, "%%cudamem\nraise ValueError('boom')")
+    assert nbmem.report().iloc[-1]["error"] == "ValueError"
+    assert "boom" in capsys.readouterr().out
+
+
+def test_monitoring_every_cell_on_and_off(ip):
+    ok(ip, "a = torch.empty(2**20)")
+    n_a = last_cell(ip)
+    ok(ip, "%cudamem off")
+    ok(ip, "b = torch.empty(2**20)")
+    ok(ip, "%cudamem on")
+    ok(ip, "c = 1")
+    cells = list(nbmem.report().index)
+    assert n_a in cells and last_cell(ip) in cells and n_a + 2 not in cells
+
+
+def test_report_columns_are_the_documented_ones(ip):
+    ok(ip, "z = torch.empty(10)")
+    cols = set(nbmem.report().columns) | {"cell"}
+    need = {"cell", "started", "duration_s", "device", "allocated_before_bytes", "allocated_after_bytes",
+            "delta_allocated_bytes", "reserved_before_bytes", "reserved_after_bytes", "delta_reserved_bytes",
+            "peak_allocated_bytes", "error"}
+    assert need <= cols
+    assert str(nbmem.report()["started"].dt.tz) == "UTC"
+
+
+def test_samples_frame_columns_and_na(ip):
+    import time
+
+    time.sleep(0.6)
+    df = nbmem.samples()
+    assert list(df.columns) == ["time", "device", "allocated_bytes", "reserved_bytes", "active_bytes",
+                                "inactive_split_bytes", "nvml_used_bytes", "nvml_total_bytes",
+                                "process_used_bytes", "other_processes_bytes", "rss_bytes"]
+    cpu = df[df.device == "cpu"]
+    assert len(cpu) >= 2 and cpu["rss_bytes"].gt(0).all()
+    assert cpu["nvml_used_bytes"].isna().all()  # unknown is NaN, not 0
+    assert str(df["time"].dt.tz) == "UTC"
+
+
+def test_a_report_holds_no_reference_to_user_objects(ip):
+    ok(ip, "x = torch.empty(4 * 2**20)")
+    ref = weakref.ref(ip.user_ns["x"])
+    assert "x" in list(nbmem.leaks(cell=last_cell(ip))["name"])
+    report = nbmem.report()
+    leaks_now = nbmem.leaks()
+    ok(ip, "del x")
+    gc.collect()
+    assert ref() is None
+    assert len(report) and len(leaks_now)
+
+
+@pytest.mark.parametrize("line,fix", [
+    ("", "needs a command"),
+    ("frobnicate", "unknown command"),
+    ("on extra", "takes no names"),
+    ("clean", "say what goes"),
+    ("clean 'x y'", "not a variable name"),
+    ("clean 1x", "not a variable name"),
+    ("clean nosuchname", "no variable named"),
+    ("leaks --cell -3", "cell number"),
+    ("leaks --cell abc", "invalid int"),
+    ("--no-such-flag", "unrecognized"),
+    ("gauge --inline --sidebar", "choose one"),
+])
+def test_bad_line_input_is_a_usage_error_naming_the_fix(ip, line, fix):
+    ok(ip, "keep = torch.empty(2**20)")
+    with pytest.raises((UsageError, NameError, ValueError), match=fix):
+        ip.run_line_magic("cudamem", line)
+    assert "keep" in ip.user_ns
+
+
+def test_bad_cell_magic_input_does_not_run_the_body(ip):
+    r = run(ip, "%%cudamem on\nran = True")
+    assert not r.success and "ran" not in ip.user_ns
+    r = run(ip, "%%cudamem --bogus\nran = True")
+    assert not r.success and "ran" not in ip.user_ns
+
+
+def test_config_is_validated_with_a_clear_message(ip, caplog):
+    # IPython's %config logs a trait error instead of raising; the value must stay as it was.
+    run(ip, "%config Nbmem.interval = -1")
+    assert "Nbmem.interval must be between 0.01 and 60 seconds" in caplog.text
+    assert _ACTIVE[ip].options.interval == 0.5 and _ACTIVE[ip].session.sampler.interval_s == 0.5
+    ok(ip, "%config Nbmem.interval = 0.25")
+    assert _ACTIVE[ip].session.sampler.interval_s == 0.25
+    caplog.clear()
+    run(ip, "%config Nbmem.show = 'sometimes'")
+    assert "sometimes" in caplog.text and _ACTIVE[ip].options.show == "auto"
+
+
+def test_a_fault_in_our_hook_never_breaks_the_cell_and_is_told_once(ip, capsys, monkeypatch):
+    sess = _ACTIVE[ip].session
+
+    def boom(*a, **k):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(sess, "end_cell", boom)
+    capsys.readouterr()
+    for _ in range(3):
+        r = ok(ip, "v = 41 + 1")
+        assert r.result is None and ip.user_ns["v"] == 42
+    out = capsys.readouterr().out
+    assert out.count("injected") == 1
+    assert any("injected" in f.error and f.count == 3 for f in sess.faults.values())
+    assert "injected" in str(nbmem.status())
+
+
+def test_reset_peak_is_explicit(ip):
+    sess = _ACTIVE[ip].session
+    calls = []
+    sess.probe.torch.reset_peak = lambda i: calls.append(i)  # CPU: record that it would be called
+    sess.probe.torch.device_count = lambda: 1
+    ok(ip, "a1 = 1")
+    assert calls == []
+    ok(ip, "%%cudamem --reset-peak\na2 = 1")
+    assert calls == [0]
+
+
+def test_reset_with_nbmem_loaded(ip):
+    ok(ip, "x = torch.empty(2**20)")
+    ok(ip, "%reset -f")
+    ok(ip, "import torch\ny = torch.empty(2**20)")
+    assert "y" in list(nbmem.leaks()["name"])
+
+
+def test_await_in_a_monitored_cell(ip):
+    ip.autoawait = True
+    r = run(ip, "import asyncio\nawait asyncio.sleep(0.01)\nw = torch.empty(2**20)")
+    assert r.success
+    assert "w" in list(nbmem.leaks(cell=last_cell(ip))["name"])
+
+
+def test_plot_returns_a_figure(ip):
+    ok(ip, "p = torch.empty(2**20)")
+    fig = nbmem.plot()
+    from matplotlib.figure import Figure
+
+    assert isinstance(fig, Figure) and fig.axes[0].get_title(loc="left") == "cpu"
