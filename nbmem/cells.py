@@ -144,7 +144,7 @@ class CellReport:
     findings: tuple = ()  # tuple[leaks.Finding, ...]; typed loosely to keep this module below leaks
     unattributed: tuple[tuple[str, int], ...] = ()
     error: str = ""
-    oom_advice: tuple[str, ...] = ()
+    advice: tuple[str, ...] = ()
 
     def _finding_rows(self) -> list[list[str]]:
         return [[f.name, f.kind, f.device, fmt_bytes(f.bytes), "yes" if f.holds_graph else "", f.hint]
@@ -158,7 +158,7 @@ class CellReport:
                       text_table(["name", "kind", "device", "bytes", "graph", "hint"], self._finding_rows())]
         for dev, b in self.unattributed:
             parts.append(f"unattributed on {dev}: {fmt_bytes(b)} (allocated but not reachable from a name)")
-        parts += [f"- {a}" for a in self.oom_advice]
+        parts += [f"- {a}" for a in self.advice]
         return "\n".join(parts)
 
     def __repr__(self) -> str:
@@ -178,7 +178,7 @@ class CellReport:
                                     caption="holders of memory this cell added"))
         for dev, b in self.unattributed:
             parts.append(f"<div>unattributed on {esc(dev)}: {esc(fmt_bytes(b))}</div>")
-        if self.oom_advice:
-            parts.append("<ul>" + "".join(f"<li>{esc(a)}</li>" for a in self.oom_advice) + "</ul>")
+        if self.advice:
+            parts.append("<ul>" + "".join(f"<li>{esc(a)}</li>" for a in self.advice) + "</ul>")
         parts.append("</div>")
         return "".join(parts)

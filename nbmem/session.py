@@ -17,7 +17,7 @@ from .cells import CELL_COLUMNS, CellRecord, CellReport, cell_records
 from .cleaner import Cleaner, CleanupReport
 from .formatting import fmt_bytes
 from .sampler import Sampler
-from .sources import Boundary, Probe
+from .sources import Boundary, Probe, heap_bytes
 from .store import Store, records_frame
 
 OOM_ADVICE = (
@@ -28,6 +28,12 @@ OOM_ADVICE = (
     "activation checkpointing (torch.utils.checkpoint) trades compute for memory",
     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set before CUDA starts) reduces fragmentation",
 )
+
+
+RESTART_ADVICE = ("CUDA is in an error state (a device-side assert or an illegal access) and stays so for the "
+                  "life of this process: restart the kernel. Cleanup cannot free GPU memory now.")
+_CUDA_BROKEN = ("device-side assert", "illegal memory access", "unspecified launch failure",
+                "cuda error: misaligned address")
 
 
 @dataclass(frozen=True)
@@ -96,10 +102,12 @@ class Session:
         self.sampler = Sampler(self.probe.samples, self.store.add_samples, interval_s=settings.interval_s,
                                on_error=lambda e: self.fault("sampler", e))
         self.monitoring = False
+        self.cuda_broken = False
         self.faults: dict[str, Fault] = {}
         self._told: set[str] = set()
         self._open: _Open | None = None
         self._last_scan: _leaks.Scan | None = None
+        self._scan_mark: tuple[Any, int | None, tuple[int, ...]] | None = None
         self._first_seen: dict[tuple[str, int], int] = {}
         self._findings: dict[int, tuple[_leaks.Finding, ...]] = {}
         self._finding_cells: deque[int] = deque()
@@ -191,7 +199,8 @@ class Session:
         unattributed: list[tuple[str, int]] = []
         if o.scan:
             prev = self._last_scan
-            cur = self.scan_now()
+            cur = self.scan_now() if self.changed_since_scan() else prev
+            assert cur is not None
             # The CPU has no allocator counters: its "allocated" is the live CPU tensor storages the scan found.
             records = [replace(r, allocated_before_bytes=prev.totals.get("cpu", 0) if prev else None,
                                allocated_after_bytes=cur.totals.get("cpu", 0)) if r.device == "cpu" else r
@@ -207,9 +216,15 @@ class Session:
                         unattributed.append((r.device, gap))
         for r in records:
             self.store.add_cell(r)
-        oom = err == "OutOfMemoryError" or "out of memory" in str(error or "").lower()
-        report = CellReport(o.cell, records[0].duration_s, tuple(records), found, tuple(unattributed), err,
-                            self._oom_advice(records) if oom else ())
+        text = f"{err}: {error}".lower()
+        if any(s in text for s in _CUDA_BROKEN):
+            self.cuda_broken = True
+            advice: tuple[str, ...] = (RESTART_ADVICE,)
+        elif err == "OutOfMemoryError" or "out of memory" in text:
+            advice = self._oom_advice(records)
+        else:
+            advice = ()
+        report = CellReport(o.cell, records[0].duration_s, tuple(records), found, tuple(unattributed), err, advice)
         self.last_report = report
         for listen in list(self.cell_listeners):
             try:
@@ -239,7 +254,26 @@ class Session:
 
     # -- leaks -----------------------------------------------------------------------------------
     def scan_now(self) -> _leaks.Scan:
-        return _leaks.scan(self.adapter.roots(), torch=self.probe.torch.torch())
+        mark = self._mark()
+        scan = _leaks.scan(self.adapter.roots(), torch=self.probe.torch.torch())
+        self._scan_mark = mark
+        return scan
+
+    def _mark(self) -> tuple[Any, int | None, tuple[int, ...]]:
+        alloc = tuple(sorted((d, r.allocated_bytes if r else None) for d, r in self.probe._allocator().items()))
+        return alloc, heap_bytes() if heap_bytes else None, self.adapter.fingerprint()
+
+    def changed_since_scan(self) -> bool:
+        """Whether anything a scan could find has changed: CUDA allocated bytes (exact), the C heap by
+        half the report threshold (CPU tensors), or any root's identity. A cell that changes none of
+        these is not walked again, so an idle cell costs microseconds, not a walk of the namespace."""
+        if self._last_scan is None or self._scan_mark is None:
+            return True
+        alloc, heap, fp = self._mark()
+        alloc0, heap0, fp0 = self._scan_mark
+        if alloc != alloc0 or fp != fp0:
+            return True
+        return heap is None or heap0 is None or abs(heap - heap0) >= max(1, self.settings.threshold_bytes // 2)
 
     def _remember(self, cell: int, found: tuple[_leaks.Finding, ...]) -> None:
         self._findings[cell] = found
@@ -275,7 +309,7 @@ class Session:
         return out
 
     def _empty_cache(self) -> bool:
-        if not self.probe.torch.cuda_initialized():
+        if not self.probe.torch.cuda_initialized() or self.cuda_broken:
             return False
         torch = self.probe.torch.torch()
         assert torch is not None
@@ -283,6 +317,8 @@ class Session:
         return True
 
     def cleanup(self, **kw: Any) -> CleanupReport:
+        if self.cuda_broken:
+            self.notify(RESTART_ADVICE)
         rep = Cleaner(self.adapter, self._measure, self._empty_cache).run(**kw)
         self._last_scan = self.scan_now()
         return rep

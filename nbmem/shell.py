@@ -40,6 +40,19 @@ class ShellAdapter:
         yield from self.output_roots()
         yield from self.traceback_roots()
 
+    def fingerprint(self) -> tuple[int, ...]:
+        """Cheap identity of every root: equal fingerprints mean no name was bound, rebound or deleted,
+        no output was added and no new exception was kept."""
+        sh = self.shell
+        ids = [hash(tuple((k, id(v)) for k, v in sh.user_ns.items() if not k.startswith("_i")
+                          and not k[1:2].isdigit()))]
+        hm = getattr(sh, "history_manager", None)
+        ids.append(len(getattr(hm, "output_hist", ())))
+        ids.append(id(getattr(getattr(sh, "last_execution_result", None), "result", None)))
+        ids += [id(getattr(sys, a, None)) for a in ("last_value", "last_exc")]
+        ids.append(id(getattr(getattr(sh, "InteractiveTB", None), "tb", None)))
+        return tuple(ids)
+
     def output_roots(self) -> Iterator[tuple[str, str, Any]]:
         sh = self.shell
         hm = getattr(sh, "history_manager", None)

@@ -1,0 +1,325 @@
+"""What nbmem costs, measured side by side in one process: training throughput, per-cell overhead,
+peak exactness, footprint, widget traffic and load time. Prints one summary line per figure, last.
+
+    python benchmarks/bench_overhead.py --device cuda          # the figures in RESULTS.md
+    python benchmarks/bench_overhead.py --device cpu --quick   # a smoke run anywhere
+
+Every ratio comes from interleaved A/B pairs (A = without, B = with) in the same process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+from IPython.core.interactiveshell import InteractiveShell
+from traitlets.config import Config
+
+SUMMARY: list[str] = []
+
+
+def line(name: str, value: str) -> None:
+    SUMMARY.append(f"{name}: {value}")
+    print(f"  {name}: {value}", flush=True)
+
+
+def spread(xs: list[float]) -> str:
+    return f"median {statistics.median(xs):.3f} (min {min(xs):.3f}, max {max(xs):.3f}, n={len(xs)})"
+
+
+def new_shell(gauge: str = "none") -> InteractiveShell:
+    InteractiveShell.clear_instance()
+    cfg = Config()
+    cfg.HistoryManager.hist_file = ":memory:"
+    cfg.Nbmem.gauge = gauge
+    cfg.Nbmem.show = "never"
+    return InteractiveShell.instance(config=cfg)
+
+
+def cell(sh: InteractiveShell, src: str) -> float:
+    t = time.perf_counter()
+    r = sh.run_cell(src, store_history=True)
+    dt = time.perf_counter() - t
+    if not r.success:
+        raise RuntimeError(f"{src[:60]!r}: {r.error_in_exec or r.error_before_exec!r}")
+    return dt
+
+
+class Quiet:
+    """Silence the cell output (reports, ipyexperiments' tables) while timing."""
+
+    def __enter__(self):
+        self.out, sys.stdout = sys.stdout, open(os.devnull, "w")
+
+    def __exit__(self, *a):
+        sys.stdout.close()
+        sys.stdout = self.out
+
+
+# -- what is compared -------------------------------------------------------------------------------
+def nbmem_on(sh: InteractiveShell, gauge: bool) -> None:
+    cell(sh, "%load_ext nbmem")
+    cell(sh, "%cudamem on")
+    if gauge:
+        cell(sh, "%cudamem gauge --inline")
+
+
+def nbmem_off(sh: InteractiveShell) -> None:
+    cell(sh, "%unload_ext nbmem")
+
+
+def ipyx_on(sh: InteractiveShell) -> None:
+    cell(sh, "from ipyexperiments import IPyExperimentsPytorch as _X\n_ipyx = _X(exp_enable=False)")
+
+
+def ipyx_off(sh: InteractiveShell) -> None:
+    cell(sh, "_ipyx.cl.stop()\ndel _ipyx")
+
+
+TRAIN_SETUP = {
+    "launch-bound": """
+import torch
+_dev = {dev!r}
+model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)]).to(_dev)
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+xb = torch.randn(64, 256, device=_dev)
+def sync():
+    if _dev == "cuda": torch.cuda.synchronize()
+""",
+    "compute-bound": """
+import torch
+_dev = {dev!r}
+model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(4)]).to(_dev)
+opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+xb = torch.randn(4096, 4096, device=_dev)
+def sync():
+    if _dev == "cuda": torch.cuda.synchronize()
+""",
+}
+TRAIN_STEP = """
+for _ in range({steps}):
+    opt.zero_grad(set_to_none=True)
+    loss = model(xb).square().mean()
+    loss.backward()
+    opt.step()
+sync()
+"""
+
+
+def bench_training(dev: str, pairs: int, quick: bool, have_ipyx: bool, have_gauge: bool) -> None:
+    print("training throughput (with / without, same process, interleaved)")
+    for kind, steps in (("launch-bound", 100 if quick else 400), ("compute-bound", 5 if quick else 30)):
+        if kind == "compute-bound" and dev == "cpu":
+            steps = 2
+        sh = new_shell()
+        cell(sh, TRAIN_SETUP[kind].format(dev=dev))
+        step = TRAIN_STEP.format(steps=steps)
+        cell(sh, step)  # warm-up: kernels, allocator, autograd
+        contenders = [("nbmem", lambda: nbmem_on(sh, have_gauge), lambda: nbmem_off(sh))]
+        if have_ipyx and dev == "cuda":
+            contenders.append(("ipyexperiments", lambda: ipyx_on(sh), lambda: ipyx_off(sh)))
+        for name, on, off in contenders:
+            ratios = []
+            with Quiet():
+                for _ in range(pairs):
+                    base = cell(sh, step)
+                    on()
+                    with_ = cell(sh, step)
+                    off()
+                    ratios.append(base / with_)
+            line(f"training {kind} throughput ratio {name}" + (" (+gauge)" if name == "nbmem" and have_gauge else ""),
+                 spread(ratios))
+
+
+def fill_namespace(sh: InteractiveShell, n: int, dev: str) -> None:
+    cell(sh, textwrap.dedent(f"""
+        import torch
+        model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)]).to({dev!r})
+        opt = torch.optim.Adam(model.parameters())
+        model(torch.randn(4, 256, device={dev!r})).sum().backward(); opt.step()
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(512, 256)), batch_size=32)
+        objs = [{{"i": i, "v": [i, float(i)]}} for i in range({n} // 3)]
+        tensors = [torch.empty(256, device={dev!r}) for _ in range(1000)]
+    """))
+
+
+def bench_per_cell(dev: str, quick: bool) -> None:
+    print("per-cell overhead of %cudamem on (hooks + scan + report), empty cell and a cell that binds a name")
+    sizes = [10_000, 100_000] if quick else [10_000, 100_000, 1_000_000, 10_000_000]
+    for n in sizes:
+        sh = new_shell()
+        fill_namespace(sh, n, dev)
+        reps = 3 if n >= 10_000_000 else 9 if n >= 1_000_000 else 31
+        empty_a, empty_b, bind_a, bind_b = [], [], [], []
+        with Quiet():
+            for _ in range(reps):
+                empty_a.append(cell(sh, "pass"))
+                bind_a.append(cell(sh, "k = object()"))
+            nbmem_on(sh, gauge=False)
+            for _ in range(reps):
+                empty_b.append(cell(sh, "pass"))
+                bind_b.append(cell(sh, "k = object()"))
+            nbmem_off(sh)
+        e = (statistics.median(empty_b) - statistics.median(empty_a)) * 1e3
+        b = (statistics.median(bind_b) - statistics.median(bind_a)) * 1e3
+        line(f"per-cell overhead empty cell, {n:,} objects", f"{e:.2f} ms")
+        line(f"per-cell overhead cell that rebinds a name (full scan), {n:,} objects", f"{b:.1f} ms")
+        del sh
+        InteractiveShell.clear_instance()
+        gc.collect()
+
+
+def bench_peaks(dev: str) -> None:
+    if dev != "cuda":
+        line("peak exactness", "skipped (needs CUDA)")
+        return
+    import nbmem
+
+    sh = new_shell()
+    with Quiet():
+        nbmem_on(sh, gauge=False)
+        cell(sh, "import torch")
+        exact = total = 0
+        for mib in (64, 256, 1024, 128, 512):
+            cell(sh, f"%%cudamem --reset-peak\nt = torch.empty({mib} * 2**20, dtype=torch.uint8, device='cuda')\n"
+                     f"u = t[:1].clone()\ndel t, u")  # a spike of well under a millisecond
+            row = nbmem.report().iloc[-1]
+            truth = row["allocated_before_bytes"] + mib * 2**20 + 512
+            total += 1
+            exact += int(row["peak_allocated_bytes"] == truth)
+        nbmem_off(sh)
+    line("peak exactness (sub-ms spikes, --reset-peak)", f"{exact}/{total} exact")
+
+
+def bench_footprint(quick: bool) -> None:
+    from nbmem.magics import _ACTIVE
+    from nbmem.sources import Sample
+
+    sh = new_shell()
+    cells = 1_000 if quick else 10_000
+    with Quiet():
+        cell(sh, "import torch")
+        nbmem_on(sh, gauge=False)
+        sess = _ACTIVE[sh].session
+        for i in range(cells):
+            cell(sh, f"v{i % 50} = {i}")
+        n_ticks = int(24 * 3600 / sess.settings.interval_s)
+        t0 = time.time()
+        for k in range(n_ticks):  # 24 h of samples on a simulated clock: cpu + 1 GPU a tick
+            t = t0 + k * sess.settings.interval_s
+            sess.store.add_samples([Sample(t, "cpu", None, None, None, None, None, None, None, None, 10**9 + k),
+                                    Sample(t, "cuda:0", k, k, k, 0, k, 8 * 10**10, k, 0, 10**9 + k)])
+        ours = deep_size([sess.store, sess._findings, sess._first_seen, sess._last_scan, sess.faults,
+                          sess._finding_cells])
+        kept = len(sess.store.sample_list())
+        threads = [t.name for t in threading.enumerate() if t.name.startswith("nbmem")]
+        cbs = sum(len(v) for v in sh.events.callbacks.values())
+        nbmem_off(sh)
+    line(f"footprint after {cells:,} cells + 24 h of samples", f"{ours / 2**20:.1f} MiB retained by nbmem "
+         f"({kept} samples kept of {2 * n_ticks}), threads {threads}, event callbacks {cbs}")
+
+
+def deep_size(roots: list) -> int:
+    """Bytes of everything reachable from ``roots`` (what nbmem keeps), each object once."""
+    seen: set[int] = set()
+    stack = list(roots)
+    total = 0
+    while stack:
+        o = stack.pop()
+        if id(o) in seen or isinstance(o, type):
+            continue
+        seen.add(id(o))
+        total += sys.getsizeof(o)
+        stack.extend(gc.get_referents(o))
+    return total
+
+
+def bench_widget(quick: bool) -> None:
+    try:
+        from nbmem import widget  # noqa: F401
+    except Exception as e:
+        line("widget traffic", f"skipped ({e})")
+        return
+    script = os.path.join(os.path.dirname(__file__), "bench_widget.py")
+    if not os.path.exists(script):
+        line("widget traffic", "skipped (benchmarks/bench_widget.py missing)")
+        return
+    out = subprocess.run([sys.executable, script] + (["--quick"] if quick else []), capture_output=True, text=True)
+    for ln in out.stdout.splitlines():
+        if ln.startswith("widget"):
+            name, _, value = ln.partition(": ")
+            line(name, value)
+    if out.returncode:
+        line("widget traffic", f"failed: {out.stderr[-500:]}")
+
+
+def bench_load() -> None:
+    imp = textwrap.dedent("""
+        import time; t = time.perf_counter(); import nbmem; print(time.perf_counter() - t)
+    """)
+    load = textwrap.dedent("""
+        import time, torch
+        from IPython.core.interactiveshell import InteractiveShell
+        from traitlets.config import Config
+        c = Config(); c.HistoryManager.hist_file = ":memory:"; c.Nbmem.gauge = "none"
+        sh = InteractiveShell.instance(config=c)
+        t = time.perf_counter(); sh.run_line_magic("load_ext", "nbmem"); dt = time.perf_counter() - t
+        print(dt)
+    """)
+    for name, code in (("import nbmem", imp), ("%load_ext nbmem beyond importing torch", load)):
+        xs = []
+        for _ in range(7):
+            out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+            xs.append(float(out.strip().splitlines()[-1]) * 1e3)
+        line(name, f"median {statistics.median(xs):.1f} ms (min {min(xs):.1f}, max {max(xs):.1f})")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--pairs", type=int, default=7)
+    ap.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
+    ap.add_argument("--only", default="", help="comma list: training,cell,peaks,footprint,widget,load")
+    a = ap.parse_args()
+    only = set(filter(None, a.only.split(",")))
+    try:
+        import ipyexperiments  # noqa: F401
+        have_ipyx = True
+    except ImportError:
+        have_ipyx = False
+    try:
+        import anywidget  # noqa: F401
+        from nbmem import widget  # noqa: F401
+        have_gauge = True
+    except Exception:
+        have_gauge = False
+    env = {"python": sys.version.split()[0], "device": a.device}
+    if a.device == "cuda":
+        import torch
+
+        env["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
+        env["torch"] = torch.__version__
+    print(json.dumps(env))
+    steps = [("training", lambda: bench_training(a.device, a.pairs, a.quick, have_ipyx, have_gauge)),
+             ("cell", lambda: bench_per_cell(a.device, a.quick)), ("peaks", lambda: bench_peaks(a.device)),
+             ("footprint", lambda: bench_footprint(a.quick)), ("widget", lambda: bench_widget(a.quick)),
+             ("load", bench_load)]
+    for name, fn in steps:
+        if not only or name in only:
+            fn()
+    print("\n=== summary ===")
+    for s in SUMMARY:
+        print(s)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""On a real CUDA GPU: no context on load, exact per-cell numbers, NVML agreement, cleanup, faults."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from tests.conftest import last_cell, ok, run
+from tests.gpu.conftest import GPUS
+
+MiB, GiB = 2**20, 2**30
+
+
+def in_fresh_process(code: str, env: dict | None = None, timeout: float = 180) -> dict:
+    """Run ``code`` in a new Python (CUDA untouched), which prints one JSON line last."""
+    full = textwrap.dedent("""
+        import json, os, sys, time
+        from IPython.core.interactiveshell import InteractiveShell
+        from traitlets.config import Config
+        cfg = Config(); cfg.HistoryManager.hist_file = ":memory:"; cfg.Nbmem.gauge = "none"
+        sh = InteractiveShell.instance(config=cfg)
+        def cell(src):
+            r = sh.run_cell(src, store_history=True)
+            assert r.success, (src, r.error_in_exec)
+            return r
+    """) + textwrap.dedent(code)
+    p = subprocess.run([sys.executable, "-c", full], capture_output=True, text=True, timeout=timeout,
+                       env={**os.environ, **(env or {})}, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+def test_loading_creates_no_cuda_context():
+    out = in_fresh_process("""
+        cell("%load_ext nbmem"); cell("%cudamem on"); cell("import torch"); cell("x = torch.ones(1000)")
+        cell("%cudamem status"); time.sleep(1.5)
+        import pynvml, torch
+        pids = []
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            h = pynvml.nvmlDeviceGetHandleByIndex(i)
+            pids += [p.pid for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h)]
+        print(json.dumps({"init": torch.cuda.is_initialized(), "mine": os.getpid() in pids}))
+    """)
+    assert out == {"init": False, "mine": False}
+
+
+@pytest.fixture
+def gpu(ip):
+    ok(ip, "import torch\ntorch.cuda.init()\ntorch.cuda.synchronize()")
+    return ip
+
+
+def test_sampler_picks_up_the_allocator_once_cuda_starts(gpu):
+    import nbmem
+
+    ok(gpu, "a = torch.empty(64 * 2**20, dtype=torch.uint8, device='cuda')")
+    time.sleep(1.2)
+    df = nbmem.samples()
+    cuda = df[df.device == "cuda:0"].dropna(subset=["allocated_bytes"])
+    assert len(cuda) >= 1 and cuda["allocated_bytes"].iloc[-1] >= 64 * MiB
+    last = cuda.iloc[-1]
+    assert last["process_used_bytes"] >= last["reserved_bytes"]  # context + cache ≥ what torch reserved
+    assert last["nvml_total_bytes"] > last["nvml_used_bytes"] > 0
+
+
+def test_a_freed_1gib_temporary_peaks_and_leaves_nothing(gpu):
+    import nbmem
+
+    ok(gpu, "%%cudamem\nt = torch.empty(2**30, dtype=torch.uint8, device='cuda')\ndel t")
+    row = nbmem.report().loc[last_cell(gpu)]
+    assert row["device"] == "cuda:0"
+    assert row["peak_allocated_bytes"] >= GiB
+    assert row["delta_allocated_bytes"] == 0
+
+
+def test_a_smaller_spike_below_an_earlier_peak(gpu):
+    import nbmem
+
+    ok(gpu, "%%cudamem\nt = torch.empty(2**30, dtype=torch.uint8, device='cuda')\ndel t")
+    ok(gpu, "%%cudamem\nt = torch.empty(2**28, dtype=torch.uint8, device='cuda')\ndel t")
+    row = nbmem.report().loc[last_cell(gpu)]
+    assert row["peak_allocated_bytes"] != row["peak_allocated_bytes"]  # NaN: not exact, and said so
+    assert "below an earlier peak" in row["peak_note"]
+    before = gpu.user_ns["torch"].cuda.max_memory_allocated()
+    ok(gpu, "%%cudamem --reset-peak\nt = torch.empty(2**28, dtype=torch.uint8, device='cuda')\ndel t")
+    row = nbmem.report().loc[last_cell(gpu)]
+    assert row["peak_allocated_bytes"] == row["allocated_before_bytes"] + 2**28
+    assert before >= GiB  # nbmem did not touch the counter until asked
+
+
+def test_a_kept_256mib_tensor_is_exactly_256mib(gpu):
+    import nbmem
+
+    ok(gpu, "%%cudamem\nk = torch.empty(256 * 2**20, dtype=torch.uint8, device='cuda')")
+    row = nbmem.report().loc[last_cell(gpu)]
+    assert row["delta_allocated_bytes"] == 256 * MiB
+    f = nbmem.leaks(cell=last_cell(gpu))
+    assert list(f["name"]) == ["k"] and list(f["device"]) == ["cuda:0"] and list(f["bytes"]) == [256 * MiB]
+
+
+def test_nvml_used_agrees_with_nvidia_smi(gpu):
+    import nbmem
+    from nbmem.magics import _ACTIVE
+
+    sess = _ACTIVE[gpu].session
+    dev = sess.probe.nvml.devices[0]
+    time.sleep(0.6)
+    ours = nbmem.samples()
+    ours = ours[ours.device == "cuda:0"].iloc[-1]
+    smi = subprocess.run(["nvidia-smi", "--query-gpu=memory.used,memory.total", "--format=csv,noheader,nounits",
+                          "-i", str(dev.nvml_index)], capture_output=True, text=True, check=True).stdout
+    used_mib, total_mib = (float(v) for v in smi.strip().split(","))
+    assert abs(ours["nvml_used_bytes"] / MiB - used_mib) <= max(64, 0.01 * used_mib)
+    assert abs(ours["nvml_total_bytes"] / MiB - total_mib) <= 1
+
+
+def test_cleanup_frees_what_it_names_and_empties_the_cache(gpu):
+    import nbmem
+
+    ok(gpu, "x = torch.empty(512 * 2**20, dtype=torch.uint8, device='cuda')\ny = torch.empty(2**20, device='cuda')")
+    rep = nbmem.cleanup(names=["x"])
+    assert rep.freed_allocated_bytes >= 512 * MiB
+    assert rep.freed_reserved_bytes >= 512 * MiB  # empty_cache gave the cache back
+    assert "y" in gpu.user_ns
+
+
+def test_out_of_memory_reports_itself_with_remedies(gpu, capsys):
+    import nbmem
+
+    r = run(gpu, "big = torch.empty(10 * 2**40, dtype=torch.uint8, device='cuda')")
+    assert not r.success
+    out = capsys.readouterr().out
+    assert "OutOfMemoryError" in out and "no_grad" in out and "expandable_segments" in out
+    assert nbmem.report().iloc[-1]["error"] == "OutOfMemoryError"
+
+
+def test_dataloader_fork_workers_while_sampling():
+    out = in_fresh_process("""
+        cell("%load_ext nbmem"); cell("%config Nbmem.interval = 0.02"); cell("%cudamem on")
+        cell('''
+import torch
+from torch.utils.data import DataLoader, Dataset
+class D(Dataset):
+    def __len__(self): return 64
+    def __getitem__(self, i): return torch.tensor([float(torch.cuda.is_initialized())])
+w = torch.empty(2**20, device="cuda")
+flags = torch.cat([b for b in DataLoader(D(), batch_size=8, num_workers=4, multiprocessing_context="fork")])
+''')
+        print(json.dumps({"worker_cuda": float(sh.user_ns["flags"].sum()), "n": len(sh.user_ns["flags"])}))
+    """, timeout=120)
+    assert out == {"worker_cuda": 0.0, "n": 64}
+
+
+def test_user_threads_allocating_while_a_cell_is_monitored(gpu):
+    import nbmem
+
+    ok(gpu, """
+import threading
+held = []
+def work():
+    for _ in range(50):
+        held.append(torch.empty(2**20, device='cuda'))
+ts = [threading.Thread(target=work) for _ in range(4)]
+for t in ts: t.start()
+for t in ts: t.join()
+""")
+    assert nbmem.report().iloc[-1]["delta_allocated_bytes"] == 4 * 50 * 4 * MiB
+
+
+def test_device_side_assert_says_restart():
+    out = in_fresh_process("""
+        cell("%load_ext nbmem"); cell("%cudamem on")
+        r = sh.run_cell("import torch\\nx = torch.zeros(4, device='cuda')\\nx[torch.tensor([10], device='cuda')] = 1\\ntorch.cuda.synchronize()", store_history=True)
+        import nbmem
+        from nbmem.magics import _ACTIVE
+        rep = _ACTIVE[sh].session.last_report
+        print(json.dumps({"ok": r.success, "advice": " ".join(rep.advice)}))
+    """)
+    assert out["ok"] is False and "restart" in out["advice"]
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
+def test_numbers_are_per_device_when_tensors_live_on_cuda1(gpu):
+    import nbmem
+
+    ok(gpu, "%%cudamem\nz = torch.empty(128 * 2**20, dtype=torch.uint8, device='cuda:1')")
+    rep = nbmem.report().loc[[last_cell(gpu)]].set_index("device")
+    assert rep.loc["cuda:1", "delta_allocated_bytes"] == 128 * MiB
+    assert rep.loc["cuda:0", "delta_allocated_bytes"] == 0
+    assert list(nbmem.leaks(cell=last_cell(gpu))["device"]) == ["cuda:1"]
+
+
+@pytest.mark.skipif(GPUS < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("how", ["index", "uuid"])
+def test_cuda_visible_devices_maps_to_the_right_nvml_device(how):
+    import pynvml
+
+    pynvml.nvmlInit()
+    uuid = pynvml.nvmlDeviceGetUUID(pynvml.nvmlDeviceGetHandleByIndex(1))
+    uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
+    value = "1" if how == "index" else uuid
+    out = in_fresh_process("""
+        cell("%load_ext nbmem"); cell("%cudamem on")
+        cell("import torch\\nq = torch.empty(256 * 2**20, dtype=torch.uint8, device='cuda')")
+        import nbmem
+        from nbmem.magics import _ACTIVE
+        d = _ACTIVE[sh].session.probe.nvml.devices
+        g = _ACTIVE[sh].session.probe.nvml.read("cuda:0", cuda_in_use=True)
+        print(json.dumps({"n": len(d), "nvml_index": d[0].nvml_index, "own": g.process_used_bytes}))
+    """, env={"CUDA_VISIBLE_DEVICES": value, "CUDA_DEVICE_ORDER": "PCI_BUS_ID"})
+    assert out["n"] == 1 and out["nvml_index"] == 1 and out["own"] and out["own"] >= 256 * MiB
