@@ -123,9 +123,9 @@ def bench_training(dev: str, pairs: int, quick: bool, have_ipyx: bool, have_gaug
         cell(sh, TRAIN_SETUP[kind].format(dev=dev))
         step = TRAIN_STEP.format(steps=steps)
         cell(sh, step)  # warm-up: kernels, allocator, autograd
-        contenders = [("nbmem", lambda: nbmem_on(sh, have_gauge), lambda: nbmem_off(sh))]
+        contenders = [("nbmem", lambda sh=sh: nbmem_on(sh, have_gauge), lambda sh=sh: nbmem_off(sh))]
         if have_ipyx and dev == "cuda":
-            contenders.append(("ipyexperiments", lambda: ipyx_on(sh), lambda: ipyx_off(sh)))
+            contenders.append(("ipyexperiments", lambda sh=sh: ipyx_on(sh), lambda sh=sh: ipyx_off(sh)))
         for name, on, off in contenders:
             ratios = []
             with Quiet():
@@ -191,10 +191,12 @@ def bench_peaks(dev: str) -> None:
         for mib in (64, 256, 1024, 128, 512):
             cell(sh, f"%%cudamem --reset-peak\nt = torch.empty({mib} * 2**20, dtype=torch.uint8, device='cuda')\n"
                      f"u = t[:1].clone()\ndel t, u")  # a spike of well under a millisecond
-            row = nbmem.report().iloc[-1]
+            rep = nbmem.report()
+            row = rep[rep["device"] == "cuda:0"].iloc[-1]
             truth = row["allocated_before_bytes"] + mib * 2**20 + 512
             total += 1
             exact += int(row["peak_allocated_bytes"] == truth)
+            print(f"    spike {mib} MiB: reported {row['peak_allocated_bytes']}, truth {truth}", file=sys.stderr)
         nbmem_off(sh)
     line("peak exactness (sub-ms spikes, --reset-peak)", f"{exact}/{total} exact")
 
@@ -297,6 +299,7 @@ def main() -> int:
         have_ipyx = False
     try:
         import anywidget  # noqa: F401
+
         from nbmem import widget  # noqa: F401
         have_gauge = True
     except Exception:

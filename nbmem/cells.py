@@ -94,6 +94,10 @@ def cell_peak(before: Boundary, after: Boundary, device: str, *, was_reset: bool
         return a1.peak_allocated_bytes, ""
     if a1.peak_allocated_bytes < a0.peak_allocated_bytes:
         return None, "peak counter was reset inside the cell"
+    if a1.peak_allocated_bytes == max(a0.allocated_bytes, a1.allocated_bytes):
+        # The cell's peak is at least what it started and ended with, and at most the old high-water
+        # mark; when those meet, it is known exactly.
+        return a1.peak_allocated_bytes, ""
     return None, f"≤ {fmt_bytes(a0.peak_allocated_bytes)} (below an earlier peak; %%cudamem --reset-peak for exact)"
 
 
@@ -107,8 +111,11 @@ def _rss_peak(before: Boundary, after: Boundary) -> int | None:
 
 def cell_records(cell: int, before: Boundary, after: Boundary, *, error: str = "",
                  was_reset: bool = False) -> list[CellRecord]:
-    """One record per CUDA device in use at either boundary, or a single ``cpu`` record."""
-    devices = sorted(set(before.allocator) | set(after.allocator)) or ["cpu"]
+    """One record per CUDA device torch has memory on (at either boundary), or a single ``cpu`` record."""
+    seen = sorted(set(before.allocator) | set(after.allocator))
+    used = [d for d in seen if any(r is not None and (r.reserved_bytes or r.peak_reserved_bytes)
+                                   for r in (before.allocator.get(d), after.allocator.get(d)))]
+    devices = used or seen[:1] or ["cpu"]
     out = []
     for dev in devices:
         a0, a1 = before.allocator.get(dev), after.allocator.get(dev)

@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import gc
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Callable, Iterable, Mapping, Sequence
 
-from .formatting import esc, fmt_bytes, html_table, text_table
+from .formatting import fmt_bytes, html_table, text_table
 
 #: (allocated, reserved) bytes per device; reserved is None where there is no caching allocator.
 Measure = Callable[[], Mapping[str, tuple[int | None, int | None]]]
@@ -103,9 +104,9 @@ class Cleaner:
             traceback: bool = False, collect: bool = True, empty_cache: bool = True) -> CleanupReport:
         steps: list[CleanupStep] = []
         for name in names:
-            self._step(steps, "del", name, lambda name=name: self.adapter.delete(name))
+            self._step(steps, "del", name, partial(self.adapter.delete, name))
         for name in to_cpu:
-            self._step(steps, "to CPU", name, lambda name=name: self._to_cpu(name))
+            self._step(steps, "to CPU", name, partial(self._to_cpu, name))
         if outputs:
             self._step(steps, "clear outputs", "Out, _N, _, last result",
                        lambda: f"{self.adapter.clear_outputs()} outputs cleared")

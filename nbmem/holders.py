@@ -29,6 +29,9 @@ _SKIP_MODULE_PREFIXES = ("IPython", "ipykernel", "nbmem", "traitlets", "zmq", "t
                          "subprocess", "multiprocessing", "torch._C", "torch._ops", "torch.library",
                          "torch._tensor_str", "torch.fx", "torch._dynamo", "torch._inductor", "sympy")
 
+# How a path step is written; kept as (kind, value) and formatted only for the paths reported.
+_L_ROOT, _L_INDEX, _L_KEY, _L_ATTR, _L_TEXT, _L_TENSOR_KEY = range(6)
+
 # Walk strategies, decided once per type.
 _SKIP, _TENSOR, _DICT, _SEQ, _SET, _MODULE, _FUNC, _METHOD, _PARTIAL, _PYMOD, _CLASS, _OBJ = range(12)
 
@@ -129,15 +132,6 @@ def _is_user_module(m: types.ModuleType) -> bool:
         "site-packages" not in f and "dist-packages" not in f
 
 
-def _key_label(k: Any, path_of: Any) -> str | None:
-    if isinstance(k, (str, int, float, bool)) or k is None:
-        return f"[{k!r}]"
-    if isinstance(k, tuple) and all(isinstance(x, (str, int, float, bool)) for x in k):
-        return f"[{k!r}]"
-    p = path_of(k)
-    return f"[{p}]" if p else None
-
-
 class _Walker:
     """Breadth-first walk; keeps every temporary alive until the end so ``id()``s stay unique."""
 
@@ -148,9 +142,10 @@ class _Walker:
         self.keep: list[Any] = []
         self.node_of: dict[int, int] = {}  # id(obj) -> node
         self.parent: list[int] = []
-        self.label: list[str] = []
+        self.lk: list[int] = []  # label kind per node
+        self.lv: list[Any] = []  # label value per node
         self.root_kind: list[int] = []  # per node: index of its root's kind
-        self.aliases: dict[int, list[tuple[int, str]]] = {}
+        self.aliases: dict[int, list[tuple[int, int, Any]]] = {}
         self.tensor_nodes: dict[tuple[str, int], list[int]] = {}
         self.nbytes: dict[tuple[str, int], int] = {}
         self.graph_keys: dict[tuple[str, int], list[tuple[str, int]]] = {}
@@ -161,20 +156,32 @@ class _Walker:
         self.truncated = False
 
     # -- nodes and paths -------------------------------------------------------------------------
-    def add(self, obj: Any, parent: int, label: str, kind: int) -> None:
+    def add(self, obj: Any, parent: int, lk: int, lv: Any, kind: int) -> None:
         t = type(obj)
         s = self.strategy.get(t)
         if s is None:
             s = self.strategy[t] = _type_strategy(t, self.torch)
         if s == _SKIP:
             return
+        if (s == _SEQ or s == _SET) and len(obj) <= 16:
+            for x in obj:
+                if type(x) not in _ATOMIC:
+                    break
+            else:
+                return  # nothing but numbers and strings: no tensor can hide here
+        elif s == _DICT and len(obj) <= 16:
+            for k, x in obj.items():
+                if type(x) not in _ATOMIC or type(k) not in _ATOMIC:
+                    break
+            else:
+                return
         oid = id(obj)
         node = self.node_of.get(oid)
         if node is not None:
-            if parent != self.parent[node] or label != self.label[node]:
+            if parent != self.parent[node] or lv is not self.lv[node]:
                 al = self.aliases.setdefault(node, [])
                 if len(al) < self.max_holders:
-                    al.append((parent, label))
+                    al.append((parent, lk, lv))
             return
         if len(self.parent) >= self.max_objects:
             self.truncated = True
@@ -182,9 +189,21 @@ class _Walker:
         node = len(self.parent)
         self.node_of[oid] = node
         self.parent.append(parent)
-        self.label.append(label)
+        self.lk.append(lk)
+        self.lv.append(lv)
         self.root_kind.append(kind)
         self.queue.append((obj, node))
+
+    def label(self, lk: int, lv: Any) -> str:
+        if lk == _L_INDEX:
+            return f"[{lv}]"
+        if lk == _L_KEY:
+            return f"[{lv!r}]"
+        if lk == _L_ATTR:
+            return f".{lv}"
+        if lk == _L_TENSOR_KEY:
+            return f"[{self.path_of(lv) or '<tensor>'}]"
+        return str(lv)
 
     def paths(self, node: int, limit: int, memo: dict[int, list[tuple[int, str]]]) -> list[tuple[int, str]]:
         """Up to ``limit`` (root kind, path) pairs that reach ``node``, through every alias."""
@@ -193,10 +212,11 @@ class _Walker:
             return got
         memo[node] = []  # cycle guard
         out: list[tuple[int, str]] = []
-        for parent, label in [(self.parent[node], self.label[node]), *self.aliases.get(node, ())]:
+        for parent, lk, lv in [(self.parent[node], self.lk[node], self.lv[node]), *self.aliases.get(node, ())]:
             if parent < 0:
-                out.append((self.root_kind[node], label))
+                out.append((self.root_kind[node], str(lv)))
             else:
+                label = self.label(lk, lv)
                 out.extend((k, p + label) for k, p in self.paths(parent, limit, memo))
             if len(out) >= limit:
                 break
@@ -230,7 +250,7 @@ class _Walker:
                 self.graph_keys.setdefault(key, []).extend(self.graph_storages(fn))
         g = getattr(t, "grad", None) if t.is_leaf else None
         if g is not None:
-            self.add(g, node, ".grad", kind)
+            self.add(g, node, _L_TEXT, ".grad", kind)
 
     def graph_storages(self, fn: Any) -> list[tuple[str, int]]:
         """Storages saved for backward by the graph behind ``fn`` (nodes shared between graphs count once)."""
@@ -265,14 +285,18 @@ class _Walker:
         return out
 
     # -- the walk --------------------------------------------------------------------------------
-    def run(self) -> int:
+    def run(self, deadline: float | None = None) -> int:
         q = self.queue
         strategy = self.strategy
         add = self.add
         visited = 0
+        atomic = _ATOMIC
         while q:
             obj, node = q.popleft()
             visited += 1
+            if deadline is not None and not visited & 4095 and time.perf_counter() > deadline:
+                self.truncated = True
+                break
             kind = self.root_kind[node]
             s = strategy[type(obj)]
             try:
@@ -280,70 +304,72 @@ class _Walker:
                     self.visit_tensor(obj, node, kind)
                 elif s == _DICT:
                     for k, v in list(obj.items()):
-                        if type(v) in _ATOMIC:
-                            continue
-                        lab = _key_label(k, self.path_of)
-                        if lab is None:
-                            lab = "[…]"
-                            add(k, node, ".keys()[…]", kind)
-                        add(v, node, lab, kind)
+                        tk = type(k)
+                        if tk in atomic:
+                            if type(v) not in atomic:
+                                add(v, node, _L_KEY, k, kind)
+                        elif tk is tuple:
+                            add(v, node, _L_KEY, k, kind)
+                        else:  # a tensor (optimizer state) or another object as the key
+                            add(k, node, _L_TEXT, ".keys()[…]", kind)
+                            add(v, node, _L_TENSOR_KEY, k, kind)
                 elif s == _SEQ:
                     for i, v in enumerate(list(obj)):
-                        if type(v) not in _ATOMIC:
-                            add(v, node, f"[{i}]", kind)
+                        if type(v) not in atomic:
+                            add(v, node, _L_INDEX, i, kind)
                 elif s == _SET:
                     for v in list(obj):
-                        add(v, node, "{…}", kind)
+                        add(v, node, _L_TEXT, "{…}", kind)
                 elif s == _MODULE:
                     d = obj.__dict__
                     for sub in ("_parameters", "_buffers", "_modules"):
                         for k, v in (d.get(sub) or {}).items():
                             if v is not None:
-                                add(v, node, f".{k}", kind)
+                                add(v, node, _L_ATTR, k, kind)
                     for k, v in d.items():
                         if k not in ("_parameters", "_buffers", "_modules") and not k.endswith("hooks"):
-                            add(v, node, f".{k}", kind)
+                            add(v, node, _L_ATTR, k, kind)
                 elif s == _FUNC:
                     code = obj.__code__
                     for name, cell in zip(code.co_freevars, obj.__closure__ or ()):
                         try:
-                            add(cell.cell_contents, node, f".<closure {name}>", kind)
+                            add(cell.cell_contents, node, _L_TEXT, f".<closure {name}>", kind)
                         except ValueError:  # an empty cell
                             pass
                     for i, v in enumerate(obj.__defaults__ or ()):
-                        add(v, node, f".__defaults__[{i}]", kind)
+                        add(v, node, _L_TEXT, f".__defaults__[{i}]", kind)
                     for k, v in (obj.__kwdefaults__ or {}).items():
-                        add(v, node, f".__kwdefaults__[{k!r}]", kind)
+                        add(v, node, _L_TEXT, f".__kwdefaults__[{k!r}]", kind)
                     for k, v in obj.__dict__.items():
-                        add(v, node, f".{k}", kind)
+                        add(v, node, _L_ATTR, k, kind)
                 elif s == _METHOD:
-                    add(obj.__self__, node, ".__self__", kind)
-                    add(obj.__func__, node, ".__func__", kind)
+                    add(obj.__self__, node, _L_ATTR, "__self__", kind)
+                    add(obj.__func__, node, _L_ATTR, "__func__", kind)
                 elif s == _PARTIAL:
-                    add(obj.func, node, ".func", kind)
+                    add(obj.func, node, _L_ATTR, "func", kind)
                     for i, v in enumerate(obj.args):
-                        add(v, node, f".args[{i}]", kind)
+                        add(v, node, _L_TEXT, f".args[{i}]", kind)
                     for k, v in obj.keywords.items():
-                        add(v, node, f".keywords[{k!r}]", kind)
+                        add(v, node, _L_TEXT, f".keywords[{k!r}]", kind)
                 elif s == _PYMOD:
                     if _is_user_module(obj):
                         for k, v in list(vars(obj).items()):
                             if not k.startswith("__"):
-                                add(v, node, f".{k}", kind)
+                                add(v, node, _L_ATTR, k, kind)
                 elif s == _CLASS:
                     mod = sys.modules.get(getattr(obj, "__module__", "") or "")
                     if obj.__module__ == "__main__" or (mod is not None and _is_user_module(mod)):
                         for k, v in list(vars(obj).items()):
                             if not k.startswith("__"):
-                                add(v, node, f".{k}", kind)
+                                add(v, node, _L_ATTR, k, kind)
                 else:  # _OBJ
                     d = getattr(obj, "__dict__", None)
                     if isinstance(d, dict):
                         for k, v in list(d.items()):
-                            add(v, node, f".{k}", kind)
+                            add(v, node, _L_ATTR, k, kind)
                     for k in getattr(type(obj), "__slots__", ()) or ():
                         if isinstance(k, str) and hasattr(obj, k):
-                            add(getattr(obj, k), node, f".{k}", kind)
+                            add(getattr(obj, k), node, _L_ATTR, k, kind)
             except ReferenceError:  # a dead weakproxy (memlab#40)
                 continue
             except Exception:  # one odd object must not sink the scan
@@ -351,8 +377,8 @@ class _Walker:
         return visited
 
 
-def scan(roots: Iterable[tuple[str, str, Any]], *, torch: Any | None = None, max_objects: int = 5_000_000,
-         max_holders: int = 8) -> Scan:
+def scan(roots: Iterable[tuple[str, str, Any]], *, torch: Any | None = None, max_objects: int = 50_000_000,
+         max_holders: int = 8, budget_s: float | None = None) -> Scan:
     """Walk from ``roots`` — (path, kind, object) in priority order — to every tensor storage.
 
     ``torch`` is the user's torch module, or None when they never imported it (then nothing is found).
@@ -363,8 +389,8 @@ def scan(roots: Iterable[tuple[str, str, Any]], *, torch: Any | None = None, max
     w = _Walker(torch, max_objects, max_holders)
     kinds = list(KIND_ORDER)
     for path, kind, obj in roots:
-        w.add(obj, -1, path, KIND_ORDER.get(kind, 0))
-    visited = w.run()
+        w.add(obj, -1, _L_ROOT, path, KIND_ORDER.get(kind, 0))
+    visited = w.run(None if budget_s is None else t0 + budget_s)
     memo: dict[int, list[tuple[int, str]]] = {}
     direct = set(w.tensor_nodes)
     claimed: set[tuple[str, int]] = set()
@@ -480,4 +506,4 @@ class Leaks:
         return html_table(["cell", "name", "also held by", "kind", "device", "bytes", "graph", "hint"], self._rows())
 
 
-__all__ = ["Finding", "Held", "Scan", "scan", "findings", "current", "hint_for", "root_name", "esc"]
+__all__ = ["Finding", "Held", "Scan", "current", "esc", "findings", "hint_for", "root_name", "scan"]

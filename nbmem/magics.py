@@ -43,13 +43,13 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-from traitlets import Bool, Enum, Float, Int, TraitError, observe, validate
+from traitlets import Bool, Enum, Float, Int, TraitError, validate
 from traitlets.config import Configurable
 
 from .session import Session, Settings
 from .shell import ShellAdapter
 
-_ACTIVE: "weakref.WeakKeyDictionary[Any, NbmemMagics]" = weakref.WeakKeyDictionary()
+_ACTIVE: weakref.WeakKeyDictionary[Any, NbmemMagics] = weakref.WeakKeyDictionary()
 _COMMANDS = ("on", "off", "status", "report", "leaks", "clean", "gauge", "plot")
 
 
@@ -64,6 +64,9 @@ class Nbmem(Configurable):
     show = Enum(["auto", "always", "never"], "auto",
                 help="When to show the report under a monitored cell: 'auto' when it changed memory "
                      "by at least `threshold`, found a holder or failed.").tag(config=True)
+    scan_budget = Float(0.5, help="Seconds a monitored cell's holder scan may take before it stops and says "
+                                  "its findings may be incomplete (nbmem.leaks() always scans fully)."
+                        ).tag(config=True)
     reset_peak = Bool(False, help="Reset the allocator's peak counter at the start of each monitored cell "
                                   "for exact per-cell peaks (your own max_memory_allocated() then "
                                   "counts from that cell).").tag(config=True)
@@ -85,6 +88,13 @@ class Nbmem(Configurable):
             raise TraitError(f"Nbmem.history must be between 1 second and 7 days (in seconds), got {v!r}")
         return float(v)
 
+    @validate("scan_budget")
+    def _check_budget(self, proposal: Any) -> float:
+        v = proposal["value"]
+        if not 0 < v <= 3600:
+            raise TraitError(f"Nbmem.scan_budget is in seconds, > 0 and <= 3600, got {v!r}")
+        return float(v)
+
     @validate("threshold")
     def _check_threshold(self, proposal: Any) -> int:
         v = proposal["value"]
@@ -94,7 +104,7 @@ class Nbmem(Configurable):
 
     def settings(self) -> Settings:
         return Settings(interval_s=self.interval, history_s=self.history, threshold_bytes=self.threshold,
-                        scan=self.scan, show=self.show, reset_peak=self.reset_peak)
+                        scan=self.scan, show=self.show, reset_peak=self.reset_peak, scan_budget_s=self.scan_budget)
 
 
 def _identifier_list(names: list[str], what: str) -> list[str]:
@@ -108,6 +118,8 @@ def _identifier_list(names: list[str], what: str) -> list[str]:
 @magics_class
 class NbmemMagics(Magics):
     """The thin adapter between IPython and the session."""
+
+    shell: Any  # always set: the adapter is created for a shell
 
     def __init__(self, shell: Any, options: Nbmem, session: Session) -> None:
         super().__init__(shell)

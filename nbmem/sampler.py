@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Sequence, TypeVar
+from typing import Any, Callable, Sequence, TypeVar
 
 T = TypeVar("T")
 
@@ -34,7 +34,7 @@ class Sampler:
         self.listeners: list[Callable[[Sequence[T]], None]] = []
         self.ticks = 0
 
-    def sample_once(self) -> Sequence[T]:
+    def sample_once(self) -> Sequence[Any]:
         """Take one sample now, store it and tell the listeners; errors go to ``on_error``."""
         try:
             batch = self._read()

@@ -30,6 +30,9 @@ OOM_ADVICE = (
 )
 
 
+#: A walk this fast is repeated after any rebinding; slower ones only when memory or names change.
+CHEAP_SCAN_S = 0.02
+
 RESTART_ADVICE = ("CUDA is in an error state (a device-side assert or an illegal access) and stays so for the "
                   "life of this process: restart the kernel. Cleanup cannot free GPU memory now.")
 _CUDA_BROKEN = ("device-side assert", "illegal memory access", "unspecified launch failure",
@@ -46,6 +49,7 @@ class Settings:
     scan: bool = True
     show: str = "auto"  # auto | always | never
     reset_peak: bool = False
+    scan_budget_s: float = 0.5
 
 
 @dataclass
@@ -196,10 +200,11 @@ class Session:
         err = type(error).__name__ if error is not None else ""
         records = cell_records(o.cell, o.before, after, error=err, was_reset=o.reset)
         found: tuple[_leaks.Finding, ...] = ()
+        cur: _leaks.Scan | None = None
         unattributed: list[tuple[str, int]] = []
         if o.scan:
             prev = self._last_scan
-            cur = self.scan_now() if self.changed_since_scan() else prev
+            cur = self.scan_now(budget_s=self.settings.scan_budget_s) if self.changed_since_scan() else prev
             assert cur is not None
             # The CPU has no allocator counters: its "allocated" is the live CPU tensor storages the scan found.
             records = [replace(r, allocated_before_bytes=prev.totals.get("cpu", 0) if prev else None,
@@ -224,6 +229,9 @@ class Session:
             advice = self._oom_advice(records)
         else:
             advice = ()
+        if o.scan and cur is not None and cur.truncated:
+            advice += (f"the holder scan stopped after {cur.objects_visited:,} objects ({cur.seconds:.2f} s, "
+                       f"Nbmem.scan_budget): findings may be incomplete; nbmem.leaks() runs a full scan",)
         report = CellReport(o.cell, records[0].duration_s, tuple(records), found, tuple(unattributed), err, advice)
         self.last_report = report
         for listen in list(self.cell_listeners):
@@ -253,25 +261,32 @@ class Session:
                    or (r.peak_allocated_bytes or 0) - (r.allocated_before_bytes or 0) >= t for r in report.records)
 
     # -- leaks -----------------------------------------------------------------------------------
-    def scan_now(self) -> _leaks.Scan:
+    def scan_now(self, *, budget_s: float | None = None) -> _leaks.Scan:
         mark = self._mark()
-        scan = _leaks.scan(self.adapter.roots(), torch=self.probe.torch.torch())
+        scan = _leaks.scan(self.adapter.roots(), torch=self.probe.torch.torch(), budget_s=budget_s)
         self._scan_mark = mark
         return scan
 
-    def _mark(self) -> tuple[Any, int | None, tuple[int, ...]]:
+    def _mark(self) -> tuple[Any, int | None, Any]:
         alloc = tuple(sorted((d, r.allocated_bytes if r else None) for d, r in self.probe._allocator().items()))
         return alloc, heap_bytes() if heap_bytes else None, self.adapter.fingerprint()
 
     def changed_since_scan(self) -> bool:
-        """Whether anything a scan could find has changed: CUDA allocated bytes (exact), the C heap by
-        half the report threshold (CPU tensors), or any root's identity. A cell that changes none of
-        these is not walked again, so an idle cell costs microseconds, not a walk of the namespace."""
+        """Whether a new walk could find something new.
+
+        Yes when memory moved (CUDA allocated by any amount, exact; the C heap, where CPU tensors live,
+        by half the report threshold), a name was added or deleted, an output or exception was kept,
+        or a name was rebound while walks are cheap. A cell that only rebinds names in a namespace
+        too big to walk quickly (a training loop's ``loss = ...``) is not walked again: nothing it
+        could report has grown.
+        """
         if self._last_scan is None or self._scan_mark is None:
             return True
-        alloc, heap, fp = self._mark()
-        alloc0, heap0, fp0 = self._scan_mark
-        if alloc != alloc0 or fp != fp0:
+        alloc, heap, (names, ids, kept) = self._mark()
+        alloc0, heap0, (names0, ids0, kept0) = self._scan_mark
+        if alloc != alloc0 or names != names0 or kept != kept0:
+            return True
+        if ids != ids0 and self._last_scan.seconds < CHEAP_SCAN_S:
             return True
         return heap is None or heap0 is None or abs(heap - heap0) >= max(1, self.settings.threshold_bytes // 2)
 

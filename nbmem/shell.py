@@ -40,18 +40,19 @@ class ShellAdapter:
         yield from self.output_roots()
         yield from self.traceback_roots()
 
-    def fingerprint(self) -> tuple[int, ...]:
-        """Cheap identity of every root: equal fingerprints mean no name was bound, rebound or deleted,
-        no output was added and no new exception was kept."""
+    def fingerprint(self) -> tuple[int, int, tuple[int, ...]]:
+        """Cheap identity of the roots: (the set of names, what they are bound to, outputs and exceptions).
+
+        Equal parts mean no name was added or deleted, rebound, no output kept and no exception kept.
+        """
         sh = self.shell
-        ids = [hash(tuple((k, id(v)) for k, v in sh.user_ns.items() if not k.startswith("_i")
-                          and not k[1:2].isdigit()))]
+        items = [(k, id(v)) for k, v in sh.user_ns.items() if not k.startswith("_i") and not k[1:2].isdigit()]
         hm = getattr(sh, "history_manager", None)
-        ids.append(len(getattr(hm, "output_hist", ())))
-        ids.append(id(getattr(getattr(sh, "last_execution_result", None), "result", None)))
-        ids += [id(getattr(sys, a, None)) for a in ("last_value", "last_exc")]
-        ids.append(id(getattr(getattr(sh, "InteractiveTB", None), "tb", None)))
-        return tuple(ids)
+        kept = (len(getattr(hm, "output_hist", ())),
+                id(getattr(getattr(sh, "last_execution_result", None), "result", None)),
+                id(getattr(sys, "last_value", None)), id(getattr(sys, "last_exc", None)),
+                id(getattr(getattr(sh, "InteractiveTB", None), "tb", None)))
+        return hash(tuple(k for k, _ in items)), hash(tuple(items)), kept
 
     def output_roots(self) -> Iterator[tuple[str, str, Any]]:
         sh = self.shell
@@ -96,7 +97,7 @@ class ShellAdapter:
                 tb = tb.tb_next
         for frame in frames.values():
             code = frame.f_code
-            if code.co_name == "<module>" or frame.f_globals is self.shell.user_ns and code.co_name == "<module>":
+            if code.co_name == "<module>" or (frame.f_globals is self.shell.user_ns and code.co_name == "<module>"):
                 continue  # the cell's own top level: its names are the namespace, already walked
             if "site-packages" in code.co_filename and "IPython" in code.co_filename:
                 continue

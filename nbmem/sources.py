@@ -201,7 +201,8 @@ class NvmlSource:
                 return None, None
         return int(info.used), int(info.total)
 
-    def processes(self, device: str, *, max_age_s: float = PROCESS_LIST_MIN_INTERVAL_S) -> tuple[GpuProcess, ...] | None:
+    def processes(self, device: str, *,
+                  max_age_s: float = PROCESS_LIST_MIN_INTERVAL_S) -> tuple[GpuProcess, ...] | None:
         """Processes using the device, cached so NVML is asked at most once per ``max_age_s``."""
         h = self._handles.get(device)
         if h is None:

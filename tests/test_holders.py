@@ -8,7 +8,6 @@ import weakref
 import pytest
 import torch
 
-from nbmem import holders
 from nbmem.holders import findings, root_name, scan
 
 MB = 2**20
@@ -75,7 +74,7 @@ def test_closures_defaults_partials_methods_and_user_classes():
         return x
 
     class Cache:
-        store = [torch.empty(MB // 4)]
+        store = [torch.empty(MB // 4)]  # noqa: RUF012
 
     Cache.__module__ = "__main__"
     p = functools.partial(lambda a: a, kept)
@@ -163,8 +162,16 @@ def test_odd_objects_do_not_sink_the_scan():
 
 
 def test_max_objects_truncates_and_says_so():
-    s = ns_scan({"many": [[i] for i in range(1000)]}, max_objects=10)
+    s = ns_scan({"many": [[object()] for i in range(1000)]}, max_objects=10)
     assert s.truncated
+    big = {"many": [[object()] for i in range(200_000)], "t": torch.empty(4)}
+    assert ns_scan(big, budget_s=0.0).truncated
+    assert not ns_scan(big).truncated
+
+
+def test_small_containers_of_plain_values_are_not_walked_into():
+    s = ns_scan({"rows": [{"a": i, "b": "x"} for i in range(1000)], "t": torch.empty(4)})
+    assert s.objects_visited < 10
 
 
 def test_findings_new_storage_new_holder_and_deleted_name_still_alive():

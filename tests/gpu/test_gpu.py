@@ -30,8 +30,9 @@ def in_fresh_process(code: str, env: dict | None = None, timeout: float = 180) -
             assert r.success, (src, r.error_in_exec)
             return r
     """) + textwrap.dedent(code)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(__file__)))
     p = subprocess.run([sys.executable, "-c", full], capture_output=True, text=True, timeout=timeout,
-                       env={**os.environ, **(env or {})}, cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))))
+                       env={**os.environ, **(env or {})}, cwd=root)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     return json.loads(p.stdout.strip().splitlines()[-1])
 
@@ -48,6 +49,16 @@ def test_loading_creates_no_cuda_context():
         print(json.dumps({"init": torch.cuda.is_initialized(), "mine": os.getpid() in pids}))
     """)
     assert out == {"init": False, "mine": False}
+
+
+def row_of(cell: int, device: str = "cuda:0"):
+    """The report row of one cell on one device (a cell has a row per device torch holds memory on)."""
+    import nbmem
+
+    rep = nbmem.report()
+    rep = rep[(rep.index == cell) & (rep["device"] == device)]
+    assert len(rep) == 1, nbmem.report()
+    return rep.iloc[0]
 
 
 @pytest.fixture
@@ -70,26 +81,23 @@ def test_sampler_picks_up_the_allocator_once_cuda_starts(gpu):
 
 
 def test_a_freed_1gib_temporary_peaks_and_leaves_nothing(gpu):
-    import nbmem
 
     ok(gpu, "%%cudamem\nt = torch.empty(2**30, dtype=torch.uint8, device='cuda')\ndel t")
-    row = nbmem.report().loc[last_cell(gpu)]
-    assert row["device"] == "cuda:0"
+    row = row_of(last_cell(gpu))
     assert row["peak_allocated_bytes"] >= GiB
     assert row["delta_allocated_bytes"] == 0
 
 
 def test_a_smaller_spike_below_an_earlier_peak(gpu):
-    import nbmem
 
     ok(gpu, "%%cudamem\nt = torch.empty(2**30, dtype=torch.uint8, device='cuda')\ndel t")
     ok(gpu, "%%cudamem\nt = torch.empty(2**28, dtype=torch.uint8, device='cuda')\ndel t")
-    row = nbmem.report().loc[last_cell(gpu)]
+    row = row_of(last_cell(gpu))
     assert row["peak_allocated_bytes"] != row["peak_allocated_bytes"]  # NaN: not exact, and said so
     assert "below an earlier peak" in row["peak_note"]
     before = gpu.user_ns["torch"].cuda.max_memory_allocated()
     ok(gpu, "%%cudamem --reset-peak\nt = torch.empty(2**28, dtype=torch.uint8, device='cuda')\ndel t")
-    row = nbmem.report().loc[last_cell(gpu)]
+    row = row_of(last_cell(gpu))
     assert row["peak_allocated_bytes"] == row["allocated_before_bytes"] + 2**28
     assert before >= GiB  # nbmem did not touch the counter until asked
 
@@ -98,7 +106,7 @@ def test_a_kept_256mib_tensor_is_exactly_256mib(gpu):
     import nbmem
 
     ok(gpu, "%%cudamem\nk = torch.empty(256 * 2**20, dtype=torch.uint8, device='cuda')")
-    row = nbmem.report().loc[last_cell(gpu)]
+    row = row_of(last_cell(gpu))
     assert row["delta_allocated_bytes"] == 256 * MiB
     f = nbmem.leaks(cell=last_cell(gpu))
     assert list(f["name"]) == ["k"] and list(f["device"]) == ["cuda:0"] and list(f["bytes"]) == [256 * MiB]
@@ -131,13 +139,12 @@ def test_cleanup_frees_what_it_names_and_empties_the_cache(gpu):
 
 
 def test_out_of_memory_reports_itself_with_remedies(gpu, capsys):
-    import nbmem
 
     r = run(gpu, "big = torch.empty(10 * 2**40, dtype=torch.uint8, device='cuda')")
     assert not r.success
     out = capsys.readouterr().out
     assert "OutOfMemoryError" in out and "no_grad" in out and "expandable_segments" in out
-    assert nbmem.report().iloc[-1]["error"] == "OutOfMemoryError"
+    assert row_of(last_cell(gpu))["error"] == "OutOfMemoryError"
 
 
 def test_dataloader_fork_workers_while_sampling():
@@ -158,7 +165,6 @@ flags = torch.cat([b for b in DataLoader(D(), batch_size=8, num_workers=4, multi
 
 
 def test_user_threads_allocating_while_a_cell_is_monitored(gpu):
-    import nbmem
 
     ok(gpu, """
 import threading
@@ -170,13 +176,15 @@ ts = [threading.Thread(target=work) for _ in range(4)]
 for t in ts: t.start()
 for t in ts: t.join()
 """)
-    assert nbmem.report().iloc[-1]["delta_allocated_bytes"] == 4 * 50 * 4 * MiB
+    assert row_of(last_cell(gpu))["delta_allocated_bytes"] == 4 * 50 * 4 * MiB
 
 
 def test_device_side_assert_says_restart():
     out = in_fresh_process("""
         cell("%load_ext nbmem"); cell("%cudamem on")
-        r = sh.run_cell("import torch\\nx = torch.zeros(4, device='cuda')\\nx[torch.tensor([10], device='cuda')] = 1\\ntorch.cuda.synchronize()", store_history=True)
+        src = ("import torch\\nx = torch.zeros(4, device='cuda')\\n"
+               "x[torch.tensor([10], device='cuda')] = 1\\ntorch.cuda.synchronize()")
+        r = sh.run_cell(src, store_history=True)
         import nbmem
         from nbmem.magics import _ACTIVE
         rep = _ACTIVE[sh].session.last_report
@@ -190,9 +198,10 @@ def test_numbers_are_per_device_when_tensors_live_on_cuda1(gpu):
     import nbmem
 
     ok(gpu, "%%cudamem\nz = torch.empty(128 * 2**20, dtype=torch.uint8, device='cuda:1')")
-    rep = nbmem.report().loc[[last_cell(gpu)]].set_index("device")
-    assert rep.loc["cuda:1", "delta_allocated_bytes"] == 128 * MiB
-    assert rep.loc["cuda:0", "delta_allocated_bytes"] == 0
+    assert row_of(last_cell(gpu), "cuda:1")["delta_allocated_bytes"] == 128 * MiB
+    rep = nbmem.report()
+    others = rep[(rep.index == last_cell(gpu)) & (rep["device"] != "cuda:1")]
+    assert (others["delta_allocated_bytes"] == 0).all()
     assert list(nbmem.leaks(cell=last_cell(gpu))["device"]) == ["cuda:1"]
 
 

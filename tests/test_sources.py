@@ -1,0 +1,174 @@
+"""Sources: CUDA_VISIBLE_DEVICES mapping, the NVML choke point's error policy, torch without CUDA."""
+
+from __future__ import annotations
+
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from nbmem.sources import HostSource, NvmlSource, Probe, TorchSource, heap_bytes, parse_visible_devices
+
+UUIDS = ["GPU-aaaa-1111", "GPU-bbbb-2222", "GPU-cccc-3333"]
+
+
+@pytest.mark.parametrize("value,expect", [
+    (None, [0, 1, 2]),
+    ("", []),
+    ("1", [1]),
+    ("2,0", [2, 0]),
+    ("0,7,1", [0]),  # CUDA stops at the first invalid entry
+    ("-1,0", []),
+    ("1,1", [1]),
+    ("GPU-bbbb-2222", [1]),
+    ("GPU-cccc", [2]),  # a unique UUID prefix
+    ("bbbb-2222,0", [1, 0]),
+    ("GPU-zzzz", []),
+    (" 1 , 2 ", [1, 2]),
+])
+def test_cuda_visible_devices(value, expect):
+    assert parse_visible_devices(value, UUIDS) == (expect, None)
+
+
+def test_mig_is_named_not_guessed():
+    idx, why = parse_visible_devices("MIG-1234", UUIDS)
+    assert idx == [] and "MIG" in why
+
+
+class NVMLError(Exception):
+    pass
+
+
+class FakeNvml:
+    """Stands in for pynvml where there is no GPU: only NVML's numbers are faked, nbmem's logic is real."""
+
+    nvmlMemory_v2 = 2
+    NVML_VALUE_NOT_AVAILABLE = 2**64 - 1
+
+    def __init__(self, *, v2=True, procs=None, fail=()):
+        self.v2, self.procs, self.fail, self.calls = v2, procs, set(fail), []
+
+    def __getattr__(self, name):
+        raise AttributeError(name)
+
+    def _c(self, name):
+        self.calls.append(name)
+        if name in self.fail:
+            raise NVMLError(f"{name} failed")
+
+    def nvmlInit(self): self._c("nvmlInit")
+    def nvmlShutdown(self): self._c("nvmlShutdown")
+    def nvmlDeviceGetCount(self):
+        self._c("count")
+        return 2
+    def nvmlDeviceGetHandleByIndex(self, i): return i
+    def nvmlDeviceGetUUID(self, h): return UUIDS[h].encode()
+    def nvmlDeviceGetName(self, h): return "Fake H200"
+
+    def nvmlDeviceGetMemoryInfo(self, h, version=None):
+        self._c("mem")
+        if version is not None and not self.v2:
+            raise NVMLError("Function Not Found")
+        used = 1000 if version else 1500  # v1 counts driver-reserved memory as used
+        return SimpleNamespace(used=used + h, total=10_000)
+
+    def nvmlDeviceGetComputeRunningProcesses(self, h):
+        self._c("procs")
+        if self.procs is None:
+            return [SimpleNamespace(pid=os.getpid(), usedGpuMemory=600), SimpleNamespace(pid=999999, usedGpuMemory=300)]
+        return self.procs
+
+
+def started(nv, env=None, clock=None):
+    s = NvmlSource(nv, environ=env or {}, clock=clock or (lambda: 0.0))
+    s.start()
+    return s
+
+
+def test_v2_memory_first_then_v1():
+    s = started(FakeNvml())
+    assert [d.name for d in s.devices] == ["cuda:0", "cuda:1"] and s.reason is None
+    assert s.memory("cuda:1") == (1001, 10_000)
+    assert started(FakeNvml(v2=False)).memory("cuda:0") == (1500, 10_000)
+
+
+def test_visible_devices_renumber():
+    s = started(FakeNvml(), env={"CUDA_VISIBLE_DEVICES": "1"})
+    assert [(d.name, d.nvml_index) for d in s.devices] == [("cuda:0", 1)]
+
+
+def test_own_and_other_processes():
+    g = started(FakeNvml()).read("cuda:0", cuda_in_use=True)
+    assert (g.process_used_bytes, g.other_processes_bytes) == (600, 300)
+    assert [p.pid for p in g.processes] == [999999]
+
+
+def test_container_without_host_pids_is_unknown_not_zero():
+    s = started(FakeNvml(procs=[SimpleNamespace(pid=4242, usedGpuMemory=700)]))
+    g = s.read("cuda:0", cuda_in_use=True)
+    assert g.process_used_bytes is None and g.other_processes_bytes is None
+    assert "container" in s.process_reason
+    idle = s.read("cuda:0", cuda_in_use=False)  # no CUDA context here: this process holds nothing
+    assert idle.process_used_bytes == 0 and idle.other_processes_bytes == 700
+
+
+def test_wddm_or_mig_per_process_na():
+    s = started(FakeNvml(procs=[SimpleNamespace(pid=os.getpid(), usedGpuMemory=None)]))
+    g = s.read("cuda:0", cuda_in_use=True)
+    assert g.process_used_bytes is None and "WDDM or MIG" in s.process_reason
+
+
+def test_process_list_asked_at_most_once_a_second():
+    t = [0.0]
+    nv = FakeNvml()
+    s = started(nv, clock=lambda: t[0])
+    for _ in range(5):
+        s.read("cuda:0", cuda_in_use=True)
+    assert nv.calls.count("procs") == 1
+    t[0] = 1.01
+    s.read("cuda:0", cuda_in_use=True)
+    assert nv.calls.count("procs") == 2
+
+
+def test_errors_become_unknown_with_a_reason():
+    s = started(FakeNvml(fail={"nvmlInit"}))
+    assert s.devices == [] and "NVML is not available" in s.reason
+    s = started(FakeNvml(fail={"mem", "procs"}))
+    g = s.read("cuda:0", cuda_in_use=True)
+    assert (g.used_bytes, g.total_bytes, g.process_used_bytes) == (None, None, None)
+    assert "cannot list processes" in s.process_reason
+
+
+def test_gpu_lost_mid_run_keeps_the_probe_going():
+    nv = FakeNvml()
+    p = Probe(nvml=started(nv))
+    assert len(p.samples()) == 3
+    nv.fail |= {"mem", "procs"}
+    later = p.samples()
+    assert [x.device for x in later] == ["cpu", "cuda:0", "cuda:1"]
+    assert later[1].nvml_used_bytes is None and later[0].rss_bytes
+
+
+def test_real_nvml_here_is_missing_and_said_so():
+    s = NvmlSource()
+    s.start()
+    if s.devices:
+        pytest.skip("this machine has a GPU")
+    assert s.reason and s.devices == []
+
+
+def test_torch_source_never_initialises_cuda():
+    t = TorchSource()
+    assert t.read(0) is None and t.device_count() == 0
+    assert not torch.cuda.is_initialized()
+
+
+def test_host_numbers():
+    h = HostSource()
+    assert h.rss_bytes() > 0 and h.max_rss_bytes() >= h.rss_bytes() // 2
+    if heap_bytes is not None:
+        before = heap_bytes()
+        x = torch.empty(4 * 2**20)
+        assert heap_bytes() - before >= 16 * 2**20
+        del x
