@@ -141,8 +141,9 @@ def _size(roots):
         if id(o) in seen or isinstance(o, type): continue
         seen.add(id(o)); total += sys.getsizeof(o); stack.extend(gc.get_referents(o))
     return total
-print(json.dumps({"size": _size([s.store, s._findings, s._first_seen, s._last_scan, s.faults, s._finding_cells]),
-                  "cells": len(s.store.cell_list()), "callbacks": sum(map(len, get_ipython().events.callbacks.values()))}))
+kept = [s.store, s._findings, s._first_seen, s._last_scan, s.faults, s._finding_cells]
+callbacks = sum(map(len, get_ipython().events.callbacks.values()))
+print(json.dumps({"size": _size(kept), "cells": len(s.store.cell_list()), "callbacks": callbacks}))
 """
     cells = ["%load_ext nbmem", "%config Nbmem.history = 60\n%cudamem on",
              "import torch\nmodel = torch.nn.Linear(64, 64)\nbuf = []"]
