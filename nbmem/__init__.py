@@ -9,8 +9,18 @@ from __future__ import annotations
 from typing import Any
 
 __version__ = "0.1.0"
-__all__ = ["leaks", "cleanup", "samples", "report", "plot", "status", "Gauge",
-           "load_ipython_extension", "unload_ipython_extension", "__version__"]
+__all__ = [
+    "Gauge",
+    "__version__",
+    "cleanup",
+    "leaks",
+    "load_ipython_extension",
+    "plot",
+    "report",
+    "samples",
+    "status",
+    "unload_ipython_extension",
+]
 
 
 def load_ipython_extension(shell: Any) -> None:

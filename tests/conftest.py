@@ -11,8 +11,8 @@ import pytest
 # A private IPython profile dir and no history database, before IPython is imported anywhere.
 os.environ.setdefault("IPYTHONDIR", tempfile.mkdtemp(prefix="nbmem-ipython-"))
 
-from IPython.core.interactiveshell import InteractiveShell  # noqa: E402
-from traitlets.config import Config  # noqa: E402
+from IPython.core.interactiveshell import InteractiveShell
+from traitlets.config import Config
 
 
 def nbmem_threads() -> list[threading.Thread]:
