@@ -115,6 +115,10 @@ def _identifier_list(names: list[str], what: str) -> list[str]:
     return names
 
 
+def _defer_traceback(*args: Any, **kwargs: Any) -> None:
+    """Stands in for ``shell.showtraceback`` while a ``%%cudamem`` body runs."""
+
+
 @magics_class
 class NbmemMagics(Magics):
     """The thin adapter between IPython and the session."""
@@ -182,6 +186,7 @@ class NbmemMagics(Magics):
     @line_cell_magic
     def cudamem(self, line: str, cell: str | None = None) -> Any:
         """Measure GPU memory per cell and find what holds it. See the nbmem.magics docstring."""
+        __tracebackhide__ = True  # a failing %%cudamem body shows the user's traceback, not ours
         args = parse_argstring(self.cudamem, line)
         if cell is not None:
             if args.command is not None or args.names:
@@ -207,13 +212,22 @@ class NbmemMagics(Magics):
                      scan=False if args.no_scan else None)
         self._nested = True
         result = None
+        shell = self.shell
+        # The body's exception is re-raised below so the cell fails (Run All stops, %debug works);
+        # showing it here as well would print the traceback twice.
+        shell.showtraceback = _defer_traceback
         try:
-            result = self.shell.run_cell(cell, store_history=False)
+            result = shell.run_cell(cell, store_history=False)
         finally:
+            del shell.showtraceback
             self._nested = False
-            report = s.end_cell(getattr(result, "error_in_exec", None) or getattr(result, "error_before_exec", None))
+            error = getattr(result, "error_in_exec", None) or getattr(result, "error_before_exec", None)
+            report = s.end_cell(error)
         if report is not None and not args.quiet:
             self._display(report)
+        if error is not None:
+            __tracebackhide__ = True  # IPython hides this frame: the traceback starts in the user's code
+            raise error
 
     # -- line commands ---------------------------------------------------------------------------
     def _cmd_on(self, args: Any) -> None:

@@ -42,6 +42,7 @@ def shell():
     cfg = Config()
     cfg.HistoryManager.hist_file = ":memory:"
     cfg.Nbmem.gauge = "none"
+    cfg.InteractiveShell.colors = "nocolor"
     sh = InteractiveShell.instance(config=cfg)
     yield sh
     sh.run_line_magic("unload_ext", "nbmem")

@@ -71,11 +71,20 @@ def test_cell_magic_reports_and_records(shell):
     assert shell.user_ns["kept"].numel() == 4 * MB  # the body really ran in the user namespace
 
 
-def test_cell_magic_records_the_error_and_the_shell_shows_it(shell, capsys):
+def test_a_failing_body_fails_the_cell_once_with_its_own_traceback(shell, capsys):
+    import sys
+
     ok(shell, "%load_ext nbmem")
-    run(shell, "%%cudamem\nraise ValueError('boom')")
+    ok(shell, "def inner():\n    raise ValueError('boom')")
+    r = run(shell, "%%cudamem\ninner()")
+    assert not r.success and isinstance(r.error_in_exec, ValueError)  # Run All stops here
     assert nbmem.report().iloc[-1]["error"] == "ValueError"
-    assert "boom" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert out.count("ValueError: boom") == 1 and "inner()" in out and "_measure_cell" not in out
+    assert sys.last_value is r.error_in_exec  # %debug inspects the user's exception
+    r = run(shell, "%%cudamem\nthis is not python")
+    assert not r.success and isinstance(r.error_in_exec, SyntaxError)
+    ok(shell, "%%cudamem\nfine = 1")
 
 
 def test_monitoring_every_cell_on_and_off(ip):
