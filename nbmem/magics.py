@@ -115,6 +115,13 @@ def _identifier_list(names: list[str], what: str) -> list[str]:
     return names
 
 
+class _AlreadyShown(Exception):
+    """Fails a ``%%cudamem`` cell whose body's error IPython has already shown."""
+
+    def _render_traceback_(self) -> list[str]:
+        return []
+
+
 def _defer_traceback(*args: Any, **kwargs: Any) -> None:
     """Stands in for ``shell.showtraceback`` while a ``%%cudamem`` body runs."""
 
@@ -225,6 +232,8 @@ class NbmemMagics(Magics):
             report = s.end_cell(error)
         if report is not None and not args.quiet:
             self._display(report)
+        if isinstance(error, SyntaxError) and error is getattr(result, "error_before_exec", None):
+            raise _AlreadyShown() from None  # IPython printed it while compiling; fail the cell quietly
         if error is not None:
             __tracebackhide__ = True  # IPython hides this frame: the traceback starts in the user's code
             raise error
