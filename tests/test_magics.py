@@ -84,7 +84,7 @@ def test_a_failing_body_fails_the_cell_once_with_its_own_traceback(shell, capsys
     assert sys.last_value is r.error_in_exec  # %debug inspects the user's exception
     r = run(shell, "%%cudamem\ndef (:")
     assert not r.success
-    assert capsys.readouterr().out.count("SyntaxError") == 1
+    assert capsys.readouterr().out.count("SyntaxError: invalid syntax") == 1
     ok(shell, "%%cudamem\nfine = 1")
 
 
