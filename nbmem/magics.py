@@ -247,7 +247,7 @@ class NbmemMagics(Magics):
         if args.no_scan:
             self.options.scan = False
         if s.settings.scan:
-            s._last_scan = s.scan_now()  # the baseline the next cell is compared with
+            s.take_baseline()
 
     def _cmd_off(self, args: Any) -> None:
         self.session.monitoring = False

@@ -268,7 +268,7 @@ class Session:
         return scan
 
     def _mark(self) -> tuple[Any, int | None, Any]:
-        alloc = tuple(sorted((d, r.allocated_bytes if r else None) for d, r in self.probe._allocator().items()))
+        alloc = tuple(sorted((d, r.allocated_bytes if r else None) for d, r in self.probe.allocator().items()))
         return alloc, heap_bytes() if heap_bytes else None, self.adapter.fingerprint()
 
     def changed_since_scan(self) -> bool:
@@ -289,6 +289,10 @@ class Session:
         if ids != ids0 and self._last_scan.seconds < CHEAP_SCAN_S:
             return True
         return heap is None or heap0 is None or abs(heap - heap0) >= max(1, self.settings.threshold_bytes // 2)
+
+    def take_baseline(self) -> None:
+        """Scan now: the state the next monitored cell is compared with."""
+        self._last_scan = self.scan_now()
 
     def _remember(self, cell: int, found: tuple[_leaks.Finding, ...]) -> None:
         self._findings[cell] = found

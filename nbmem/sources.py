@@ -424,7 +424,7 @@ class Probe:
             names = [f"cuda:{i}" for i in range(self.torch.device_count())]
         return names
 
-    def _allocator(self) -> dict[str, AllocatorReading | None]:
+    def allocator(self) -> dict[str, AllocatorReading | None]:
         if not self.torch.cuda_initialized():
             return {}
         return {f"cuda:{i}": self.torch.read(i) for i in range(self.torch.device_count())}
@@ -434,7 +434,7 @@ class Probe:
         now = self._wall()
         rss = self.host.rss_bytes()
         out = [Sample(now, "cpu", None, None, None, None, None, None, None, None, rss)]
-        alloc = self._allocator()
+        alloc = self.allocator()
         cuda_up = bool(alloc)
         for name in self.gpu_names():
             a = alloc.get(name)
@@ -447,6 +447,6 @@ class Probe:
         return out
 
     def boundary(self) -> Boundary:
-        alloc = self._allocator()
+        alloc = self.allocator()
         nv = {name: self.nvml.read(name, cuda_in_use=bool(alloc)) for name in self.gpu_names()}
         return Boundary(self._wall(), self._mono(), self.host.rss_bytes(), self.host.max_rss_bytes(), alloc, nv)
