@@ -168,3 +168,27 @@ print(json.dumps({"size": _size(kept), "cells": len(s.store.cell_list()), "callb
     early = sorted(timings[3:103])[50]
     late = sorted(timings[-100:])[50]
     assert late < early * 2 + 0.005, (early, late)
+
+
+def test_works_without_torch_installed():
+    import subprocess
+    import sys
+
+    code = """
+import sys
+sys.modules["torch"] = None  # as if torch were not installed: `import torch` raises ImportError
+from IPython.core.interactiveshell import InteractiveShell
+from traitlets.config import Config
+c = Config(); c.HistoryManager.hist_file = ":memory:"; c.Nbmem.gauge = "none"
+sh = InteractiveShell.instance(config=c)
+assert sh.run_cell("%load_ext nbmem").success
+assert sh.run_cell("%cudamem on").success
+assert sh.run_cell("x = [1] * 10**6", store_history=True).success
+import nbmem
+assert nbmem.leaks().empty and len(nbmem.report()) == 1
+print("torch is not imported" in str(nbmem.status()))
+sh.run_cell("%unload_ext nbmem")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "True"
