@@ -24,7 +24,6 @@ FAULT = "nbmem: an internal error"
 KNOWN_BUGS = {
     "quickstart": "nbmem/shell.py output_roots compares `_` with '' (`obj != ''`): once a DataFrame is the last "
                   "output (`%cudamem leaks`), every later scan raises 'The truth value of a DataFrame is ambiguous'",
-    "timeline": "same bug as quickstart: displaying nbmem.samples() puts a DataFrame in `_`; end-of-cell scans fault",
 }
 #: Printed by the new environment's Python: where nbmem and torch came from.
 PROBE = """
