@@ -1,0 +1,243 @@
+// Layout logic of the gauge, kept apart from the DOM so `node --test` can check it: which segments a
+// device's bar has and how wide they are, where the peak mark sits, the sparkline's path and the
+// cell spans under it, and the two-click confirmation of destructive buttons.
+
+import { isNA } from "./format.js";
+
+/**
+ * One device, as the Python side publishes it (one entry of each column of the `snapshot` trait).
+ * @typedef {object} DeviceRow
+ * @property {string} device "cpu" or "cuda:N"
+ * @property {string} model
+ * @property {number|null} allocated torch allocated (GPU)
+ * @property {number|null} reserved torch reserved (GPU)
+ * @property {number|null} process this process: NVML process usage (GPU) or RSS (CPU)
+ * @property {number|null} others other processes (GPU; on the CPU it is derived from `used`)
+ * @property {number|null} used used on the device (NVML) or host RAM in use
+ * @property {number|null} total device memory (NVML) or host RAM
+ * @property {number|null} tensors CPU tensors reachable from the notebook (CPU, as of the last scan)
+ * @property {number|null} peak session peak: torch allocated (GPU) or RSS (CPU)
+ */
+
+/**
+ * @typedef {object} Segment
+ * @property {string} key stable hook for CSS and tests
+ * @property {string} label text shown beside the colour
+ * @property {number|null} bytes null: unknown, shown as NA
+ */
+
+const COLUMNS = ["device", "model", "allocated", "reserved", "process", "others", "used", "total", "tensors", "peak"];
+
+/**
+ * Rows from the column-oriented snapshot; a missing column or entry reads as unknown.
+ * @param {Record<string, unknown[]> | null | undefined} snapshot
+ * @returns {DeviceRow[]}
+ */
+export function rows(snapshot) {
+  const devices = /** @type {string[]} */ ((snapshot && snapshot.device) || []);
+  return devices.map((_, i) => {
+    /** @type {Record<string, unknown>} */
+    const row = {};
+    for (const c of COLUMNS) {
+      const col = snapshot ? snapshot[c] : undefined;
+      const v = Array.isArray(col) ? col[i] : undefined;
+      row[c] = v === undefined ? null : v;
+    }
+    return /** @type {DeviceRow} */ (row);
+  });
+}
+
+/**
+ * `a - b`, unknown if either is; clamped at 0 because the two numbers come from different reads
+ * (allocator vs NVML) that can be a few kilobytes out of step.
+ * @param {number|null} a
+ * @param {number|null} b
+ * @returns {number|null}
+ */
+export function diff(a, b) {
+  return isNA(a) || isNA(b) ? null : Math.max(0, a - b);
+}
+
+/**
+ * The bar's segments in drawing order. When some in-use part is unknown (no per-process numbers in a
+ * container, say), what NVML counts as used but nothing explains becomes one "not split" segment, so
+ * the bar still adds up instead of showing a made-up zero.
+ * @param {DeviceRow} r
+ * @returns {Segment[]}
+ */
+export function segments(r) {
+  /** @type {Segment[]} */
+  const inUse = r.device === "cpu"
+    ? [
+        { key: "tensors", label: "CPU tensors (last scan)", bytes: r.tensors },
+        { key: "rest", label: "rest of this process", bytes: diff(r.process, r.tensors) },
+        { key: "others", label: "other processes", bytes: diff(r.used, r.process) },
+      ]
+    : [
+        { key: "allocated", label: "torch allocated", bytes: r.allocated },
+        { key: "cached", label: "torch cached", bytes: diff(r.reserved, r.allocated) },
+        { key: "nontorch", label: "non-PyTorch (this process)", bytes: diff(r.process, r.reserved) },
+        { key: "others", label: "other processes", bytes: r.others },
+      ];
+  if (r.device === "cpu" && isNA(r.tensors) && !isNA(r.process)) {
+    // Without a scan the process is one block: RSS, not split into tensors and the rest.
+    inUse.splice(0, 2, { key: "rest", label: "this process (RSS)", bytes: r.process });
+  }
+  const known = inUse.reduce((s, g) => s + (isNA(g.bytes) ? 0 : g.bytes), 0);
+  if (inUse.some((g) => isNA(g.bytes)) && !isNA(r.used) && r.used > known) {
+    inUse.push({ key: "unsplit", label: "used, not split", bytes: r.used - known });
+  }
+  inUse.push({ key: "free", label: "free", bytes: diff(r.total, r.used) });
+  return inUse;
+}
+
+/**
+ * What 100% of the bar stands for: the device's total, or when that is unknown the larger of what
+ * is known in use and the peak (the bar then shows proportions only).
+ * @param {DeviceRow} r
+ * @param {Segment[]} segs
+ * @returns {number}
+ */
+export function scaleOf(r, segs) {
+  if (!isNA(r.total) && r.total > 0) return r.total;
+  const used = segs.filter((g) => g.key !== "free").reduce((s, g) => s + (isNA(g.bytes) ? 0 : g.bytes), 0);
+  return Math.max(used, isNA(r.peak) ? 0 : r.peak);
+}
+
+/**
+ * Segment widths in percent of `scale`; unknown segments take no room, and the total never exceeds
+ * 100 even when the reads disagree.
+ * @param {Segment[]} segs
+ * @param {number} scale
+ * @returns {number[]}
+ */
+export function widths(segs, scale) {
+  let left = 100;
+  return segs.map((g) => {
+    if (isNA(g.bytes) || !(scale > 0)) return 0;
+    const w = Math.min(left, Math.max(0, (100 * g.bytes) / scale));
+    left -= w;
+    return w;
+  });
+}
+
+/**
+ * Where the session-peak mark sits, in percent of the bar, or null when there is no peak to mark.
+ * The peak counts from the left edge: torch allocated on a GPU, RSS on the CPU.
+ * @param {DeviceRow} r
+ * @param {number} scale
+ * @returns {number|null}
+ */
+export function peakPercent(r, scale) {
+  if (isNA(r.peak) || !(scale > 0)) return null;
+  return Math.min(100, Math.max(0, (100 * r.peak) / scale));
+}
+
+/**
+ * The largest known value over several series, or null when none is known.
+ * @param {(number|null)[][]} series
+ * @returns {number|null}
+ */
+export function seriesMax(series) {
+  let m = null;
+  for (const s of series) for (const v of s) if (!isNA(v) && (m === null || v > m)) m = v;
+  return m;
+}
+
+/**
+ * The top of the sparkline's y axis: the window's largest value plus 10% headroom (so the line
+ * does not run along the top edge), or null when nothing in the window is known.
+ * @param {(number|null)[][]} series
+ * @returns {number|null}
+ */
+export function sparkMax(series) {
+  const m = seriesMax(series);
+  if (m === null) return null;
+  return m > 0 ? m * 1.1 : 1;
+}
+
+/**
+ * An SVG path through the points of one series; an unknown value breaks the line (no fake zero).
+ * x spans [t0, t1] over `width`; y maps 0..vmax to height..0.
+ * @param {number[]} t seconds, relative to the same origin as t0 and t1
+ * @param {(number|null)[]} v
+ * @param {{t0: number, t1: number, width: number, height: number, vmax: number|null}} box
+ * @returns {string}
+ */
+export function sparkPath(t, v, box) {
+  const { t0, t1, width, height, vmax } = box;
+  if (vmax === null || !(vmax > 0) || !(t1 > t0)) return "";
+  const parts = [];
+  let pen = false;
+  for (let i = 0; i < t.length; i++) {
+    const y = v[i];
+    if (isNA(y) || t[i] < t0 || t[i] > t1) {
+      pen = false;
+      continue;
+    }
+    const px = ((t[i] - t0) / (t1 - t0)) * width;
+    const py = height - (Math.min(y, vmax) / vmax) * height;
+    parts.push(`${pen ? "L" : "M"}${px.toFixed(1)} ${py.toFixed(1)}`);
+    pen = true;
+  }
+  return parts.join(" ");
+}
+
+/**
+ * Where the sparkline starts: `window` seconds before `t1`, or for a young session at its first
+ * sample (but at least `minSpan` back), so the line fills the width instead of hugging the right edge.
+ * @param {number[]} t sample times, oldest first
+ * @param {number} t1 now, on the same clock
+ * @param {number} window
+ * @param {number} [minSpan]
+ * @returns {number}
+ */
+export function sparkStart(t, t1, window, minSpan = 30) {
+  const first = t.length ? t[0] : t1;
+  return Math.max(t1 - window, Math.min(first, t1 - minSpan));
+}
+
+/**
+ * The left end of the time axis as text: "−45 s", "−5 min".
+ * @param {number} seconds
+ * @returns {string}
+ */
+export function agoLabel(seconds) {
+  return seconds < 120 ? `−${Math.round(seconds)} s` : `−${Math.round(seconds / 60)} min`;
+}
+
+/**
+ * Monitored cells inside the sparkline's window, as x ranges (a cell shorter than a pixel still
+ * gets one, so every boundary shows).
+ * @param {{cell: number, start: number, end: number}[]} cells epoch seconds
+ * @param {{t0: number, t1: number, width: number}} box same clock as the cells
+ * @returns {{cell: number, x: number, w: number}[]}
+ */
+export function cellSpans(cells, box) {
+  const { t0, t1, width } = box;
+  if (!(t1 > t0)) return [];
+  const k = width / (t1 - t0);
+  return (cells || [])
+    .filter((c) => c.end >= t0 && c.start <= t1)
+    .map((c) => {
+      const x = (Math.max(c.start, t0) - t0) * k;
+      const x1 = (Math.min(c.end, t1) - t0) * k;
+      return { cell: c.cell, x, w: Math.max(1, x1 - x) };
+    });
+}
+
+/** How long a destructive button stays armed after its first click. */
+export const CONFIRM_MS = 4000;
+
+/**
+ * The two-click confirmation: the first press of a button arms it, a second press of the same
+ * button within CONFIRM_MS fires. Pressing another button re-arms that one instead.
+ * @param {{key: string, at: number} | null} armed
+ * @param {string} key
+ * @param {number} now ms
+ * @returns {{armed: {key: string, at: number} | null, fire: boolean}}
+ */
+export function press(armed, key, now) {
+  if (armed && armed.key === key && now - armed.at <= CONFIRM_MS) return { armed: null, fire: true };
+  return { armed: { key, at: now }, fire: false };
+}

@@ -1,0 +1,134 @@
+// Layout logic of the gauge: segments, widths, the peak mark, the sparkline and confirmation.
+import assert from "node:assert/strict";
+import { test } from "node:test";
+
+import {
+  CONFIRM_MS, agoLabel, cellSpans, diff, peakPercent, press, rows, scaleOf, segments, seriesMax, sparkMax, sparkPath, sparkStart, widths,
+} from "./layout.js";
+
+const GiB = 2 ** 30;
+const MiB = 2 ** 20;
+
+/** @param {Partial<import("./layout.js").DeviceRow>} r */
+const row = (r) => ({
+  device: "cuda:0", model: "", allocated: null, reserved: null, process: null, others: null,
+  used: null, total: null, tensors: null, peak: null, ...r,
+});
+
+/** @param {import("./layout.js").Segment[]} segs */
+const byKey = (segs) => Object.fromEntries(segs.map((s) => [s.key, s.bytes]));
+
+test("rows() turns the column snapshot into rows; missing entries are unknown", () => {
+  const rs = rows({ device: ["cpu", "cuda:0"], process: [5, 7], total: [100] });
+  assert.equal(rs.length, 2);
+  assert.equal(rs[0].process, 5);
+  assert.equal(rs[1].total, null);
+  assert.equal(rs[1].allocated, null);
+  assert.deepEqual(rows(null), []);
+});
+
+test("a GPU bar has the five segments, in order, that add up to the total", () => {
+  const r = row({ allocated: 2 * GiB, reserved: 3 * GiB, process: 3.5 * GiB, others: 4 * GiB, used: 7.5 * GiB, total: 10 * GiB });
+  const segs = segments(r);
+  assert.deepEqual(segs.map((s) => s.key), ["allocated", "cached", "nontorch", "others", "free"]);
+  assert.deepEqual(byKey(segs), { allocated: 2 * GiB, cached: GiB, nontorch: 0.5 * GiB, others: 4 * GiB, free: 2.5 * GiB });
+  const ws = widths(segs, scaleOf(r, segs));
+  assert.deepEqual(ws, [20, 10, 5, 40, 25]);
+  assert.ok(segs.every((s) => s.label.length > 0), "every colour has a text label");
+});
+
+test("unknown per-process numbers stay NA and the rest of `used` becomes one 'not split' segment", () => {
+  const r = row({ allocated: GiB, reserved: 2 * GiB, process: null, others: null, used: 6 * GiB, total: 8 * GiB });
+  const s = byKey(segments(r));
+  assert.equal(s.nontorch, null);
+  assert.equal(s.others, null);
+  assert.equal(s.unsplit, 4 * GiB);
+  assert.equal(s.free, 2 * GiB);
+  assert.deepEqual(widths(segments(r), 8 * GiB), [12.5, 12.5, 0, 0, 50, 25]);
+});
+
+test("CUDA not initialised: torch numbers are NA, not 0, and take no room", () => {
+  const r = row({ process: 0, others: GiB, used: GiB, total: 4 * GiB });
+  const segs = segments(r);
+  const s = byKey(segs);
+  assert.equal(s.allocated, null);
+  assert.equal(s.cached, null);
+  assert.equal(s.nontorch, null);
+  assert.equal(s.others, GiB);
+  assert.equal(widths(segs, 4 * GiB)[0], 0);
+});
+
+test("reads that are out of step never give negative segments or more than 100%", () => {
+  assert.equal(diff(5, 7), 0);
+  assert.equal(diff(null, 7), null);
+  const r = row({ allocated: 3 * GiB, reserved: 2.9 * GiB, process: 2 * GiB, others: 9 * GiB, used: 9.5 * GiB, total: 10 * GiB });
+  const ws = widths(segments(r), 10 * GiB);
+  assert.ok(ws.every((w) => w >= 0));
+  assert.ok(Math.abs(ws.reduce((a, b) => a + b, 0) - 100) < 1e-9);
+});
+
+test("the CPU bar: CPU tensors, rest of the process, other processes, free", () => {
+  const r = row({ device: "cpu", process: 3 * GiB, tensors: GiB, used: 10 * GiB, total: 16 * GiB, peak: 4 * GiB });
+  const segs = segments(r);
+  assert.deepEqual(byKey(segs), { tensors: GiB, rest: 2 * GiB, others: 7 * GiB, free: 6 * GiB });
+  assert.equal(peakPercent(r, scaleOf(r, segs)), 25);
+});
+
+test("the CPU bar before any leak scan shows RSS as one block", () => {
+  const r = row({ device: "cpu", process: 3 * GiB, used: 10 * GiB, total: 16 * GiB });
+  assert.deepEqual(byKey(segments(r)), { rest: 3 * GiB, others: 7 * GiB, free: 6 * GiB });
+});
+
+test("without a total the bar is scaled to what is known and the peak", () => {
+  const r = row({ device: "cpu", process: 300 * MiB, tensors: 100 * MiB, peak: 400 * MiB });
+  const segs = segments(r);
+  assert.equal(scaleOf(r, segs), 400 * MiB);
+  assert.deepEqual(widths(segs, scaleOf(r, segs)), [25, 50, 0, 0]);
+  assert.equal(peakPercent(r, 400 * MiB), 100);
+  assert.equal(peakPercent(row({}), 0), null);
+  assert.deepEqual(widths(segments(row({})), 0), [0, 0, 0, 0, 0]);
+});
+
+test("sparkline: max with headroom; NA breaks the line; y is flipped", () => {
+  assert.equal(seriesMax([[1, null, 3], [2]]), 3);
+  assert.equal(sparkMax([[null], []]), null);
+  assert.equal(sparkMax([[0, 0]]), 1);
+  assert.ok(Math.abs(/** @type {number} */ (sparkMax([[100, 50]])) - 110) < 1e-9);
+  const box = { t0: 0, t1: 10, width: 100, height: 40, vmax: 100 };
+  assert.equal(sparkPath([0, 5, 10], [0, 50, 100], box), "M0.0 40.0 L50.0 20.0 L100.0 0.0");
+  assert.equal(sparkPath([0, 5, 10], [0, null, 100], box), "M0.0 40.0 M100.0 0.0");
+  assert.equal(sparkPath([-5, 0], [10, 10], box), "M0.0 36.0", "points before the window are dropped");
+  assert.equal(sparkPath([0, 1], [1, 2], { ...box, vmax: null }), "");
+});
+
+test("cell spans are clipped to the window and at least one unit wide", () => {
+  const box = { t0: 100, t1: 200, width: 300 };
+  const spans = cellSpans([{ cell: 1, start: 50, end: 90 }, { cell: 2, start: 90, end: 110 },
+    { cell: 3, start: 150, end: 150.01 }, { cell: 4, start: 190, end: 250 }], box);
+  assert.deepEqual(spans.map((s) => s.cell), [2, 3, 4]);
+  assert.deepEqual([spans[0].x, spans[0].w], [0, 30]);
+  assert.equal(spans[1].w, 1);
+  assert.ok(Math.abs(spans[2].x + spans[2].w - 300) < 1e-9);
+});
+
+test("destructive buttons fire on the second press of the same button, within the time limit", () => {
+  let s = press(null, "del:a", 0);
+  assert.equal(s.fire, false);
+  s = press(s.armed, "del:a", 100);
+  assert.equal(s.fire, true);
+  assert.equal(s.armed, null);
+  s = press(press(null, "del:a", 0).armed, "del:b", 10);
+  assert.equal(s.fire, false, "another button re-arms instead of firing");
+  assert.equal(s.armed?.key, "del:b");
+  s = press(press(null, "outputs:", 0).armed, "outputs:", CONFIRM_MS + 1);
+  assert.equal(s.fire, false, "a stale arm does not fire");
+});
+
+test("a young session's sparkline starts at its first sample, at least 30 s back", () => {
+  assert.equal(sparkStart([-10, -5, 0], 0, 300), -30);
+  assert.equal(sparkStart([-200, -5, 0], 0, 300), -200);
+  assert.equal(sparkStart([-400, 0], 0, 300), -300);
+  assert.equal(sparkStart([], 0, 300), -30);
+  assert.equal(agoLabel(60), "−60 s");
+  assert.equal(agoLabel(300), "−5 min");
+});
