@@ -1,0 +1,557 @@
+"""The live gauge: an anywidget fed by one throttled publisher, and where it is shown.
+
+Presentation only. The sampler and the cell hooks hand their results to the gauge's listeners; a
+single publisher thread turns them into compact columns of raw bytes (the JS formats them) and writes
+every data trait, at most ``MAX_UPDATES_PER_S`` times a second, one ``hold_sync`` batch per update.
+The front end writes no trait: its only message is a cleanup request, which acts only on a finding
+the session lists at that moment.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence, cast
+
+try:
+    import anywidget
+except ImportError as e:  # the magics turn this into "the gauge cannot be shown here (...)"
+    raise ImportError(f"nbmem's gauge needs anywidget: pip install anywidget ({e})") from e
+import traitlets
+
+from .cells import CellRecord, CellReport
+from .cleaner import CleanupReport
+from .session import RESTART_ADVICE
+from .sources import Sample
+
+if TYPE_CHECKING:
+    from .holders import Finding
+    from .session import Session
+
+log = logging.getLogger(__name__)
+
+MAX_UPDATES_PER_S = 4.0
+WINDOW_S = 300.0  # the sparkline's "last minutes"
+BUCKETS = 150  # sparkline points: about two pixels each in the sidebar
+HISTORY_EVERY_S = 1.0  # the sparkline moves a bucket every 2 s; rebuilding it faster only costs bytes
+TOP_HOLDERS = 8
+THREAD_NAME = "nbmem-gauge"
+ACTIONS = ("del", "to_cpu", "outputs", "traceback", "gc")
+_ACTION_LABELS = {"outputs": "clear outputs", "traceback": "clear traceback", "gc": "gc + empty cache"}
+_REFUSED_KEPT = 100
+
+# -- the front end: one ES module ------------------------------------------------------------------
+# anywidget evaluates a single module from a string, so `import … from "./format.js"` cannot resolve
+# there. The sources stay separate modules (node tests import format.js and layout.js directly), and
+# the widget gets them concatenated in dependency order with those relative imports dropped: the
+# names they import are then simply in scope. No bundler, no build step.
+_MODULES = ("format.js", "layout.js", "gauge.js")
+_LOCAL_IMPORT = re.compile(r"^import\s[^;]*?\sfrom\s+[\"']\./[^\"']+[\"'];[ \t]*\n", re.M)
+
+
+def js_dir() -> Path:
+    """Where the front-end sources are: nbmem/static in a wheel, the repo's js/ in an editable install."""
+    here = Path(__file__).resolve().parent
+    for d in (here / "static", here.parent / "js"):
+        if (d / "gauge.js").is_file():
+            return d
+    raise FileNotFoundError(f"nbmem's gauge.js is missing from {here / 'static'} (and {here.parent / 'js'}): "
+                            f"reinstall nbmem")
+
+
+def bundle(directory: Path | None = None) -> str:
+    """The gauge's ES module: format.js, layout.js and gauge.js as one module."""
+    d = directory or js_dir()
+    parts = [f"// ---- nbmem/{name}\n" + _LOCAL_IMPORT.sub("", (d / name).read_text(encoding="utf-8"))
+             for name in _MODULES]
+    return "\n".join(parts)
+
+
+# -- what the publisher sends: pure functions of the engine's records --------------------------------
+def host_memory() -> tuple[int | None, int | None]:
+    """(total, used) host RAM, so the CPU bar has the same shape as a GPU's; unknown if psutil fails."""
+    try:
+        import psutil
+
+        vm = psutil.virtual_memory()
+        return int(vm.total), int(vm.total - vm.available)
+    except Exception:
+        return None, None
+
+
+def snapshot_columns(batch: Sequence[Sample], *, models: Mapping[str, str], peaks: Mapping[str, int],
+                     cpu_tensors_bytes: int | None, host: tuple[int | None, int | None]) -> dict[str, Any]:
+    """One column per quantity, one entry per device (``cpu`` first); None where unknown."""
+    cols: dict[str, Any] = {k: [] for k in ("device", "model", "allocated", "reserved", "process", "others",
+                                             "used", "total", "tensors", "peak")}
+    cols["t"] = batch[0].t_wall if batch else time.time()
+    for s in batch:
+        cpu = s.device == "cpu"
+        cols["device"].append(s.device)
+        cols["model"].append("host RAM" if cpu else models.get(s.device, ""))
+        cols["allocated"].append(s.allocated_bytes)
+        cols["reserved"].append(s.reserved_bytes)
+        cols["process"].append(s.rss_bytes if cpu else s.process_used_bytes)
+        cols["others"].append(None if cpu else s.other_processes_bytes)
+        cols["used"].append(host[1] if cpu else s.nvml_used_bytes)
+        cols["total"].append(host[0] if cpu else s.nvml_total_bytes)
+        cols["tensors"].append(cpu_tensors_bytes if cpu else None)
+        cols["peak"].append(peaks.get(s.device))
+    return cols
+
+
+def _main_value(s: Sample) -> int | None:
+    return s.rss_bytes if s.device == "cpu" else s.allocated_bytes
+
+
+def history_columns(samples: Iterable[Sample], now: float, *, window_s: float = WINDOW_S,
+                    buckets: int = BUCKETS) -> dict[str, Any]:
+    """The sparkline's data: per time bucket the largest value (so short spikes survive).
+
+    ``main`` is RSS (cpu) or torch allocated (cuda), ``aux`` torch reserved. Times are seconds
+    relative to ``t0`` (= now); buckets sit on fixed multiples of the bucket width, so a rebuild a
+    moment later gives the same points instead of jittering.
+    """
+    width = window_s / buckets
+    start = now - window_s
+    slots: dict[int, float] = {}
+    main: dict[str, dict[int, int | None]] = {}
+    aux: dict[str, dict[int, int | None]] = {}
+    for s in samples:
+        if s.t_wall < start or s.t_wall > now:
+            continue
+        b = int(s.t_wall // width)
+        slots[b] = max(slots.get(b, s.t_wall), s.t_wall)
+        for series, v in ((main, _main_value(s)), (aux, None if s.device == "cpu" else s.reserved_bytes)):
+            col = series.setdefault(s.device, {})
+            old = col.get(b)
+            col[b] = v if old is None else old if v is None else max(old, v)
+    order = sorted(slots)
+    return {
+        "t0": now,
+        "window": window_s,
+        "t": [round(slots[b] - now, 2) for b in order],
+        "main": {d: [col.get(b) for b in order] for d, col in main.items()},
+        "aux": {d: [col.get(b) for b in order] for d, col in aux.items() if d != "cpu"},
+    }
+
+
+def cell_spans(records: Iterable[CellRecord], now: float, *, window_s: float = WINDOW_S) -> list[dict[str, Any]]:
+    """Monitored cells that end inside the window, once each (a cell has one record per device)."""
+    out: dict[int, dict[str, Any]] = {}
+    for r in records:
+        end = r.started + r.duration_s
+        if end >= now - window_s:
+            out.setdefault(r.cell, {"cell": r.cell, "start": r.started, "end": end})
+    return sorted(out.values(), key=lambda c: c["start"])
+
+
+def last_cell_row(report: CellReport) -> dict[str, Any]:
+    """The last monitored cell: Δ and peak per device.
+
+    On a GPU, Δ torch allocated and the allocator's peak. On the CPU, Δ of the CPU tensors the scan
+    found (what the engine records as the CPU's "allocated"), or Δ RSS when the cell was not scanned,
+    and the RSS peak when the cell raised it.
+    """
+    rows = []
+    for r in report.records:
+        if r.device != "cpu":
+            rows.append({"device": r.device, "what": "allocated", "delta": r.delta_allocated_bytes,
+                         "peak": r.peak_allocated_bytes, "peak_note": r.peak_note})
+            continue
+        tensors = r.delta_allocated_bytes is not None
+        rows.append({"device": "cpu", "what": "CPU tensors" if tensors else "RSS",
+                     "delta": r.delta_allocated_bytes if tensors else r.delta_rss_bytes,
+                     "peak": r.peak_rss_bytes, "peak_note": "≤ session peak RSS"})
+    return {"cell": report.cell, "duration_s": report.duration_s, "error": report.error, "rows": rows}
+
+
+def can_move_to_cpu(f: Finding) -> bool:
+    """"to CPU" rebinds a top-level name to ``obj.cpu()``: only for a name that is itself the holder."""
+    return f.device != "cpu" and f.name in f.roots
+
+
+def holder_rows(findings: Sequence[Finding], limit: int = TOP_HOLDERS) -> list[dict[str, Any]]:
+    """The biggest holders of the last scan, with what their buttons may do."""
+    top = sorted(findings, key=lambda f: -f.bytes)[:limit]
+    return [{"id": f.id, "name": f.name, "kind": f.kind, "device": f.device, "bytes": f.bytes,
+             "graph": f.holds_graph, "roots": list(f.roots), "to_cpu": can_move_to_cpu(f), "hint": f.hint}
+            for f in top]
+
+
+def _known_sum(values: Iterable[int | None]) -> int | None:
+    """Sum of the known values; None (NA) when none is known, rather than a made-up 0."""
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
+def freed(report: CleanupReport) -> tuple[int | None, int | None]:
+    """(allocated, reserved) bytes a cleanup gave back, NA where no step could measure it."""
+    return (_known_sum(s.freed_allocated_bytes for s in report.steps),
+            _known_sum(s.freed_reserved_bytes for s in report.steps))
+
+
+# -- the publisher ---------------------------------------------------------------------------------
+class Publisher:
+    """The gauge's only writer: a thread that pushes what changed, at most ``rate_hz`` times a second.
+
+    ``put`` hands over trait values computed elsewhere (the main thread: cell reports, clicks);
+    ``poke`` says new samples arrived, and ``build`` turns them into traits at flush time, so the
+    sampler thread never waits on the widget. Every flush is one ``hold_sync`` batch.
+    """
+
+    def __init__(self, widget: Any, build: Callable[[], dict[str, Any]], *, rate_hz: float = MAX_UPDATES_PER_S,
+                 clock: Callable[[], float] = time.monotonic,
+                 on_error: Callable[[BaseException], None] = lambda e: None) -> None:
+        self._widget = widget
+        self._build = build
+        self.min_interval_s = 1.0 / rate_hz
+        self._clock = clock
+        self._on_error = on_error
+        self._lock = threading.Lock()
+        self._pending: dict[str, Any] = {}
+        self._stale = False
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._last = float("-inf")
+        self.flushes = 0
+
+    def put(self, **traits: Any) -> None:
+        with self._lock:
+            self._pending.update(traits)
+        self._wake.set()
+
+    def poke(self) -> None:
+        with self._lock:
+            self._stale = True
+        self._wake.set()
+
+    def flush(self) -> None:
+        """Write everything pending now, as one batch."""
+        with self._lock:
+            traits, self._pending = self._pending, {}
+            stale, self._stale = self._stale, False
+        if stale:
+            traits = {**self._build(), **traits}
+        if not traits:
+            return
+        with self._widget.hold_sync():
+            for name, value in traits.items():
+                setattr(self._widget, name, value)
+        self.flushes += 1
+
+    def start(self) -> None:
+        if self._thread is None:
+            self._stop.clear()
+            self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout_s: float = 5.0) -> None:
+        self._stop.set()
+        self._wake.set()
+        t, self._thread = self._thread, None
+        if t is not None and t is not threading.current_thread():
+            t.join(timeout_s)
+
+    def _run(self) -> None:
+        while True:
+            self._wake.wait()
+            if self._stop.is_set():
+                return
+            delay = self._last + self.min_interval_s - self._clock()
+            if delay > 0 and self._stop.wait(delay):
+                return
+            self._wake.clear()  # before the flush: whatever arrives during it wakes the next round
+            try:
+                self.flush()
+            except Exception as e:
+                self._on_error(e)
+            self._last = self._clock()
+
+
+# -- the widget ------------------------------------------------------------------------------------
+class Gauge(anywidget.AnyWidget):
+    """Live memory per device, the last cell, the top holders and cleanup buttons."""
+
+    _esm = bundle()
+
+    # Written by Python only (the publisher thread); the front end never sets a trait.
+    snapshot: traitlets.Dict[str, Any] = traitlets.Dict().tag(sync=True)
+    history: traitlets.Dict[str, Any] = traitlets.Dict().tag(sync=True)
+    cells: traitlets.List[dict[str, Any]] = traitlets.List().tag(sync=True)
+    processes: traitlets.Dict[str, Any] = traitlets.Dict().tag(sync=True)
+    last_cell: traitlets.Dict[str, Any] = traitlets.Dict().tag(sync=True)
+    holders: traitlets.List[dict[str, Any]] = traitlets.List().tag(sync=True)
+    action: traitlets.Dict[str, Any] = traitlets.Dict().tag(sync=True)
+    note = traitlets.Unicode("").tag(sync=True)
+
+    def __init__(self, session: Session, *, shell: Any = None, start: bool = True, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.session = session
+        self.shell = shell
+        self.refused: list[str] = []  # front-end requests turned down, newest last
+        self.sidecar: Any = None
+        self._latest: Sequence[Sample] = ()
+        self._tensors: int | None = None
+        self._peaks: dict[str, int] = {}
+        self._peaks_lock = threading.Lock()
+        self._history_at = float("-inf")
+        self._publisher = Publisher(self, self._build, on_error=lambda e: session.fault("gauge", e))
+        self._closed = False
+        try:
+            self._seed()
+            self.on_msg(self._on_msg)
+            self._sample_listeners().append(self._on_samples)
+            session.cell_listeners.append(self._on_cell)
+            if start:
+                self._publisher.start()
+        except BaseException:
+            self.close()  # a half-made gauge must not stay registered or keep its comm open
+            raise
+
+    def _sample_listeners(self) -> list[Callable[[Sequence[Sample]], None]]:
+        # Sampler is generic over what it reads but not declared Generic, so mypy cannot see that the
+        # session's sampler hands out Samples; say so once here.
+        return cast("list[Callable[[Sequence[Sample]], None]]", self.session.sampler.listeners)
+
+    def _seed(self) -> None:
+        """Fill the gauge from what the session already has, so it opens with numbers."""
+        s = self.session
+        for sample in s.store.sample_list():
+            self._raise_peak(sample.device, _main_value(sample))
+        records = s.store.cell_list()
+        for r in records:
+            self._raise_peak_from(r)
+        samples = s.store.last_samples(WINDOW_S, time.time())
+        latest_t = samples[-1].t_wall if samples else None
+        self._latest = [x for x in samples if x.t_wall == latest_t]
+        self._tensors = self._cpu_tensors()
+        now = time.time()
+        self._publisher.put(holders=holder_rows(s.flagged()), cells=cell_spans(records, now),
+                            last_cell=last_cell_row(s.last_report) if s.last_report else {})
+        if self._latest:
+            self._publisher.poke()
+        self._publisher.flush()
+
+    # -- listeners (engine threads) -------------------------------------------------------------
+    def _on_samples(self, batch: Sequence[Sample]) -> None:
+        """Sampler thread: keep the newest batch; the publisher builds from it."""
+        try:
+            self._latest = batch
+            self._publisher.poke()
+        except Exception as e:
+            self.session.fault("gauge", e)
+
+    def _on_cell(self, report: CellReport) -> None:
+        """Main thread, after each monitored cell: its numbers, and the holders of the new scan."""
+        try:
+            for r in report.records:
+                self._raise_peak_from(r)
+            self._tensors = self._cpu_tensors()
+            self._publisher.put(last_cell=last_cell_row(report), holders=holder_rows(self.session.flagged()),
+                                cells=cell_spans(self.session.store.cell_list(), time.time()))
+            self._publisher.poke()
+        except Exception as e:
+            self.session.fault("gauge", e)
+
+    def _cpu_tensors(self) -> int | None:
+        # The engine keeps the latest scan's per-device totals on the session but has no public
+        # accessor for them; reading the reference is safe (a Scan is replaced, never mutated).
+        scan = getattr(self.session, "_last_scan", None)
+        return None if scan is None else int(scan.totals.get("cpu", 0))
+
+    def _raise_peak(self, device: str, value: int | None) -> None:
+        if value is not None:
+            with self._peaks_lock:
+                if value > self._peaks.get(device, -1):
+                    self._peaks[device] = value
+
+    def _raise_peak_from(self, r: CellRecord) -> None:
+        self._raise_peak(r.device, r.peak_rss_bytes if r.device == "cpu" else r.peak_allocated_bytes)
+
+    # -- building (publisher thread) --------------------------------------------------------------
+    def _build(self) -> dict[str, Any]:
+        batch = list(self._latest)
+        if not batch:
+            return {}
+        s = self.session
+        probe = s.probe
+        for x in batch:
+            self._raise_peak(x.device, _main_value(x))
+        self._raise_peak("cpu", probe.host.max_rss_bytes())
+        for i in range(probe.torch.device_count()):
+            a = probe.torch.read(i)
+            self._raise_peak(f"cuda:{i}", a.peak_allocated_bytes if a else None)
+        with self._peaks_lock:
+            peaks = dict(self._peaks)
+        models = {d.name: d.model for d in probe.nvml.devices}
+        now = batch[0].t_wall
+        me = os.getpid()
+        procs: dict[str, list[dict[str, Any]]] = {}
+        for x in batch:
+            if x.device != "cpu":
+                listed = probe.nvml.processes(x.device) or ()
+                procs[x.device] = [{"pid": p.pid, "name": p.name, "bytes": p.used_bytes} for p in listed if p.pid != me]
+        out: dict[str, Any] = {
+            "snapshot": snapshot_columns(batch, models=models, peaks=peaks, cpu_tensors_bytes=self._tensors,
+                                         host=host_memory()),
+            "processes": procs,
+            "note": self._note(batch),
+        }
+        if time.monotonic() - self._history_at >= HISTORY_EVERY_S:
+            self._history_at = time.monotonic()
+            out["history"] = history_columns(s.store.last_samples(WINDOW_S, now), now)
+        return out
+
+    def _note(self, batch: Sequence[Sample]) -> str:
+        if self.session.cuda_broken:
+            return RESTART_ADVICE
+        nv = self.session.probe.nvml
+        if not any(x.device != "cpu" for x in batch):
+            return f"no GPU seen: {nv.reason or 'no GPU found'}"
+        return f"per-process numbers unknown: {nv.process_reason}" if nv.process_reason else ""
+
+    # -- clicks (main thread, between cells) --------------------------------------------------------
+    def _on_msg(self, _widget: Any, content: Any, _buffers: Any) -> None:
+        try:
+            self._request(content)
+        except Exception as e:
+            self.session.fault("gauge click", e)
+
+    def _refuse(self, req: str, why: str, content: Any) -> None:
+        entry = f"{why}: {content!r:.300}"
+        self.refused = [*self.refused[-(_REFUSED_KEPT - 1):], entry]
+        log.warning("nbmem gauge refused a front-end request (%s)", entry)
+        self._publisher.put(action={"req": req, "label": "request", "ok": False, "error": f"refused: {why}"})
+
+    def _request(self, content: Any) -> None:
+        """A cleanup request from the front end; acts only on a finding the session lists now."""
+        if not isinstance(content, dict) or content.get("type") != "cleanup":
+            self._refuse("", "not a cleanup request", content)
+            return
+        req = content.get("req")
+        req = req if isinstance(req, str) and len(req) <= 64 else ""
+        action = content.get("action")
+        if action not in ACTIONS:
+            self._refuse(req, f"unknown action {action!r:.40}", content)
+            return
+        kw: dict[str, Any] = {}
+        if action in ("del", "to_cpu"):
+            fid = content.get("id")
+            f = next((f for f in self.session.flagged() if isinstance(fid, str) and f.id == fid), None)
+            if f is None:
+                self._refuse(req, "not a finding the gauge lists now (it may have been freed already)", content)
+                return
+            if action == "del":
+                if not f.roots:
+                    self._refuse(req, f"{f.name} has no top-level name to delete", content)
+                    return
+                kw["names"], label = list(f.roots), "del " + ", ".join(f.roots)
+            else:
+                if not can_move_to_cpu(f):
+                    self._refuse(req, f"{f.name} cannot be moved to the CPU from here", content)
+                    return
+                kw["to_cpu"], label = [f.name], f"{f.name} to CPU"
+        else:
+            kw = {"outputs": action == "outputs", "traceback": action == "traceback"}
+            label = _ACTION_LABELS[action]
+        from .magics import cleanup
+
+        try:
+            rep = cleanup(shell=self.shell, **kw)
+        except (NameError, TypeError, ValueError) as e:  # the user changed the name since the scan
+            result: dict[str, Any] = {"req": req, "label": label, "ok": False, "error": str(e)}
+        else:
+            a, r = freed(rep)
+            result = {"req": req, "label": label, "ok": True, "freed": a, "freed_reserved": r}
+        self._tensors = self._cpu_tensors()
+        self._publisher.put(action=result, holders=holder_rows(self.session.flagged()))
+        self._publisher.poke()
+
+    # -- lifecycle ------------------------------------------------------------------------------
+    def close(self) -> None:
+        """Unregister from the session, stop the publisher, close the sidebar panel and the widget."""
+        if self._closed:
+            return
+        self._closed = True
+        while self._on_samples in self._sample_listeners():
+            self._sample_listeners().remove(self._on_samples)
+        while self._on_cell in self.session.cell_listeners:
+            self.session.cell_listeners.remove(self._on_cell)
+        self._publisher.stop()
+        if self.sidecar is not None:
+            self.sidecar.close()
+            self.sidecar = None
+        super().close()
+
+
+# -- where it appears ------------------------------------------------------------------------------
+def in_kernel(shell: Any) -> bool:
+    """True in a Jupyter kernel (JupyterLab, Notebook, VS Code, Colab); False in terminal IPython."""
+    zmqshell = sys.modules.get("ipykernel.zmqshell")
+    return zmqshell is not None and isinstance(shell, zmqshell.ZMQInteractiveShell)
+
+
+def auto_place(environ: Mapping[str, str] | None = None) -> str:
+    """JupyterLab's sidebar, except where there is no sidebar to put it in (VS Code, Colab)."""
+    env = os.environ if environ is None else environ
+    if "VSCODE_PID" in env or "VSCODE_CWD" in env or "google.colab" in sys.modules:
+        return "inline"
+    return "sidebar"
+
+
+def warn_old_ipykernel(session: Session) -> None:
+    """ipykernel 7.0.x misroutes output sent from background threads (fixed in 7.1, ipykernel#1451)."""
+    v = str(getattr(sys.modules.get("ipykernel"), "__version__", ""))
+    if re.match(r"7\.0(\.|$)", v):
+        session.tell_once("ipykernel-7.0", f"nbmem: ipykernel {v} can lose output sent from background threads, so "
+                                           f"the gauge may freeze while a cell runs; `pip install -U ipykernel` "
+                                           f"(7.1 or later) fixes it.")
+
+
+def show_gauge(session: Session, where: str, *, previous: Gauge | None = None, shell: Any = None,
+               explicit: bool = False) -> Gauge | None:
+    """Show a new gauge ("auto", "sidebar" or "inline") and close ``previous``.
+
+    Outside a Jupyter kernel there is nowhere to draw it: None, or an error when asked for by name.
+    """
+    if where not in ("auto", "sidebar", "inline"):
+        raise ValueError(f"where must be 'auto', 'sidebar' or 'inline', not {where!r}")
+    if previous is not None:
+        previous.close()
+    if shell is None:
+        from IPython import get_ipython
+
+        shell = get_ipython()
+    if not in_kernel(shell):
+        if explicit:
+            raise RuntimeError("the gauge needs a Jupyter front end (JupyterLab, Notebook, VS Code, Colab); in a "
+                               "terminal, `%cudamem status` and `%cudamem report` give the numbers")
+        return None
+    warn_old_ipykernel(session)
+    place = auto_place() if where == "auto" else where
+    from IPython.display import display
+
+    gauge = Gauge(session, shell=shell)
+    try:
+        if place == "sidebar":
+            try:
+                from sidecar import Sidecar
+            except ImportError as e:
+                raise RuntimeError(f"the sidebar needs the sidecar package (pip install sidecar), or use "
+                                   f"`%cudamem gauge --inline` ({e})") from e
+            gauge.sidecar = Sidecar(title="nbmem")
+            with gauge.sidecar:
+                display(gauge)
+        else:
+            display(gauge)
+    except BaseException:
+        gauge.close()
+        raise
+    return gauge
