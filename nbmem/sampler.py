@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any, Callable, Sequence, TypeVar
+from typing import Callable, Generic, Sequence, TypeVar
 
 T = TypeVar("T")
 
 THREAD_NAME = "nbmem-sampler"
 
 
-class Sampler:
+class Sampler(Generic[T]):
     """Calls ``read`` every ``interval_s`` and hands the result to ``sink`` and the listeners.
 
     Ticks are scheduled on multiples of the interval from the start, so they do not drift; ticks
@@ -34,7 +34,7 @@ class Sampler:
         self.listeners: list[Callable[[Sequence[T]], None]] = []
         self.ticks = 0
 
-    def sample_once(self) -> Sequence[Any]:
+    def sample_once(self) -> Sequence[T]:
         """Take one sample now, store it and tell the listeners; errors go to ``on_error``."""
         try:
             batch = self._read()

@@ -17,7 +17,7 @@ from .cells import CELL_COLUMNS, CellRecord, CellReport, cell_records
 from .cleaner import Cleaner, CleanupReport
 from .formatting import fmt_bytes
 from .sampler import Sampler
-from .sources import Boundary, Probe, heap_bytes
+from .sources import Boundary, Probe, Sample, heap_bytes
 from .store import Store, records_frame
 
 OOM_ADVICE = (
@@ -103,8 +103,9 @@ class Session:
         self.probe = probe or Probe()
         self.notify = notify
         self.store = Store(capacity=max(1, int(settings.history_s / settings.interval_s)) * 2)
-        self.sampler = Sampler(self.probe.samples, self.store.add_samples, interval_s=settings.interval_s,
-                               on_error=lambda e: self.fault("sampler", e))
+        self.sampler: Sampler[Sample] = Sampler(self.probe.samples, self.store.add_samples,
+                                                interval_s=settings.interval_s,
+                                                on_error=lambda e: self.fault("sampler", e))
         self.monitoring = False
         self.cuda_broken = False
         self.faults: dict[str, Fault] = {}
@@ -289,6 +290,10 @@ class Session:
         if ids != ids0 and self._last_scan.seconds < CHEAP_SCAN_S:
             return True
         return heap is None or heap0 is None or abs(heap - heap0) >= max(1, self.settings.threshold_bytes // 2)
+
+    def tensor_totals(self) -> dict[str, int] | None:
+        """Bytes of live tensor storages per device, as the latest scan found them; None before a scan."""
+        return dict(self._last_scan.totals) if self._last_scan is not None else None
 
     def take_baseline(self) -> None:
         """Scan now: the state the next monitored cell is compared with."""

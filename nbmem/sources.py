@@ -105,9 +105,13 @@ def _process_name(pid: int) -> str:
 
         p = psutil.Process(pid)
         cmd = " ".join(p.cmdline())
-        if "ipykernel" in cmd:
-            return f"Jupyter kernel ({p.name()})"
-        return p.name()
+        if "ipykernel" not in cmd:
+            return p.name()
+        try:  # Jupyter's server tells each kernel its notebook's path; readable for our own user only
+            notebook = p.environ().get("JPY_SESSION_NAME", "")
+        except Exception:
+            notebook = ""
+        return f"Jupyter kernel ({notebook})" if notebook else f"Jupyter kernel ({p.name()})"
     except Exception:  # PIDs from the host are not visible inside a container
         return "?"
 
@@ -330,6 +334,17 @@ class HostSource:
             return _statm_rss()
 
     @staticmethod
+    def memory() -> tuple[int | None, int | None]:
+        """(total, used) host RAM; used is total minus what the kernel calls available."""
+        try:
+            import psutil
+
+            vm = psutil.virtual_memory()
+            return int(vm.total), int(vm.total - vm.available)
+        except Exception:
+            return None, None
+
+    @staticmethod
     def max_rss_bytes() -> int | None:
         """The kernel's high-water mark of RSS (exact, unlike polling)."""
         try:
@@ -385,6 +400,8 @@ class Sample:
     process_used_bytes: int | None
     other_processes_bytes: int | None
     rss_bytes: int | None
+    host_total_bytes: int | None = None  # host RAM, on the cpu row only
+    host_used_bytes: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -433,7 +450,7 @@ class Probe:
         """One sample per device (``cpu`` first), as the sampler stores them."""
         now = self._wall()
         rss = self.host.rss_bytes()
-        out = [Sample(now, "cpu", None, None, None, None, None, None, None, None, rss)]
+        out = [Sample(now, "cpu", None, None, None, None, None, None, None, None, rss, *self.host.memory())]
         alloc = self.allocator()
         cuda_up = bool(alloc)
         for name in self.gpu_names():

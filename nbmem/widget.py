@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence, cast
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
 
 try:
     import anywidget
@@ -73,19 +73,8 @@ def bundle(directory: Path | None = None) -> str:
 
 
 # -- what the publisher sends: pure functions of the engine's records --------------------------------
-def host_memory() -> tuple[int | None, int | None]:
-    """(total, used) host RAM, so the CPU bar has the same shape as a GPU's; unknown if psutil fails."""
-    try:
-        import psutil
-
-        vm = psutil.virtual_memory()
-        return int(vm.total), int(vm.total - vm.available)
-    except Exception:
-        return None, None
-
-
 def snapshot_columns(batch: Sequence[Sample], *, models: Mapping[str, str], peaks: Mapping[str, int],
-                     cpu_tensors_bytes: int | None, host: tuple[int | None, int | None]) -> dict[str, Any]:
+                     cpu_tensors_bytes: int | None) -> dict[str, Any]:
     """One column per quantity, one entry per device (``cpu`` first); None where unknown."""
     cols: dict[str, Any] = {k: [] for k in ("device", "model", "allocated", "reserved", "process", "others",
                                              "used", "total", "tensors", "peak")}
@@ -98,8 +87,8 @@ def snapshot_columns(batch: Sequence[Sample], *, models: Mapping[str, str], peak
         cols["reserved"].append(s.reserved_bytes)
         cols["process"].append(s.rss_bytes if cpu else s.process_used_bytes)
         cols["others"].append(None if cpu else s.other_processes_bytes)
-        cols["used"].append(host[1] if cpu else s.nvml_used_bytes)
-        cols["total"].append(host[0] if cpu else s.nvml_total_bytes)
+        cols["used"].append(s.host_used_bytes if cpu else s.nvml_used_bytes)
+        cols["total"].append(s.host_total_bytes if cpu else s.nvml_total_bytes)
         cols["tensors"].append(cpu_tensors_bytes if cpu else None)
         cols["peak"].append(peaks.get(s.device))
     return cols
@@ -316,9 +305,7 @@ class Gauge(anywidget.AnyWidget):
             raise
 
     def _sample_listeners(self) -> list[Callable[[Sequence[Sample]], None]]:
-        # Sampler is generic over what it reads but not declared Generic, so mypy cannot see that the
-        # session's sampler hands out Samples; say so once here.
-        return cast("list[Callable[[Sequence[Sample]], None]]", self.session.sampler.listeners)
+        return self.session.sampler.listeners
 
     def _seed(self) -> None:
         """Fill the gauge from what the session already has, so it opens with numbers."""
@@ -361,10 +348,8 @@ class Gauge(anywidget.AnyWidget):
             self.session.fault("gauge", e)
 
     def _cpu_tensors(self) -> int | None:
-        # The engine keeps the latest scan's per-device totals on the session but has no public
-        # accessor for them; reading the reference is safe (a Scan is replaced, never mutated).
-        scan = getattr(self.session, "_last_scan", None)
-        return None if scan is None else int(scan.totals.get("cpu", 0))
+        totals = self.session.tensor_totals()
+        return None if totals is None else int(totals.get("cpu", 0))
 
     def _raise_peak(self, device: str, value: int | None) -> None:
         if value is not None:
@@ -399,8 +384,7 @@ class Gauge(anywidget.AnyWidget):
                 listed = probe.nvml.processes(x.device) or ()
                 procs[x.device] = [{"pid": p.pid, "name": p.name, "bytes": p.used_bytes} for p in listed if p.pid != me]
         out: dict[str, Any] = {
-            "snapshot": snapshot_columns(batch, models=models, peaks=peaks, cpu_tensors_bytes=self._tensors,
-                                         host=host_memory()),
+            "snapshot": snapshot_columns(batch, models=models, peaks=peaks, cpu_tensors_bytes=self._tensors),
             "processes": procs,
             "note": self._note(batch),
         }

@@ -398,10 +398,10 @@ def test_publisher_waits_out_its_interval() -> None:
 def test_a_failing_build_is_recorded_and_the_gauge_goes_on(ip: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     g = Gauge(_magics(ip).session, shell=ip)
     try:
-        def broken() -> tuple[int, int]:
+        def broken(*args: Any, **kwargs: Any) -> dict[str, Any]:
             raise OSError("no /proc here")
 
-        monkeypatch.setattr(widget, "host_memory", broken)
+        monkeypatch.setattr(widget, "snapshot_columns", broken)
         g.session.sampler.sample_once()
         deadline = time.monotonic() + 3
         while not g.session.faults and time.monotonic() < deadline:
