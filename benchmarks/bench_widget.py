@@ -58,8 +58,8 @@ def main() -> int:
     try:
         rate, sizes = measure(gauge, seconds)
         devices = len(session.probe.gpu_names())
-        print(f"widget traffic, this machine ({devices} GPU): {rate:.2f} msg/s, median {statistics.median(sizes or [0]):.0f} B,"
-              f" max {max(sizes or [0])} B")
+        print(f"widget traffic, this machine ({devices} GPU): {rate:.2f} msg/s, "
+              f"median {statistics.median(sizes or [0]):.0f} B, max {max(sizes or [0])} B")
         session.sampler.stop()  # from here the gauge sees 8 synthetic GPUs at the default rate
 
         def feed(k: int) -> None:
