@@ -27,10 +27,10 @@ KNOWN_BUGS = {
 }
 #: Printed by the new environment's Python: where nbmem and torch came from.
 PROBE = """
-import json, pathlib, nbmem, torch
-static = pathlib.Path(nbmem.__file__).parent / "static"
+import json, nbmem, torch
+from nbmem.widget import bundle, js_dir
 print(json.dumps({"nbmem": nbmem.__version__, "file": nbmem.__file__, "torch": torch.__version__,
-                  "cuda_build": torch.version.cuda, "static": sorted(p.name for p in static.glob("*"))}))
+                  "cuda_build": torch.version.cuda, "js_dir": str(js_dir()), "js_bytes": len(bundle())}))
 """
 
 
@@ -114,13 +114,12 @@ def binder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
 
 @pytest.mark.slow
 def test_binder_install(binder: Env, tmp_path: Path) -> None:
-    """torch is the CPU build; nbmem is installed as a wheel, with its JavaScript; JupyterLab has the widgets."""
+    """torch is the CPU build; nbmem is installed as a wheel with the gauge's JavaScript; JupyterLab has widgets."""
     # Away from the checkout, so that `import nbmem` cannot find the source tree instead of the install.
     info = json.loads(binder.run("python", "-c", PROBE, cwd=tmp_path).strip().splitlines()[-1])
     assert info["torch"].startswith("2.13.0") and info["cuda_build"] is None, info
     assert str(binder.path) in info["file"], f"nbmem was not installed into the new environment: {info}"
-    js = sorted(p.name for p in (ROOT / "js").glob("*.js"))
-    assert set(js) <= set(info["static"]), f"the wheel lacks the widget's JavaScript: {info['static']}"
+    assert str(binder.path) in info["js_dir"] and info["js_bytes"] > 0, f"the gauge's JavaScript is missing: {info}"
 
     extensions = binder.run("jupyter", "labextension", "list")  # it writes the list to stderr
     for ext in ("anywidget", "@jupyter-widgets/jupyterlab-manager", "@jupyter-widgets/jupyterlab-sidecar"):
