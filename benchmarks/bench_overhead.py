@@ -68,11 +68,14 @@ class Quiet:
 def nbmem_on(sh: InteractiveShell, gauge: bool) -> None:
     cell(sh, "%load_ext nbmem")
     cell(sh, "%cudamem on")
-    if gauge:
-        cell(sh, "%cudamem gauge --inline")
+    if gauge:  # no front end here: make the gauge directly; it publishes to a comm all the same
+        cell(sh, "from nbmem.magics import _ACTIVE as _A\nfrom nbmem.widget import Gauge as _G\n"
+                 "_gauge = _G(_A[get_ipython()].session, shell=get_ipython())")
 
 
 def nbmem_off(sh: InteractiveShell) -> None:
+    if "_gauge" in sh.user_ns:
+        cell(sh, "_gauge.close()\ndel _gauge")
     cell(sh, "%unload_ext nbmem")
 
 

@@ -47,9 +47,11 @@ def leaks(cell: int | None = None) -> Any:
     Columns: cell, name, holders, kind ("namespace", "output", "traceback"), device, bytes,
     holds_graph, hint. Storages are counted once; bytes include the saved tensors of a kept graph.
     """
-    if cell is not None and (isinstance(cell, bool) or not isinstance(cell, int)):
+    import numbers
+
+    if cell is not None and (isinstance(cell, bool) or not isinstance(cell, numbers.Integral)):
         raise TypeError(f"nbmem.leaks(cell=...) takes a cell number (the N of In[N]) or None, got {cell!r}")
-    return _session().leaks(cell)
+    return _session().leaks(None if cell is None else int(cell))
 
 
 def cleanup(names: Any = (), outputs: bool = False, traceback: bool = False, collect: bool = True,

@@ -401,7 +401,7 @@ def scan(roots: Iterable[tuple[str, str, Any]], *, torch: Any | None = None, max
         for n in nodes:
             for k, p in w.paths(n, max_holders, memo):
                 found.setdefault(p, k)
-        ranked = sorted(found.items(), key=lambda pk: (pk[1], len(pk[0]), pk[0]))
+        ranked = sorted(found.items(), key=lambda pk: (pk[1], _stability(pk[0]), len(pk[0]), pk[0]))
         graph_bytes = 0
         for gk in w.graph_keys.get(key, ()):
             if gk not in direct and gk not in claimed and gk != key:
@@ -417,6 +417,15 @@ def scan(roots: Iterable[tuple[str, str, Any]], *, torch: Any | None = None, max
     return res
 
 
+def _stability(path: str) -> int:
+    """Among output holders, prefer names that do not move: ``Out[n]``, then ``_n``, then ``_``."""
+    if path.startswith("Out["):
+        return 0
+    if path[:1] == "_" and path[1:2].isdigit():
+        return 1
+    return 2 if path in ROTATING else 0
+
+
 # -- findings ------------------------------------------------------------------------------------
 def root_name(path: str) -> str:
     """The top-level name a path starts from (``losses[3]`` → ``losses``)."""
@@ -430,12 +439,13 @@ def hint_for(h: Held, lost: list[str] | None = None) -> str:
     """One line that says why the memory is held and what frees it."""
     if lost:
         return (f"{', '.join(lost)} was deleted or rebound, but {h.name} still holds it: "
-                f"delete that too to free it")
+                f"delete `{root_name(h.name)}` too to free it")
+    if h.kind == "output":
+        graph = f" (with its autograd graph, {fmt_bytes(h.graph_bytes)})" if h.graph_bytes else ""
+        return f"kept by the output history{graph}: nbmem.cleanup(outputs=True), or end the line with `;`"
     if h.holds_graph and h.graph_bytes:
         return (f"holds its autograd graph ({fmt_bytes(h.graph_bytes)}): keep `loss.item()` or "
                 f"`t.detach()` instead")
-    if h.kind == "output":
-        return "kept by the output history: nbmem.cleanup(outputs=True), or end the line with `;`"
     if h.kind == "traceback":
         return "kept by the last exception's traceback: nbmem.cleanup(traceback=True) (ends %debug for it)"
     roots = sorted({root_name(p) for p in h.holders})

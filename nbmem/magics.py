@@ -223,10 +223,14 @@ class NbmemMagics(Magics):
         # The body's exception is re-raised below so the cell fails (Run All stops, %debug works);
         # showing it here as well would print the traceback twice.
         shell.showtraceback = _defer_traceback
+        # IPython decides "ends with ;" from the outer cell (the magic call): ask about the body instead.
+        dh = shell.displayhook
+        dh.quiet = lambda: dh.semicolon_at_end_of_expression(cell)
         try:
             result = shell.run_cell(cell, store_history=False)
         finally:
             del shell.showtraceback
+            del dh.quiet
             self._nested = False
             error = getattr(result, "error_in_exec", None) or getattr(result, "error_before_exec", None)
             report = s.end_cell(error)

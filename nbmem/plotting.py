@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import io
 from typing import Any
+
+from matplotlib.figure import Figure
 
 from .formatting import fmt_bytes
 
@@ -11,16 +14,28 @@ _SERIES = (("allocated_bytes", "torch allocated"), ("reserved_bytes", "torch res
            ("rss_bytes", "RSS (host)"))
 
 
+class MemoryFigure(Figure):
+    """A matplotlib Figure that shows itself in a notebook without ``%matplotlib inline``.
+
+    It is built without pyplot (no global figure state, nothing shown twice), so IPython has no
+    inline formatter for it unless the user enabled one; ``_repr_png_`` is the fallback.
+    """
+
+    def _repr_png_(self) -> bytes:
+        buf = io.BytesIO()
+        self.savefig(buf, format="png", dpi=100)
+        return buf.getvalue()
+
+
 def plot(session: Any) -> Any:
     """A matplotlib Figure with one panel per device; returns it without showing it twice."""
     from matplotlib.dates import AutoDateLocator, ConciseDateFormatter
-    from matplotlib.figure import Figure  # a bare Figure: no pyplot state, no implicit display
     from matplotlib.ticker import FuncFormatter
 
     samples = session.samples()
     cells = session.report()
     devices = [d for d in dict.fromkeys(samples["device"]) if d != "cpu"] or ["cpu"]
-    fig = Figure(figsize=(9, 2.6 * len(devices)), layout="constrained")
+    fig = MemoryFigure(figsize=(9, 2.6 * len(devices)), layout="constrained")
     axes = fig.subplots(len(devices), 1, squeeze=False)[:, 0]
     for ax, dev in zip(axes, devices):
         rows = samples[samples["device"] == dev]

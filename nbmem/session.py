@@ -65,6 +65,7 @@ class _Open:
     before: Boundary
     reset: bool
     scan: bool
+    baseline: _leaks.Scan | None  # what the cell's findings are compared with
 
 
 @dataclass
@@ -187,7 +188,7 @@ class Session:
         if reset:
             for i in range(self.probe.torch.device_count()):
                 self.probe.torch.reset_peak(i)
-        self._open = _Open(cell, self.probe.boundary(), reset, do_scan)
+        self._open = _Open(cell, self.probe.boundary(), reset, do_scan, self._last_scan)
 
     @property
     def in_cell(self) -> bool:
@@ -204,22 +205,30 @@ class Session:
         cur: _leaks.Scan | None = None
         unattributed: list[tuple[str, int]] = []
         if o.scan:
-            prev = self._last_scan
-            cur = self.scan_now(budget_s=self.settings.scan_budget_s) if self.changed_since_scan() else prev
+            prev = o.baseline  # not _last_scan: a cleanup inside the cell may have replaced it
+            cur = (self.scan_now(budget_s=self.settings.scan_budget_s) if self.changed_since_scan()
+                   else self._last_scan)
             assert cur is not None
             # The CPU has no allocator counters: its "allocated" is the live CPU tensor storages the scan found.
             records = [replace(r, allocated_before_bytes=prev.totals.get("cpu", 0) if prev else None,
                                allocated_after_bytes=cur.totals.get("cpu", 0)) if r.device == "cpu" else r
                        for r in records]
-            found = tuple(_leaks.findings(cur, self._last_scan, o.cell, threshold_bytes=self.settings.threshold_bytes))
-            self._first_seen = {k: self._first_seen.get(k, o.cell) for k in cur.storages}
+            found = tuple(_leaks.findings(cur, prev, o.cell, threshold_bytes=self.settings.threshold_bytes))
+            # Storages already there when watching began get cell 0: which cell made them is unknown.
+            before = prev.storages if prev is not None else {}
+            self._first_seen = {k: self._first_seen.get(k, 0 if k in before else o.cell) for k in cur.storages}
             self._last_scan = cur
             self._remember(o.cell, found)
             for r in records:
-                if r.allocated_after_bytes is not None and r.device != "cpu":
-                    gap = r.allocated_after_bytes - cur.totals.get(r.device, 0)
-                    if gap >= self.settings.threshold_bytes:
-                        unattributed.append((r.device, gap))
+                if r.allocated_after_bytes is None or r.device == "cpu":
+                    continue
+                # Allocated bytes no name reaches (cuBLAS workspaces, C++-held buffers, cycles): shown
+                # when this cell made the gap grow, not under every report.
+                gap = r.allocated_after_bytes - cur.totals.get(r.device, 0)
+                gap0 = (r.allocated_before_bytes - prev.totals.get(r.device, 0)
+                        if prev is not None and r.allocated_before_bytes is not None else 0)
+                if gap - gap0 >= self.settings.threshold_bytes:
+                    unattributed.append((r.device, gap))
         for r in records:
             self.store.add_cell(r)
         text = f"{err}: {error}".lower()

@@ -69,7 +69,7 @@ class ShellAdapter:
                 obj = getattr(sh, "user_ns_hidden", {}).get(name)
             if obj is None and dh is not None:
                 obj = getattr(dh, name, None)
-            if obj is not None and obj != "":
+            if obj is not None and not (isinstance(obj, str) and obj == ""):  # "" = nothing shown yet
                 yield name, "output", obj
         res = getattr(getattr(sh, "last_execution_result", None), "result", None)
         if res is not None:

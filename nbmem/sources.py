@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ctypes
 import os
-import resource
 import sys
 import threading
 import time
@@ -130,6 +129,7 @@ class NvmlSource:
         self.process_reason: str | None = None  # why per-process numbers are unknown
         self._handles: dict[str, Any] = {}
         self._proc_cache: dict[str, tuple[float, tuple[GpuProcess, ...]]] = {}
+        self._pid_invisible: set[str] = set()  # devices where we use CUDA but NVML never lists our PID
         self._started = False
 
     # -- the one choke point -------------------------------------------------------------------
@@ -231,16 +231,27 @@ class NvmlSource:
         self._proc_cache[device] = (now, result)
         return result
 
-    def read(self, device: str, *, cuda_in_use: bool, pid: int | None = None) -> GpuReading:
-        """NVML's numbers for one device; per-process values are ``None`` where they cannot be known."""
+    def read(self, device: str, *, cuda_in_use: bool, pid: int | None = None,
+             max_age_s: float = PROCESS_LIST_MIN_INTERVAL_S) -> GpuReading:
+        """NVML's numbers for one device; per-process values are ``None`` where they cannot be known.
+
+        ``cuda_in_use`` says whether this process holds memory on *this* device (torch's reserved
+        bytes there); ``max_age_s`` how old a cached process list may be.
+        """
         used, total = self.memory(device)
-        procs = self.processes(device)
+        procs = self.processes(device, max_age_s=max_age_s)
         if procs is None:
             return GpuReading(used, total, None, None)
         me = os.getpid() if pid is None else pid
+        if cuda_in_use and device not in self._pid_invisible and not any(p.pid == me for p in procs):
+            # The cached list may predate our context on this device: look once more before concluding.
+            procs = self.processes(device, max_age_s=0.0) or ()
+            if not any(p.pid == me for p in procs):
+                self._pid_invisible.add(device)
         mine = [p for p in procs if p.pid == me]
         others = tuple(p for p in procs if p.pid != me)
         if mine:
+            self._pid_invisible.discard(device)
             own = mine[0].used_bytes
         elif cuda_in_use:
             # We hold a CUDA context yet NVML lists no process with our PID: we are in a PID namespace
@@ -348,6 +359,8 @@ class HostSource:
     def max_rss_bytes() -> int | None:
         """The kernel's high-water mark of RSS (exact, unlike polling)."""
         try:
+            import resource  # Unix only
+
             kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
         except Exception:
             return None
@@ -362,7 +375,7 @@ class _MallInfo2(ctypes.Structure):
 def _mallinfo2() -> Callable[[], int] | None:
     try:
         fn = ctypes.CDLL(None).mallinfo2  # glibc >= 2.33
-    except (OSError, AttributeError):
+    except (OSError, AttributeError, TypeError):
         return None
     fn.restype = _MallInfo2
 
@@ -416,6 +429,14 @@ class Boundary:
     nvml: Mapping[str, GpuReading]
 
 
+#: How old a process list may be at a cell boundary (cells are user-paced, not a polling loop).
+BOUNDARY_MAX_AGE_S = 0.05
+
+
+def _holds_memory(a: AllocatorReading | None) -> bool:
+    return a is not None and a.reserved_bytes > 0
+
+
 class Probe:
     """All sources behind one face: what the sampler and the cell hooks read."""
 
@@ -452,10 +473,9 @@ class Probe:
         rss = self.host.rss_bytes()
         out = [Sample(now, "cpu", None, None, None, None, None, None, None, None, rss, *self.host.memory())]
         alloc = self.allocator()
-        cuda_up = bool(alloc)
         for name in self.gpu_names():
             a = alloc.get(name)
-            g = self.nvml.read(name, cuda_in_use=cuda_up)
+            g = self.nvml.read(name, cuda_in_use=_holds_memory(a))
             out.append(Sample(
                 now, name,
                 a.allocated_bytes if a else None, a.reserved_bytes if a else None,
@@ -465,5 +485,7 @@ class Probe:
 
     def boundary(self) -> Boundary:
         alloc = self.allocator()
-        nv = {name: self.nvml.read(name, cuda_in_use=bool(alloc)) for name in self.gpu_names()}
+        # A cell's Δ of NVML process usage needs a fresh list at both ends, not the sampler's cached one.
+        nv = {name: self.nvml.read(name, cuda_in_use=_holds_memory(alloc.get(name)), max_age_s=BOUNDARY_MAX_AGE_S)
+              for name in self.gpu_names()}
         return Boundary(self._wall(), self._mono(), self.host.rss_bytes(), self.host.max_rss_bytes(), alloc, nv)

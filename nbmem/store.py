@@ -88,6 +88,9 @@ def records_frame(records: Sequence[Any], *, index: str | None = None, columns: 
 
     rows = [r.row() for r in records]
     df = pd.DataFrame(rows, columns=columns or (list(rows[0]) if rows else None))
+    for c in df.columns:
+        if c.endswith(("_bytes", "_s")):  # unknown is NaN, as in samples(), not an object column of None
+            df[c] = pd.to_numeric(df[c], errors="coerce").astype("float64")
     if index is not None and index in df.columns:
         df = df.set_index(index)
     return df

@@ -15,6 +15,21 @@ from IPython.core.interactiveshell import InteractiveShell
 from traitlets.config import Config
 
 
+def _nvml_gpus() -> int:
+    """GPUs NVML sees (asked without CUDA, so no context is made)."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        return int(pynvml.nvmlDeviceGetCount())
+    except Exception:
+        return 0
+
+
+HAS_GPU = _nvml_gpus() > 0
+cpu_only = pytest.mark.skipif(HAS_GPU, reason="checks the layout of a machine without a GPU")
+
+
 def nbmem_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("nbmem")]
 

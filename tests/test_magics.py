@@ -13,7 +13,7 @@ import nbmem
 from nbmem.magics import _ACTIVE
 from tests.conftest import last_cell, nbmem_callbacks, nbmem_threads, ok, run
 
-MB = 2**20
+MB = MiB = 2**20
 
 
 def test_import_is_light():
@@ -222,3 +222,42 @@ def test_plot_returns_a_figure(ip):
     from matplotlib.figure import Figure
 
     assert isinstance(fig, Figure) and fig.axes[0].get_title(loc="left") == "cpu"
+    shown, _ = ip.display_formatter.format(fig)  # a fresh kernel, no %matplotlib: still a picture
+    assert shown["image/png"][:4] == b"\x89PNG"
+
+
+def test_a_displayed_dataframe_does_not_break_later_scans(ip):
+    ok(ip, "import pandas as pd\npd.DataFrame({'a': [1, 2]})")
+    ok(ip, "%cudamem leaks")
+    ok(ip, "x = torch.empty(2**20)")
+    assert nbmem.cleanup(names=["x"]).freed_allocated_bytes == 4 * MiB
+    assert not _ACTIVE[ip].session.faults
+
+
+def test_a_semicolon_ends_a_measured_cell_quietly(ip):
+    ok(ip, "%%cudamem\ntorch.ones(2**20);")
+    assert nbmem.leaks().empty and ip.user_ns["Out"] == {}
+
+
+def test_leaks_takes_numpy_cell_numbers(ip):
+    import numpy as np
+
+    ok(ip, "x = torch.empty(2**20)")
+    cell = nbmem.report().index[-1]
+    assert isinstance(cell, np.integer) or isinstance(cell, int)
+    assert list(nbmem.leaks(cell=np.int64(cell))["name"]) == ["x"]
+
+
+def test_a_cleanup_inside_a_monitored_cell_shows_in_its_delta(ip):
+    ok(ip, "x = torch.ones(8 * 2**20)")
+    ok(ip, "nbmem_report = __import__('nbmem').cleanup(names=['x'])")
+    assert nbmem.report().iloc[-1]["delta_allocated_bytes"] == -32 * MiB
+
+
+def test_tensors_from_before_monitoring_are_cell_0(shell):
+    ok(shell, "%load_ext nbmem")
+    ok(shell, "import torch\nold = torch.empty(2**20)")
+    ok(shell, "%cudamem on")
+    ok(shell, "new = torch.empty(2**20)")
+    cells = dict(zip(nbmem.leaks()["name"], nbmem.leaks()["cell"]))
+    assert cells == {"old": 0, "new": last_cell(shell)}

@@ -21,10 +21,7 @@ NOTEBOOKS = sorted((ROOT / "notebooks").glob("*.ipynb"))
 FAULT = "nbmem: an internal error"
 #: Notebooks that fail because of a known nbmem bug, with the bug. Strict: once the bug is fixed the test
 #: passes, xfail(strict=True) turns that into a failure, and the entry must go.
-KNOWN_BUGS = {
-    "quickstart": "nbmem/shell.py output_roots compares `_` with '' (`obj != ''`): once a DataFrame is the last "
-                  "output (`%cudamem leaks`), every later scan raises 'The truth value of a DataFrame is ambiguous'",
-}
+KNOWN_BUGS: dict[str, str] = {}
 #: Printed by the new environment's Python: where nbmem and torch came from.
 PROBE = """
 import json, nbmem, torch

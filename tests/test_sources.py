@@ -172,3 +172,26 @@ def test_host_numbers():
         x = torch.empty(4 * 2**20)
         assert heap_bytes() - before >= 16 * 2**20
         del x
+
+
+def test_a_list_cached_before_our_context_existed_is_refreshed_once():
+    nv = FakeNvml(procs=[SimpleNamespace(pid=999999, usedGpuMemory=300)])
+    s = started(nv)
+    assert s.read("cuda:0", cuda_in_use=False).process_used_bytes == 0
+    nv.procs = [SimpleNamespace(pid=os.getpid(), usedGpuMemory=900), SimpleNamespace(pid=999999, usedGpuMemory=300)]
+    g = s.read("cuda:0", cuda_in_use=True)  # within the cache's second: must not say "container"
+    assert g.process_used_bytes == 900 and s.process_reason is None
+
+
+def test_a_pid_namespace_is_concluded_once_then_not_asked_every_read():
+    nv = FakeNvml(procs=[SimpleNamespace(pid=4242, usedGpuMemory=700)])
+    s = started(nv)
+    for _ in range(5):
+        assert s.read("cuda:0", cuda_in_use=True).process_used_bytes is None
+    assert nv.calls.count("procs") == 2  # the cached list, then one fresh look
+
+
+def test_a_device_this_process_does_not_use_is_not_blamed_on_containers():
+    s = started(FakeNvml(procs=[SimpleNamespace(pid=4242, usedGpuMemory=700)]))
+    g = s.read("cuda:1", cuda_in_use=False)
+    assert g.process_used_bytes == 0 and s.process_reason is None

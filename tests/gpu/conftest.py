@@ -4,18 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from tests.conftest import _nvml_gpus
 
-def _gpus() -> int:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-        return int(pynvml.nvmlDeviceGetCount())
-    except Exception:
-        return 0
-
-
-GPUS = _gpus()
+GPUS = _nvml_gpus()
 
 
 def pytest_collection_modifyitems(config, items):
