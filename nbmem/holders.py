@@ -303,7 +303,10 @@ class _Walker:
                 if s == _TENSOR:
                     self.visit_tensor(obj, node, kind)
                 elif s == _DICT:
-                    for k, v in list(obj.items()):
+                    for n, (k, v) in enumerate(list(obj.items())):
+                        if not n & 65535 and n and deadline is not None and time.perf_counter() > deadline:
+                            self.truncated = True
+                            break
                         tk = type(k)
                         if tk in atomic:
                             if type(v) not in atomic:
@@ -317,6 +320,9 @@ class _Walker:
                     for i, v in enumerate(list(obj)):
                         if type(v) not in atomic:
                             add(v, node, _L_INDEX, i, kind)
+                        if not i & 65535 and i and deadline is not None and time.perf_counter() > deadline:
+                            self.truncated = True  # one huge list must not outlast the budget
+                            break
                 elif s == _SET:
                     for v in list(obj):
                         add(v, node, _L_TEXT, "{…}", kind)

@@ -206,8 +206,8 @@ class Session:
         unattributed: list[tuple[str, int]] = []
         if o.scan:
             prev = o.baseline  # not _last_scan: a cleanup inside the cell may have replaced it
-            cur = (self.scan_now(budget_s=self.settings.scan_budget_s) if self.changed_since_scan()
-                   else self._last_scan)
+            cur = (self.scan_now(budget_s=self.settings.scan_budget_s, allocator=after.allocator)
+                   if self.changed_since_scan(after.allocator) else self._last_scan)
             assert cur is not None
             # The CPU has no allocator counters: its "allocated" is the live CPU tensor storages the scan found.
             records = [replace(r, allocated_before_bytes=prev.totals.get("cpu", 0) if prev else None,
@@ -271,17 +271,18 @@ class Session:
                    or (r.peak_allocated_bytes or 0) - (r.allocated_before_bytes or 0) >= t for r in report.records)
 
     # -- leaks -----------------------------------------------------------------------------------
-    def scan_now(self, *, budget_s: float | None = None) -> _leaks.Scan:
-        mark = self._mark()
+    def scan_now(self, *, budget_s: float | None = None, allocator: Any = None) -> _leaks.Scan:
+        mark = self._mark(allocator)
         scan = _leaks.scan(self.adapter.roots(), torch=self.probe.torch.torch(), budget_s=budget_s)
         self._scan_mark = mark
         return scan
 
-    def _mark(self) -> tuple[Any, int | None, Any]:
-        alloc = tuple(sorted((d, r.allocated_bytes if r else None) for d, r in self.probe.allocator().items()))
+    def _mark(self, allocator: Any = None) -> tuple[Any, int | None, Any]:
+        readings = self.probe.allocator() if allocator is None else allocator
+        alloc = tuple(sorted((d, r.allocated_bytes if r else None) for d, r in readings.items()))
         return alloc, heap_bytes() if heap_bytes else None, self.adapter.fingerprint()
 
-    def changed_since_scan(self) -> bool:
+    def changed_since_scan(self, allocator: Any = None) -> bool:
         """Whether a new walk could find something new.
 
         Yes when memory moved (CUDA allocated by any amount, exact; the C heap, where CPU tensors live,
@@ -292,7 +293,7 @@ class Session:
         """
         if self._last_scan is None or self._scan_mark is None:
             return True
-        alloc, heap, (names, ids, kept) = self._mark()
+        alloc, heap, (names, ids, kept) = self._mark(allocator)
         alloc0, heap0, (names0, ids0, kept0) = self._scan_mark
         if alloc != alloc0 or names != names0 or kept != kept0:
             return True

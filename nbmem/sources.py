@@ -485,7 +485,11 @@ class Probe:
 
     def boundary(self) -> Boundary:
         alloc = self.allocator()
-        # A cell's Δ of NVML process usage needs a fresh list at both ends, not the sampler's cached one.
-        nv = {name: self.nvml.read(name, cuda_in_use=_holds_memory(alloc.get(name)), max_age_s=BOUNDARY_MAX_AGE_S)
-              for name in self.gpu_names()}
+        # A cell's Δ of NVML process usage needs a fresh list at both ends, not the sampler's cached one;
+        # only on devices this process uses (elsewhere its usage is 0 and the cached list will do).
+        nv = {}
+        for name in self.gpu_names():
+            used = _holds_memory(alloc.get(name))
+            nv[name] = self.nvml.read(name, cuda_in_use=used,
+                                      max_age_s=BOUNDARY_MAX_AGE_S if used else PROCESS_LIST_MIN_INTERVAL_S)
         return Boundary(self._wall(), self._mono(), self.host.rss_bytes(), self.host.max_rss_bytes(), alloc, nv)
