@@ -87,26 +87,17 @@ def ipyx_off(sh: InteractiveShell) -> None:
     cell(sh, "_ipyx.cl.stop()\ndel _ipyx")
 
 
-TRAIN_SETUP = {
-    "launch-bound": """
+TRAIN_SETUP = """
 import torch
 _dev = {dev!r}
-model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)]).to(_dev)
+model = torch.nn.Sequential(*[torch.nn.Linear({width}, {width}) for _ in range({depth})]).to(_dev)
 opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-xb = torch.randn(64, 256, device=_dev)
+xb = torch.randn({batch}, {width}, device=_dev)
 def sync():
     if _dev == "cuda": torch.cuda.synchronize()
-""",
-    "compute-bound": """
-import torch
-_dev = {dev!r}
-model = torch.nn.Sequential(*[torch.nn.Linear(4096, 4096) for _ in range(4)]).to(_dev)
-opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-xb = torch.randn(4096, 4096, device=_dev)
-def sync():
-    if _dev == "cuda": torch.cuda.synchronize()
-""",
-}
+"""
+#: The two cells of the issue: many tiny kernels (Python and launch bound), and a few big matmuls.
+MODELS = {"launch-bound": dict(width=256, depth=8, batch=64), "compute-bound": dict(width=4096, depth=4, batch=4096)}
 TRAIN_STEP = """
 for _ in range({steps}):
     opt.zero_grad(set_to_none=True)
@@ -123,7 +114,7 @@ def bench_training(dev: str, pairs: int, quick: bool, have_ipyx: bool, have_gaug
         if kind == "compute-bound" and dev == "cpu":
             steps = 2
         sh = new_shell()
-        cell(sh, TRAIN_SETUP[kind].format(dev=dev))
+        cell(sh, TRAIN_SETUP.format(dev=dev, **MODELS[kind]))
         step = TRAIN_STEP.format(steps=steps)
         cell(sh, step)  # warm-up: kernels, allocator, autograd
         contenders = [("nbmem", lambda sh=sh: nbmem_on(sh, have_gauge), lambda sh=sh: nbmem_off(sh))]
