@@ -219,13 +219,12 @@ def _gpu_state() -> dict[str, Any]:
     for k in range(120):
         t = now - 120 + k
         a = int((2 + 6 * (k % 40) / 40) * GiB)
-        samples += [Sample(t, "cpu", None, None, None, None, None, None, None, None, 3 * GiB),
+        samples += [Sample(t, "cpu", None, None, None, None, None, None, None, None, 3 * GiB, 64 * GiB, 20 * GiB),
                     Sample(t, "cuda:0", a, 10 * GiB, a, 0, 30 * GiB, 80 * GiB, 11 * GiB, 19 * GiB, 3 * GiB),
                     Sample(t, "cuda:1", GiB, 2 * GiB, GiB, 0, 9 * GiB, 24 * GiB, None, None, 3 * GiB)]
     batch = samples[-3:]
     snap = snapshot_columns(batch, models={"cuda:0": "NVIDIA H100 80GB HBM3", "cuda:1": "NVIDIA L4"},
-                            peaks={"cpu": 4 * GiB, "cuda:0": 8 * GiB, "cuda:1": GiB}, cpu_tensors_bytes=GiB,
-                            host=(64 * GiB, 20 * GiB))
+                            peaks={"cpu": 4 * GiB, "cuda:0": 8 * GiB, "cuda:1": GiB}, cpu_tensors_bytes=GiB)
     rec = CellRecord(7, now - 30, 12.5, "cuda:0", 2 * GiB, 6 * GiB, 8 * GiB, 10 * GiB, 8 * GiB, "", 9 * GiB,
                      11 * GiB, 3 * GiB, 3 * GiB, None, "")
     findings = [
