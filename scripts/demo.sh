@@ -3,4 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
-exec .venv/bin/jupyter lab notebooks/quickstart.ipynb "$@"
+extra=()
+[ "$(id -u)" = 0 ] && extra+=(--allow-root)   # containers often run as root; JupyterLab refuses without it
+[ -z "${DISPLAY:-}" ] && extra+=(--no-browser) # headless: open the printed URL yourself
+exec .venv/bin/jupyter lab notebooks/quickstart.ipynb "${extra[@]}" "$@"
