@@ -24,6 +24,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from traitlets.config import Config
 
 SUMMARY: list[str] = []
+SIZES: list[int] = []  # --sizes: namespace sizes for the per-cell figures
 
 
 def line(name: str, value: str) -> None:
@@ -148,7 +149,7 @@ def fill_namespace(sh: InteractiveShell, n: int, dev: str) -> None:
 
 def bench_per_cell(dev: str, quick: bool) -> None:
     print("per-cell overhead of %cudamem on (hooks + scan + report), empty cell and a cell that binds a name")
-    sizes = [10_000, 100_000] if quick else [10_000, 100_000, 1_000_000, 10_000_000]
+    sizes = SIZES or ([10_000, 100_000] if quick else [10_000, 100_000, 1_000_000, 10_000_000])
     for n in sizes:
         sh = new_shell()
         fill_namespace(sh, n, dev)
@@ -285,8 +286,10 @@ def main() -> int:
     ap.add_argument("--pairs", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
     ap.add_argument("--only", default="", help="comma list: training,cell,peaks,footprint,widget,load")
+    ap.add_argument("--sizes", default="", help="comma list of namespace sizes for the per-cell figures")
     a = ap.parse_args()
     only = set(filter(None, a.only.split(",")))
+    SIZES.extend(int(x) for x in a.sizes.split(",") if x)
     try:
         import ipyexperiments  # noqa: F401
         have_ipyx = True

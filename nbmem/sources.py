@@ -301,7 +301,9 @@ class TorchSource:
         t = self.torch()
         assert t is not None
         try:
-            return dict(t.cuda.memory_stats(index))
+            # The nested form is what the allocator returns; memory_stats() flattens and sorts it in
+            # Python, which is most of its ~115 µs.
+            return dict(t.cuda.memory.memory_stats_as_nested_dict(index))
         except Exception:
             return None
 
@@ -309,15 +311,18 @@ class TorchSource:
         s = self._stats(index)
         if not s:
             return None
-        g = s.get
+
+        def stat(name: str, kind: str = "current") -> int:
+            return int(s.get(name, {}).get("all", {}).get(kind, 0))
+
         return AllocatorReading(
-            allocated_bytes=int(g("allocated_bytes.all.current", 0)),
-            reserved_bytes=int(g("reserved_bytes.all.current", 0)),
-            active_bytes=int(g("active_bytes.all.current", 0)),
-            inactive_split_bytes=int(g("inactive_split_bytes.all.current", 0)),
-            peak_allocated_bytes=int(g("allocated_bytes.all.peak", 0)),
-            peak_reserved_bytes=int(g("reserved_bytes.all.peak", 0)),
-            num_ooms=int(g("num_ooms", 0)),
+            allocated_bytes=stat("allocated_bytes"),
+            reserved_bytes=stat("reserved_bytes"),
+            active_bytes=stat("active_bytes"),
+            inactive_split_bytes=stat("inactive_split_bytes"),
+            peak_allocated_bytes=stat("allocated_bytes", "peak"),
+            peak_reserved_bytes=stat("reserved_bytes", "peak"),
+            num_ooms=int(s.get("num_ooms", 0)),
         )
 
     def reset_peak(self, index: int) -> None:
