@@ -30,8 +30,9 @@ OOM_ADVICE = (
 )
 
 
-#: A walk this fast is repeated after any rebinding; slower ones only when memory or names change.
-CHEAP_SCAN_S = 0.02
+#: A walk this fast (a small namespace) is repeated after any rebinding; slower ones only when memory,
+#: names, outputs or exceptions change, so a training cell that rebinds `loss` stays cheap.
+CHEAP_SCAN_S = 0.005
 
 RESTART_ADVICE = ("CUDA is in an error state (a device-side assert or an illegal access) and stays so for the "
                   "life of this process: restart the kernel. Cleanup cannot free GPU memory now.")
