@@ -192,7 +192,25 @@ class NbmemMagics(Magics):
     @argument("--sidebar", action="store_true", help="With `gauge`: show it in JupyterLab's right sidebar.")
     @line_cell_magic
     def cudamem(self, line: str, cell: str | None = None) -> Any:
-        """Measure GPU memory per cell and find what holds it. See the nbmem.magics docstring."""
+        """Measure GPU memory per cell, find which names hold it, and give it back.
+
+        As a cell magic, ``%%cudamem`` on a cell's first line runs the cell and reports wall time,
+        Δallocated, Δreserved, the exact peak inside the cell, Δ NVML process usage, Δ RSS and the
+        names that keep what the cell added. As a line magic it takes a command:
+
+          on / off            measure every cell from now on / stop
+          status              what nbmem can and cannot see, and why
+          report              one row per measured cell (= nbmem.report())
+          leaks [--cell N]    who holds memory now, or what cell N added (= nbmem.leaks())
+          clean NAME ...      delete names via IPython's del_var; --outputs, --traceback,
+                              --all-flagged, --to-cpu NAME; then gc.collect() and empty_cache()
+          gauge               show the live gauge again (--inline or --sidebar)
+          plot                memory over time, measured cells shaded (= nbmem.plot())
+
+        nbmem never resets the allocator's peak counter unless you pass --reset-peak: without it a
+        cell's peak is exact when the cell raised the high-water mark, and reported as "≤ X" otherwise.
+        Options: %config Nbmem (interval, history, threshold, scan, scan_budget, show, reset_peak, gauge).
+        """
         __tracebackhide__ = True  # a failing %%cudamem body shows the user's traceback, not ours
         args = parse_argstring(self.cudamem, line)
         if cell is not None:
