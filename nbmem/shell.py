@@ -17,6 +17,11 @@ _INPUT_NAME = re.compile(r"^_i+\d*$")
 _ROTATING = ("_", "__", "___")
 
 
+def _output_cache_name(name: str) -> bool:
+    """IPython's own input/output cache names (``_``, ``_12``, ``_i``, ``_i12``): not user variables."""
+    return name in _ROTATING or bool(_OUTPUT_NAME.match(name) or _INPUT_NAME.match(name))
+
+
 class ShellAdapter:
     """What nbmem needs from an IPython shell, in one place."""
 
@@ -30,7 +35,7 @@ class ShellAdapter:
         ns = sh.user_ns
         hidden = getattr(sh, "user_ns_hidden", {})
         for name, obj in list(ns.items()):
-            if name in _ROTATING or _OUTPUT_NAME.match(name) or _INPUT_NAME.match(name):
+            if _output_cache_name(name):
                 continue
             if name in hidden and hidden[name] is obj:
                 continue  # IPython's own entries (In, Out, exit, get_ipython, …)
@@ -46,7 +51,7 @@ class ShellAdapter:
         Equal parts mean no name was added or deleted, rebound, no output kept and no exception kept.
         """
         sh = self.shell
-        items = [(k, id(v)) for k, v in sh.user_ns.items() if not k.startswith("_i") and not k[1:2].isdigit()]
+        items = [(k, id(v)) for k, v in sh.user_ns.items() if not _output_cache_name(k)]
         hm = getattr(sh, "history_manager", None)
         kept = (len(getattr(hm, "output_hist", ())),
                 id(getattr(getattr(sh, "last_execution_result", None), "result", None)),
@@ -97,7 +102,7 @@ class ShellAdapter:
                 tb = tb.tb_next
         for frame in frames.values():
             code = frame.f_code
-            if code.co_name == "<module>" or (frame.f_globals is self.shell.user_ns and code.co_name == "<module>"):
+            if code.co_name == "<module>":
                 continue  # the cell's own top level: its names are the namespace, already walked
             if "site-packages" in code.co_filename and "IPython" in code.co_filename:
                 continue

@@ -119,3 +119,16 @@ def test_findings_are_shown_under_the_cell_as_text_and_html(ip, capsys):
     report = _ACTIVE[ip].session.last_report
     html = report._repr_html_()
     assert "<img" not in html and "&lt;img src=x onerror=alert(1)&gt;" in html
+
+
+def test_rebinding_a_name_with_a_digit_or_an_i_prefix_counts_as_a_change(ip):
+    # The fingerprint once skipped every name whose second character is a digit (`x1`) or that starts
+    # with `_i` (`_idx`), as if they were IPython's `_12` / `_i12`.
+    from nbmem.magics import _ACTIVE
+
+    adapter = _ACTIVE[ip].session.adapter
+    for name in ("x1", "_idx"):
+        ok(ip, f"{name} = object()")
+        before = adapter.fingerprint()
+        ok(ip, f"{name} = object()")
+        assert adapter.fingerprint()[1] != before[1], name
