@@ -12,7 +12,7 @@ from collections import deque
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
-from . import holders as _leaks
+from . import holders
 from .cells import CELL_COLUMNS, CellRecord, CellReport, cell_records
 from .cleaner import Cleaner, CleanupReport
 from .formatting import fmt_bytes
@@ -66,7 +66,7 @@ class _Open:
     before: Boundary
     reset: bool
     scan: bool
-    baseline: _leaks.Scan | None  # what the cell's findings are compared with
+    baseline: holders.Scan | None  # what the cell's findings are compared with
 
 
 @dataclass
@@ -113,10 +113,10 @@ class Session:
         self.faults: dict[str, Fault] = {}
         self._told: set[str] = set()
         self._open: _Open | None = None
-        self._last_scan: _leaks.Scan | None = None
+        self._last_scan: holders.Scan | None = None
         self._scan_mark: tuple[Any, int | None, tuple[int, ...]] | None = None
         self._first_seen: dict[tuple[str, int], int] = {}
-        self._findings: dict[int, tuple[_leaks.Finding, ...]] = {}
+        self._findings: dict[int, tuple[holders.Finding, ...]] = {}
         self._finding_cells: deque[int] = deque()
         self.last_report: CellReport | None = None
         self.cell_listeners: list[Callable[[CellReport], None]] = []
@@ -185,7 +185,7 @@ class Session:
         do_scan = self.settings.scan if scan is None else scan
         if do_scan and (self._last_scan is None or not self.monitoring):
             # With monitoring on, the previous cell's closing scan is this cell's baseline.
-            self._last_scan = self.scan_now()
+            self._rescan()
         if reset:
             for i in range(self.probe.torch.device_count()):
                 self.probe.torch.reset_peak(i)
@@ -202,23 +202,23 @@ class Session:
         after = self.probe.boundary()
         err = type(error).__name__ if error is not None else ""
         records = cell_records(o.cell, o.before, after, error=err, was_reset=o.reset)
-        found: tuple[_leaks.Finding, ...] = ()
-        cur: _leaks.Scan | None = None
+        found: tuple[holders.Finding, ...] = ()
+        cur: holders.Scan | None = None
         unattributed: list[tuple[str, int]] = []
         if o.scan:
             prev = o.baseline  # not _last_scan: a cleanup inside the cell may have replaced it
-            cur = (self.scan_now(budget_s=self.settings.scan_budget_s, allocator=after.allocator)
-                   if self.changed_since_scan(after.allocator) else self._last_scan)
+            mark = self._mark(after.allocator)
+            cur = (self._rescan(mark, budget_s=self.settings.scan_budget_s) if self._changed_since_scan(mark)
+                   else self._last_scan)
             assert cur is not None
             # The CPU has no allocator counters: its "allocated" is the live CPU tensor storages the scan found.
             records = [replace(r, allocated_before_bytes=prev.totals.get("cpu", 0) if prev else None,
                                allocated_after_bytes=cur.totals.get("cpu", 0)) if r.device == "cpu" else r
                        for r in records]
-            found = tuple(_leaks.findings(cur, prev, o.cell, threshold_bytes=self.settings.threshold_bytes))
+            found = tuple(holders.findings(cur, prev, o.cell, threshold_bytes=self.settings.threshold_bytes))
             # Storages already there when watching began get cell 0: which cell made them is unknown.
             before = prev.storages if prev is not None else {}
             self._first_seen = {k: self._first_seen.get(k, 0 if k in before else o.cell) for k in cur.storages}
-            self._last_scan = cur
             self._remember(o.cell, found)
             for r in records:
                 if r.allocated_after_bytes is None or r.device == "cpu":
@@ -272,18 +272,23 @@ class Session:
                    or (r.peak_allocated_bytes or 0) - (r.allocated_before_bytes or 0) >= t for r in report.records)
 
     # -- leaks -----------------------------------------------------------------------------------
-    def scan_now(self, *, budget_s: float | None = None, allocator: Any = None) -> _leaks.Scan:
-        mark = self._mark(allocator)
-        scan = _leaks.scan(self.adapter.roots(), torch=self.probe.torch.torch(), budget_s=budget_s)
+    def scan_now(self, *, budget_s: float | None = None) -> holders.Scan:
+        """A walk of the notebook now; it changes no state (``leaks()`` and cleanup's measuring use it)."""
+        return holders.scan(self.adapter.roots(), torch=self.probe.torch.torch(), budget_s=budget_s)
+
+    def _rescan(self, mark: Any = None, *, budget_s: float | None = None) -> holders.Scan:
+        """Walk now and keep the result as the latest scan, together with the state it saw."""
+        mark = self._mark() if mark is None else mark
+        self._last_scan = self.scan_now(budget_s=budget_s)
         self._scan_mark = mark
-        return scan
+        return self._last_scan
 
     def _mark(self, allocator: Any = None) -> tuple[Any, int | None, Any]:
         readings = self.probe.allocator() if allocator is None else allocator
         alloc = tuple(sorted((d, r.allocated_bytes if r else None) for d, r in readings.items()))
         return alloc, heap_bytes() if heap_bytes else None, self.adapter.fingerprint()
 
-    def changed_since_scan(self, allocator: Any = None) -> bool:
+    def _changed_since_scan(self, mark: Any) -> bool:
         """Whether a new walk could find something new.
 
         Yes when memory moved (CUDA allocated by any amount, exact; the C heap, where CPU tensors live,
@@ -294,7 +299,7 @@ class Session:
         """
         if self._last_scan is None or self._scan_mark is None:
             return True
-        alloc, heap, (names, ids, kept) = self._mark(allocator)
+        alloc, heap, (names, ids, kept) = mark
         alloc0, heap0, (names0, ids0, kept0) = self._scan_mark
         if alloc != alloc0 or names != names0 or kept != kept0:
             return True
@@ -308,28 +313,28 @@ class Session:
 
     def take_baseline(self) -> None:
         """Scan now: the state the next monitored cell is compared with."""
-        self._last_scan = self.scan_now()
+        self._rescan()
 
-    def _remember(self, cell: int, found: tuple[_leaks.Finding, ...]) -> None:
+    def _remember(self, cell: int, found: tuple[holders.Finding, ...]) -> None:
         self._findings[cell] = found
         self._finding_cells.append(cell)
         while len(self._finding_cells) > 10_000:
             self._findings.pop(self._finding_cells.popleft(), None)
 
-    def leak_list(self, cell: int | None = None) -> list[_leaks.Finding]:
+    def leak_list(self, cell: int | None = None) -> list[holders.Finding]:
         if cell is not None:
             return list(self._findings.get(cell, ()))
         cur = self.scan_now()
-        return _leaks.current(cur, self._first_seen, threshold_bytes=self.settings.threshold_bytes)
+        return holders.current(cur, self._first_seen, threshold_bytes=self.settings.threshold_bytes)
 
     def leaks(self, cell: int | None = None) -> Any:
-        return records_frame(self.leak_list(cell), columns=_leaks.FINDING_COLUMNS)
+        return records_frame(self.leak_list(cell), columns=holders.FINDING_COLUMNS)
 
-    def flagged(self) -> list[_leaks.Finding]:
+    def flagged(self) -> list[holders.Finding]:
         """Findings a front end may act on: those of the latest scan."""
         if self._last_scan is None:
             return []
-        return _leaks.current(self._last_scan, self._first_seen, threshold_bytes=self.settings.threshold_bytes)
+        return holders.current(self._last_scan, self._first_seen, threshold_bytes=self.settings.threshold_bytes)
 
     # -- cleanup ---------------------------------------------------------------------------------
     def _measure(self) -> dict[str, tuple[int | None, int | None]]:
@@ -355,7 +360,7 @@ class Session:
         if self.cuda_broken:
             self.notify(RESTART_ADVICE)
         rep = Cleaner(self.adapter, self._measure, self._empty_cache).run(**kw)
-        self._last_scan = self.scan_now()
+        self._rescan()
         return rep
 
     # -- frames ----------------------------------------------------------------------------------

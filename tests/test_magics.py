@@ -261,3 +261,10 @@ def test_tensors_from_before_monitoring_are_cell_0(shell):
     ok(shell, "new = torch.empty(2**20)")
     cells = dict(zip(nbmem.leaks()["name"], nbmem.leaks()["cell"]))
     assert cells == {"old": 0, "new": last_cell(shell)}
+
+
+def test_a_cell_that_allocates_then_calls_leaks_still_reports_what_it_added(ip):
+    # nbmem.leaks() walks mid-cell; that walk must not become the mark the cell's own scan is skipped by.
+    ok(ip, "import nbmem as _nb\n_nb.leaks();")  # warm: pandas' first frame allocates a lot
+    ok(ip, "x = torch.empty(2**20)\n_nb.leaks();")
+    assert list(nbmem.leaks(cell=last_cell(ip))["name"]) == ["x"]
