@@ -93,16 +93,21 @@ class Cleaner:
         self.adapter = adapter
         self.measure = measure
         self._empty_cache = empty_cache
+        self._last: Mapping[str, tuple[int | None, int | None]] = {}
 
     def _step(self, steps: list[CleanupStep], action: str, target: str, fn: Callable[[], str | None]) -> None:
-        before = self.measure()
+        # Nothing runs between two steps, so one step's "after" is the next one's "before": measuring
+        # is a walk of the notebook on the CPU, worth doing once per boundary.
+        before = self._last
         note = fn() or ""
-        a, r = _freed(before, self.measure())
+        self._last = self.measure()
+        a, r = _freed(before, self._last)
         steps.append(CleanupStep(action, target, a, r, note))
 
     def run(self, *, names: Sequence[str] = (), to_cpu: Sequence[str] = (), outputs: bool = False,
             traceback: bool = False, collect: bool = True, empty_cache: bool = True) -> CleanupReport:
         steps: list[CleanupStep] = []
+        self._last = self.measure()
         for name in names:
             self._step(steps, "del", name, partial(self.adapter.delete, name))
         for name in to_cpu:
