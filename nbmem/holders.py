@@ -285,6 +285,13 @@ class _Walker:
         return out
 
     # -- the walk --------------------------------------------------------------------------------
+    def out_of_time(self, deadline: float | None) -> bool:
+        """Past the budget: the scan stops and says it is incomplete."""
+        if deadline is None or time.perf_counter() <= deadline:
+            return False
+        self.truncated = True
+        return True
+
     def run(self, deadline: float | None = None) -> int:
         q = self.queue
         strategy = self.strategy
@@ -294,8 +301,7 @@ class _Walker:
         while q:
             obj, node = q.popleft()
             visited += 1
-            if deadline is not None and not visited & 4095 and time.perf_counter() > deadline:
-                self.truncated = True
+            if not visited & 4095 and self.out_of_time(deadline):
                 break
             kind = self.root_kind[node]
             s = strategy[type(obj)]
@@ -304,9 +310,8 @@ class _Walker:
                     self.visit_tensor(obj, node, kind)
                 elif s == _DICT:
                     for n, (k, v) in enumerate(list(obj.items())):
-                        if not n & 65535 and n and deadline is not None and time.perf_counter() > deadline:
-                            self.truncated = True
-                            break
+                        if n and not n & 65535 and self.out_of_time(deadline):
+                            break  # one huge dict must not outlast the budget
                         tk = type(k)
                         if tk in atomic:
                             if type(v) not in atomic:
@@ -320,9 +325,8 @@ class _Walker:
                     for i, v in enumerate(list(obj)):
                         if type(v) not in atomic:
                             add(v, node, _L_INDEX, i, kind)
-                        if not i & 65535 and i and deadline is not None and time.perf_counter() > deadline:
-                            self.truncated = True  # one huge list must not outlast the budget
-                            break
+                        if i and not i & 65535 and self.out_of_time(deadline):
+                            break  # nor one huge list
                 elif s == _SET:
                     for v in list(obj):
                         add(v, node, _L_TEXT, "{…}", kind)
