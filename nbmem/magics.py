@@ -36,7 +36,6 @@ history, threshold, scan, show, reset_peak, gauge. ``%config Nbmem`` lists them 
 
 from __future__ import annotations
 
-import re
 import weakref
 from typing import Any
 
@@ -105,14 +104,6 @@ class Nbmem(Configurable):
     def settings(self) -> Settings:
         return Settings(interval_s=self.interval, history_s=self.history, threshold_bytes=self.threshold,
                         scan=self.scan, show=self.show, reset_peak=self.reset_peak, scan_budget_s=self.scan_budget)
-
-
-def _identifier_list(names: list[str], what: str) -> list[str]:
-    for n in names:
-        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", n):
-            raise UsageError(f"{what}: {n!r} is not a variable name. Give top-level names such as `x` or "
-                             f"`losses`; to drop one element, do it yourself (e.g. `losses.clear()`).")
-    return names
 
 
 class _AlreadyShown(Exception):
@@ -296,8 +287,7 @@ class NbmemMagics(Magics):
         self.show_gauge("inline" if args.inline else "sidebar" if args.sidebar else "auto", explicit=True)
 
     def _cmd_clean(self, args: Any) -> Any:
-        names = _identifier_list(list(args.names), "%cudamem clean")
-        to_cpu = _identifier_list(list(args.to_cpu), "%cudamem clean --to-cpu")
+        names, to_cpu = list(args.names), list(args.to_cpu)
         outputs, traceback = args.outputs, args.traceback
         if args.all_flagged:
             for f in self.session.flagged():
@@ -310,8 +300,11 @@ class NbmemMagics(Magics):
         if not (names or to_cpu or outputs or traceback or args.all_flagged):
             raise UsageError("%cudamem clean: say what goes: names (`%cudamem clean x`), --outputs, --traceback, "
                              "--to-cpu NAME or --all-flagged. Nothing was removed.")
-        return cleanup(names=names, to_cpu=to_cpu, outputs=outputs, traceback=traceback,
-                       collect=not args.no_collect, empty_cache=not args.no_empty_cache, shell=self.shell)
+        try:  # cleanup() checks every name before it removes anything; here its refusal is a usage error
+            return cleanup(names=names, to_cpu=to_cpu, outputs=outputs, traceback=traceback,
+                           collect=not args.no_collect, empty_cache=not args.no_empty_cache, shell=self.shell)
+        except (ValueError, NameError, TypeError) as e:
+            raise UsageError(f"%cudamem clean: {e}") from None
 
     # -- gauge -----------------------------------------------------------------------------------
     def show_gauge(self, where: str, *, explicit: bool = False) -> None:
@@ -359,7 +352,8 @@ def cleanup(names: Any = (), outputs: bool = False, traceback: bool = False, col
         for n in group:
             if not isinstance(n, str) or not n.isidentifier():
                 raise ValueError(f"nbmem.cleanup({what}=...): {n!r} is not a variable name; pass top-level names "
-                                 f"such as ['x', 'losses']. Nothing was removed.")
+                                 f"such as ['x', 'losses'] (to drop one element, do it yourself, e.g. "
+                                 f"`losses.clear()`). Nothing was removed.")
     user = m.shell.user_ns
     missing = [n for n in names + to_cpu if n not in user]
     if missing:
