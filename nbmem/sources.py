@@ -420,6 +420,7 @@ class Sample:
     rss_bytes: int | None
     host_total_bytes: int | None = None  # host RAM, on the cpu row only
     host_used_bytes: int | None = None
+    peak_bytes: int | None = None  # the high-water mark: peak RSS (cpu), the allocator's peak (cuda)
 
 
 @dataclass(frozen=True, slots=True)
@@ -476,7 +477,8 @@ class Probe:
         """One sample per device (``cpu`` first), as the sampler stores them."""
         now = self._wall()
         rss = self.host.rss_bytes()
-        out = [Sample(now, "cpu", None, None, None, None, None, None, None, None, rss, *self.host.memory())]
+        out = [Sample(now, "cpu", None, None, None, None, None, None, None, None, rss, *self.host.memory(),
+                      self.host.max_rss_bytes())]
         alloc = self.allocator()
         for name in self.gpu_names():
             a = alloc.get(name)
@@ -485,7 +487,8 @@ class Probe:
                 now, name,
                 a.allocated_bytes if a else None, a.reserved_bytes if a else None,
                 a.active_bytes if a else None, a.inactive_split_bytes if a else None,
-                g.used_bytes, g.total_bytes, g.process_used_bytes, g.other_processes_bytes, rss))
+                g.used_bytes, g.total_bytes, g.process_used_bytes, g.other_processes_bytes, rss,
+                peak_bytes=a.peak_allocated_bytes if a else None))
         return out
 
     def boundary(self) -> Boundary:

@@ -369,10 +369,7 @@ class Gauge(anywidget.AnyWidget):
         probe = s.probe
         for x in batch:
             self._raise_peak(x.device, _main_value(x))
-        self._raise_peak("cpu", probe.host.max_rss_bytes())
-        for i in range(probe.torch.device_count()):
-            a = probe.torch.read(i)
-            self._raise_peak(f"cuda:{i}", a.peak_allocated_bytes if a else None)
+            self._raise_peak(x.device, x.peak_bytes)  # read by the sampler with the rest of the sample
         with self._peaks_lock:
             peaks = dict(self._peaks)
         models = {d.name: d.model for d in probe.nvml.devices}
