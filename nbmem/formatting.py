@@ -1,16 +1,22 @@
-"""Human formatting of numbers, in one place (mirrored by js/format.js)."""
+"""Human formatting of numbers and tables, in one place (bytes mirrored by js/format.js)."""
 
 from __future__ import annotations
 
 import html
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 
 
 def is_na(value: object) -> bool:
-    """True for the values nbmem uses to mean "unknown": None and NaN."""
-    return value is None or (isinstance(value, float) and math.isnan(value))
+    """True for the values nbmem uses to mean "unknown": None, NaN and pandas' NA."""
+    if value is None:
+        return True
+    if isinstance(value, float):
+        return math.isnan(value)
+    return type(value).__name__ in ("NAType", "NaTType")
 
 
 def fmt_bytes(n: int | float | None, *, signed: bool = False) -> str:
@@ -47,20 +53,43 @@ def esc(text: object) -> str:
     return html.escape(str(text), quote=True)
 
 
-def html_table(headers: list[str], rows: list[list[str]], *, caption: str = "") -> str:
-    """A small HTML table; cells are escaped here so callers pass plain text."""
-    head = "".join(f"<th style='text-align:left;padding:2px 8px'>{esc(h)}</th>" for h in headers)
-    body = "".join(
-        "<tr>" + "".join(f"<td style='padding:2px 8px'>{esc(c)}</td>" for c in r) + "</tr>"
-        for r in rows
-    )
+@dataclass(frozen=True)
+class Column:
+    """How a table column reads: numbers right-aligned and never wrapped, text left-aligned."""
+
+    title: str
+    numeric: bool = False
+    code: bool = False  # names and paths: monospace, may break anywhere rather than widen the table
+    wide: bool = False  # prose (hints): takes the remaining width and wraps between words
+
+
+def _cell_style(c: Column) -> str:
+    if c.numeric:
+        return "text-align:right;white-space:nowrap;font-variant-numeric:tabular-nums"
+    if c.code:
+        return "text-align:left;font-family:var(--jp-code-font-family,monospace);overflow-wrap:anywhere;min-width:6em"
+    if c.wide:
+        return "text-align:left;min-width:16em"
+    return "text-align:left;white-space:nowrap"
+
+
+def html_table(columns: Sequence[Column], rows: Sequence[Sequence[str]], *, caption: str = "") -> str:
+    """A table as wide as the notebook at most; cells are escaped here so callers pass plain text."""
+    pad = "padding:2px 8px;vertical-align:top"
+    head = "".join(f"<th style='{pad};{_cell_style(c)}'>{esc(c.title)}</th>" for c in columns)
+    body = "".join("<tr>" + "".join(f"<td style='{pad};{_cell_style(c)}'>{esc(v)}</td>" for c, v in zip(columns, r))
+                   + "</tr>" for r in rows)
     cap = f"<caption style='text-align:left;font-weight:600'>{esc(caption)}</caption>" if caption else ""
-    return f"<table class='nbmem-table'>{cap}<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+    return (f"<table class='nbmem-table' style='max-width:100%;table-layout:auto;border-collapse:collapse'>{cap}"
+            f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")
 
 
-def text_table(headers: list[str], rows: list[list[str]]) -> str:
-    """A plain-text table with columns padded to fit."""
-    widths = [max(len(h), *(len(r[i]) for r in rows)) if rows else len(h) for i, h in enumerate(headers)]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(headers, widths)).rstrip()]
-    lines += ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    return "\n".join(lines)
+def text_table(columns: Sequence[Column], rows: Sequence[Sequence[str]]) -> str:
+    """A plain-text table: text columns left-aligned, numbers right-aligned."""
+    widths = [max([len(c.title), *(len(r[i]) for r in rows)]) for i, c in enumerate(columns)]
+
+    def line(values: Sequence[str]) -> str:
+        return "  ".join(v.rjust(w) if c.numeric else v.ljust(w)
+                         for c, v, w in zip(columns, values, widths)).rstrip()
+
+    return "\n".join([line([c.title for c in columns]), *(line(r) for r in rows)])

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Callable, Generic, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -12,7 +13,7 @@ THREAD_NAME = "nbmem-sampler"
 
 
 class Sampler(Generic[T]):
-    """Calls ``read`` every ``interval_s`` and hands the result to ``sink`` and the listeners.
+    """Calls ``read`` every ``interval_s`` and hands the result to ``sink``.
 
     Ticks are scheduled on multiples of the interval from the start, so they do not drift; ticks
     missed while the process was stalled are skipped, not replayed. A failing read is passed to
@@ -31,23 +32,15 @@ class Sampler(Generic[T]):
         self._on_error = on_error
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.listeners: list[Callable[[Sequence[T]], None]] = []
-        self.ticks = 0
 
     def sample_once(self) -> Sequence[T]:
-        """Take one sample now, store it and tell the listeners; errors go to ``on_error``."""
+        """Take one sample now and hand it to the sink; errors go to ``on_error``."""
         try:
             batch = self._read()
             self._sink(batch)
-            self.ticks += 1
         except Exception as e:
             self._on_error(e)
             return ()
-        for listen in list(self.listeners):
-            try:
-                listen(batch)
-            except Exception as e:
-                self._on_error(e)
         return batch
 
     def start(self) -> None:

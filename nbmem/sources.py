@@ -13,56 +13,15 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Callable, Mapping
+from typing import Any
+
+from .records import AllocatorReading, Boundary, GpuDevice, GpuProcess, GpuReading, Sample
 
 #: How often the NVML process list may be asked for: it takes the driver's lock and can cost
 #: milliseconds (MangoHud measured 4.5 ms for the graphics list), so never faster than this.
 PROCESS_LIST_MIN_INTERVAL_S = 1.0
-
-
-@dataclass(frozen=True, slots=True)
-class GpuProcess:
-    """Another process on a GPU, as NVML lists it."""
-
-    pid: int
-    used_bytes: int | None
-    name: str
-
-
-@dataclass(frozen=True, slots=True)
-class GpuReading:
-    """NVML's view of one visible device; ``None`` where NVML could not say."""
-
-    used_bytes: int | None
-    total_bytes: int | None
-    process_used_bytes: int | None
-    other_processes_bytes: int | None
-    processes: tuple[GpuProcess, ...] = ()
-
-
-@dataclass(frozen=True, slots=True)
-class AllocatorReading:
-    """The torch caching allocator's counters for one device."""
-
-    allocated_bytes: int
-    reserved_bytes: int
-    active_bytes: int
-    inactive_split_bytes: int
-    peak_allocated_bytes: int
-    peak_reserved_bytes: int
-    num_ooms: int
-
-
-@dataclass(frozen=True, slots=True)
-class GpuDevice:
-    """A CUDA device this process can see, with its NVML identity."""
-
-    name: str  # "cuda:0" in this process's numbering
-    torch_index: int
-    nvml_index: int
-    uuid: str
-    model: str
 
 
 class NvmlFailure(Exception):
@@ -171,7 +130,7 @@ class NvmlSource:
         if why:
             self.reason = why
         for torch_index, nv in enumerate(indices):
-            dev = GpuDevice(f"cuda:{torch_index}", torch_index, nv, uuids[nv], models[nv])
+            dev = GpuDevice(f"cuda:{torch_index}", nv, uuids[nv], models[nv])
             self.devices.append(dev)
             self._handles[dev.name] = handles[nv]
         if not self.devices and not self.reason:
@@ -322,7 +281,6 @@ class TorchSource:
             inactive_split_bytes=stat("inactive_split_bytes"),
             peak_allocated_bytes=stat("allocated_bytes", "peak"),
             peak_reserved_bytes=stat("reserved_bytes", "peak"),
-            num_ooms=int(s.get("num_ooms", 0)),
         )
 
     def reset_peak(self, index: int) -> None:
@@ -403,38 +361,6 @@ def _statm_rss() -> int | None:
         return None
 
 
-@dataclass(frozen=True, slots=True)
-class Sample:
-    """One device at one instant; ``None`` means unknown."""
-
-    t_wall: float
-    device: str
-    allocated_bytes: int | None
-    reserved_bytes: int | None
-    active_bytes: int | None
-    inactive_split_bytes: int | None
-    nvml_used_bytes: int | None
-    nvml_total_bytes: int | None
-    process_used_bytes: int | None
-    other_processes_bytes: int | None
-    rss_bytes: int | None
-    host_total_bytes: int | None = None  # host RAM, on the cpu row only
-    host_used_bytes: int | None = None
-    peak_bytes: int | None = None  # the high-water mark: peak RSS (cpu), the allocator's peak (cuda)
-
-
-@dataclass(frozen=True, slots=True)
-class Boundary:
-    """Everything read at a cell boundary: allocator counters (exact), NVML and RSS."""
-
-    t_wall: float
-    t_monotonic: float
-    rss_bytes: int | None
-    max_rss_bytes: int | None
-    allocator: Mapping[str, AllocatorReading | None]
-    nvml: Mapping[str, GpuReading]
-
-
 #: How old a process list may be at a cell boundary (cells are user-paced, not a polling loop).
 BOUNDARY_MAX_AGE_S = 0.05
 
@@ -488,7 +414,7 @@ class Probe:
                 a.allocated_bytes if a else None, a.reserved_bytes if a else None,
                 a.active_bytes if a else None, a.inactive_split_bytes if a else None,
                 g.used_bytes, g.total_bytes, g.process_used_bytes, g.other_processes_bytes, rss,
-                peak_bytes=a.peak_allocated_bytes if a else None))
+                peak_bytes=a.peak_allocated_bytes if a else None, processes=g.processes))
         return out
 
     def boundary(self) -> Boundary:

@@ -2,95 +2,107 @@
 
 from __future__ import annotations
 
+import math
 import threading
 from collections import deque
+from collections.abc import Iterable, Sequence
 from dataclasses import fields
-from typing import Any, Iterable, Sequence
+from typing import Any
 
-from .sources import Sample
+from .records import SAMPLE_COLUMNS, CellRecord, Sample
 
-SAMPLE_COLUMNS = ["time", "device", "allocated_bytes", "reserved_bytes", "active_bytes",
-                  "inactive_split_bytes", "nvml_used_bytes", "nvml_total_bytes", "process_used_bytes",
-                  "other_processes_bytes", "rss_bytes"]
+#: Columns that hold bytes or counts: nullable integers in every frame (NA where unknown).
+_INT_SUFFIXES = ("_bytes", "tensors", "events", "cell", "line")
+
+
+def ticks_for(history_s: float, interval_s: float) -> int:
+    """How many sampler ticks cover ``history_s`` seconds (each tick holds every device)."""
+    return max(1, math.ceil(history_s / interval_s))
 
 
 class Store:
-    """Ring buffers: the newest ``capacity`` samples and ``cell_capacity`` cell records."""
+    """Ring buffers: the newest ``ticks`` sampler ticks (one batch of samples each) and cell records."""
 
-    def __init__(self, capacity: int = 7200 * 2, cell_capacity: int = 10_000) -> None:
-        if capacity < 1 or cell_capacity < 1:
+    def __init__(self, ticks: int = 7200, cell_capacity: int = 10_000) -> None:
+        if ticks < 1 or cell_capacity < 1:
             raise ValueError("capacities must be >= 1")
-        self._samples: deque[Sample] = deque(maxlen=capacity)
-        self._cells: deque[Any] = deque(maxlen=cell_capacity)
+        self._ticks: deque[tuple[Sample, ...]] = deque(maxlen=ticks)
+        self._cells: deque[CellRecord] = deque(maxlen=cell_capacity)
         self._lock = threading.Lock()  # the sampler appends while the user reads
 
-    @property
-    def capacity(self) -> int:
-        return self._samples.maxlen or 0
-
-    def add_samples(self, batch: Iterable[Sample]) -> None:
+    def resize(self, ticks: int) -> None:
+        """Keep at most ``ticks`` ticks from now on; the newest are kept when it shrinks."""
         with self._lock:
-            self._samples.extend(batch)
+            self._ticks = deque(self._ticks, maxlen=max(1, ticks))
 
-    def add_cell(self, record: Any) -> None:
+    def add_tick(self, batch: Iterable[Sample]) -> None:
+        with self._lock:
+            self._ticks.append(tuple(batch))
+
+    def add_cell(self, record: CellRecord) -> None:
         with self._lock:
             self._cells.append(record)
 
     def sample_list(self) -> list[Sample]:
         with self._lock:
-            return list(self._samples)
+            return [s for tick in self._ticks for s in tick]
 
-    def cell_list(self) -> list[Any]:
+    def cell_list(self) -> list[CellRecord]:
         with self._lock:
             return list(self._cells)
 
     def last_samples(self, seconds: float, now: float) -> list[Sample]:
         """Samples of the last ``seconds``, oldest first (for the gauge's sparkline)."""
         with self._lock:
-            out = []
-            for s in reversed(self._samples):
-                if s.t_wall < now - seconds:
+            out: list[Sample] = []
+            for tick in reversed(self._ticks):
+                if tick and tick[0].t_wall < now - seconds:
                     break
-                out.append(s)
+                out.extend(reversed(tick))
         out.reverse()
         return out
 
+    def latest_tick(self) -> tuple[Sample, ...]:
+        with self._lock:
+            return self._ticks[-1] if self._ticks else ()
+
     def clear(self) -> None:
         with self._lock:
-            self._samples.clear()
+            self._ticks.clear()
             self._cells.clear()
 
-    # -- frames ----------------------------------------------------------------------------------
     def samples_frame(self) -> Any:
         return samples_frame(self.sample_list())
 
-    def cells_frame(self) -> Any:
-        return records_frame(self.cell_list(), index="cell")
+
+def _is_int_column(name: str) -> bool:
+    return name.endswith(_INT_SUFFIXES)
 
 
 def samples_frame(samples: Sequence[Sample]) -> Any:
-    """One row per (time, device); NaN where a value is unknown."""
+    """One row per (time, device); integer bytes, NA where a value is unknown."""
     import pandas as pd
 
-    names = [f.name for f in fields(Sample)]
+    names = [f.name for f in fields(Sample) if f.name != "processes"]
     cols: dict[str, list[Any]] = {n: [getattr(s, n) for s in samples] for n in names}
     df = pd.DataFrame({
         "time": pd.to_datetime(pd.Series(cols.pop("t_wall"), dtype="float64"), unit="s", utc=True),
         "device": pd.Series(cols.pop("device"), dtype="object"),
-        **{n: pd.Series(v, dtype="float64") for n, v in cols.items()},
+        **{n: pd.Series(v, dtype="Int64") for n, v in cols.items()},
     })
-    return df[SAMPLE_COLUMNS]
+    return df[list(SAMPLE_COLUMNS)]
 
 
-def records_frame(records: Sequence[Any], *, index: str | None = None, columns: list[str] | None = None) -> Any:
-    """A frame from frozen records, using their ``row()`` dicts."""
+def records_frame(records: Sequence[Any], *, columns: Sequence[str], index: str | None = None) -> Any:
+    """A frame from frozen records' ``row()`` dicts: bytes and counts as ``Int64`` with NA, seconds as float."""
     import pandas as pd
 
-    rows = [r.row() for r in records]
-    df = pd.DataFrame(rows, columns=columns or (list(rows[0]) if rows else None))
+    df = pd.DataFrame([r.row() for r in records], columns=list(columns))
     for c in df.columns:
-        if c.endswith(("_bytes", "_s")):  # unknown is NaN, as in samples(), not an object column of None
+        if _is_int_column(c):
+            df[c] = pd.array([None if v is None or v != v else int(v) for v in df[c]], dtype="Int64")
+        elif c.endswith("_s"):
             df[c] = pd.to_numeric(df[c], errors="coerce").astype("float64")
-    if index is not None and index in df.columns:
+    if index is not None:
         df = df.set_index(index)
     return df

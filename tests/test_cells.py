@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from nbmem.cells import cell_peak, cell_records
-from nbmem.sources import AllocatorReading, Boundary
+from nbmem.records import AllocatorReading, Boundary
 
 MiB = 2**20
 
 
 def b(alloc, peak, reserved=None, t=0.0, rss=100, maxrss=200):
-    a = {"cuda:0": AllocatorReading(alloc, reserved or max(alloc, peak), alloc, 0, peak, reserved or peak, 0)}
+    a = {"cuda:0": AllocatorReading(alloc, reserved or max(alloc, peak), alloc, 0, peak, reserved or peak)}
     return Boundary(t, t, rss, maxrss, a if alloc is not None else {}, {})
 
 

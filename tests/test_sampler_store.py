@@ -8,21 +8,20 @@ import time
 import pytest
 
 from nbmem.sampler import THREAD_NAME, Sampler
-from nbmem.sources import Sample
-from nbmem.store import SAMPLE_COLUMNS, Store
+from nbmem.records import SAMPLE_COLUMNS, Sample
+from nbmem.store import Store
 
 
 def sample(t: float, dev: str = "cpu", v: int | None = 1) -> Sample:
     return Sample(t, dev, v, v, v, 0, v, 100, v, None, 10)
 
 
-def test_sample_once_stores_and_tells_listeners():
-    store = Store(capacity=10)
-    got = []
-    s = Sampler(lambda: [sample(1.0)], store.add_samples)
-    s.listeners.append(got.append)
-    s.sample_once()
-    assert len(store.sample_list()) == 1 and len(got) == 1
+def test_sample_once_hands_one_tick_to_the_sink():
+    store = Store(ticks=10)
+    s = Sampler(lambda: [sample(1.0), sample(1.0, "cuda:0")], store.add_tick)
+    assert len(s.sample_once()) == 2
+    assert [x.device for x in store.sample_list()] == ["cpu", "cuda:0"]
+    assert store.latest_tick()[1].device == "cuda:0"
 
 
 def test_a_failing_read_is_reported_and_the_thread_keeps_going():
@@ -34,8 +33,8 @@ def test_a_failing_read_is_reported_and_the_thread_keeps_going():
             raise RuntimeError("GPU lost")
         return [sample(time.time())]
 
-    store = Store(capacity=100)
-    s = Sampler(read, store.add_samples, interval_s=0.01, on_error=errors.append)
+    store = Store(ticks=100)
+    s = Sampler(read, store.add_tick, interval_s=0.01, on_error=errors.append)
     s.start()
     time.sleep(0.2)
     s.stop()
@@ -67,11 +66,27 @@ def test_bad_interval_is_refused():
         Sampler(lambda: [], lambda b: None, interval_s=0)
 
 
-def test_store_is_bounded_and_frames_have_nan_for_unknown():
-    st = Store(capacity=5)
-    st.add_samples([sample(float(i), v=None if i == 9 else i) for i in range(10)])
+def test_store_is_bounded_by_ticks_whatever_the_number_of_devices():
+    st = Store(ticks=5)
+    for i in range(10):
+        st.add_tick([sample(float(i), v=None if i == 9 else i), sample(float(i), "cuda:0", v=i), sample(float(i), "cuda:1")])
+    assert len(st.sample_list()) == 15, "5 ticks of 3 devices, not 5 samples"
     df = st.samples_frame()
-    assert list(df.columns) == SAMPLE_COLUMNS and len(df) == 5
-    assert df["allocated_bytes"].isna().iloc[-1] and df["other_processes_bytes"].isna().all()
+    assert list(df.columns) == list(SAMPLE_COLUMNS)
+    cpu = df[df.device == "cpu"]
+    assert list(cpu["allocated_bytes"].iloc[:4]) == [5, 6, 7, 8] and cpu["allocated_bytes"].isna().iloc[-1]
+    assert str(df["allocated_bytes"].dtype) == "Int64" and df["other_processes_bytes"].isna().all()
     assert str(df["time"].dt.tz) == "UTC"
-    assert [s.t_wall for s in st.last_samples(2.5, now=9.0)] == [7.0, 8.0, 9.0]
+    assert [s.t_wall for s in st.last_samples(2.5, now=9.0) if s.device == "cpu"] == [7.0, 8.0, 9.0]
+
+
+def test_resizing_keeps_the_newest_ticks():
+    st = Store(ticks=10)
+    for i in range(10):
+        st.add_tick([sample(float(i))])
+    st.resize(3)
+    assert [s.t_wall for s in st.sample_list()] == [7.0, 8.0, 9.0]
+    st.resize(6)
+    for i in range(10, 14):
+        st.add_tick([sample(float(i))])
+    assert [s.t_wall for s in st.sample_list()] == [8.0, 9.0, 10.0, 11.0, 12.0, 13.0]

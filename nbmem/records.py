@@ -1,0 +1,582 @@
+"""The records every layer shares: readings, samples, cell records, findings, cleanup reports.
+
+Small frozen dataclasses with units in their field names. They hold numbers and names, never the
+objects they describe, and render themselves (text for terminals, HTML for notebooks). ``None``
+means unknown; it is shown as NA, never as 0.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import re
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass, field
+from enum import Enum
+from typing import Any
+
+from .formatting import Column, esc, fmt_bytes, fmt_seconds, html_table, is_na, text_table
+
+
+class HolderKind(str, Enum):
+    """What keeps a storage alive, which decides how it is freed (``cleanup_of``)."""
+
+    NAMESPACE = "namespace"  # a variable of the notebook, or something inside one
+    OUTPUT = "output"  # IPython's output history: Out[n], _n, _, __, ___, the last result
+    TRACEBACK = "traceback"  # the frames of the last exception
+    MODULE = "module"  # an attribute of a module the notebook made (in sys.modules)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+#: The output names IPython moves on every displayed result; a change among them is no news.
+ROTATING_OUTPUTS = ("_", "__", "___")
+LAST_RESULT = "<last result>"
+_OUTPUT_N = re.compile(r"_\d+\Z")
+_INPUT_N = re.compile(r"_i+\d*\Z")
+
+
+def is_output_name(name: str) -> bool:
+    """IPython's output-cache names: ``_``, ``__``, ``___`` and ``_<n>``."""
+    return name in ROTATING_OUTPUTS or bool(_OUTPUT_N.match(name))
+
+
+def is_cache_name(name: str) -> bool:
+    """Output- and input-cache names (``_i``, ``_ii``, ``_i12``): IPython's, not the user's."""
+    return is_output_name(name) or bool(_INPUT_N.match(name))
+
+
+def root_name(path: str) -> str:
+    """The top-level name a holder path starts from (``losses[3]`` → ``losses``)."""
+    for i, ch in enumerate(path):
+        if ch in ".[":
+            return path[:i]
+    return path
+
+
+# -- readings -----------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class GpuProcess:
+    """A process on a GPU, as NVML lists it; ``name`` is what the machine could tell about it."""
+
+    pid: int
+    used_bytes: int | None
+    name: str
+
+
+@dataclass(frozen=True, slots=True)
+class GpuReading:
+    """NVML's view of one visible device; ``None`` where NVML could not say."""
+
+    used_bytes: int | None
+    total_bytes: int | None
+    process_used_bytes: int | None
+    other_processes_bytes: int | None
+    processes: tuple[GpuProcess, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class AllocatorReading:
+    """The torch caching allocator's counters for one device."""
+
+    allocated_bytes: int
+    reserved_bytes: int
+    active_bytes: int
+    inactive_split_bytes: int
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class GpuDevice:
+    """A CUDA device this process can see, with its NVML identity."""
+
+    name: str  # "cuda:0" in this process's numbering
+    nvml_index: int
+    uuid: str
+    model: str
+
+
+@dataclass(frozen=True, slots=True)
+class Sample:
+    """One device at one instant, with the process list it was read with; ``None`` is unknown."""
+
+    t_wall: float
+    device: str
+    allocated_bytes: int | None
+    reserved_bytes: int | None
+    active_bytes: int | None
+    inactive_split_bytes: int | None
+    nvml_used_bytes: int | None
+    nvml_total_bytes: int | None
+    process_used_bytes: int | None
+    other_processes_bytes: int | None
+    rss_bytes: int | None
+    host_total_bytes: int | None = None  # host RAM, on the cpu row only
+    host_used_bytes: int | None = None
+    peak_bytes: int | None = None  # the high-water mark: peak RSS (cpu), the allocator's peak (cuda)
+    processes: tuple[GpuProcess, ...] = ()  # other processes on this GPU, named where possible
+
+
+#: Sample fields that become columns of ``nbmem.samples()`` (t_wall becomes ``time``).
+SAMPLE_COLUMNS = ("time", "device", "allocated_bytes", "reserved_bytes", "active_bytes", "inactive_split_bytes",
+                  "nvml_used_bytes", "nvml_total_bytes", "process_used_bytes", "other_processes_bytes", "rss_bytes",
+                  "host_used_bytes", "host_total_bytes", "peak_bytes")
+
+
+@dataclass(frozen=True, slots=True)
+class Boundary:
+    """Everything read at a cell boundary: allocator counters (exact), NVML and RSS."""
+
+    t_wall: float
+    t_monotonic: float
+    rss_bytes: int | None
+    max_rss_bytes: int | None
+    allocator: dict[str, AllocatorReading | None]
+    nvml: dict[str, GpuReading]
+
+
+# -- cells -----------------------------------------------------------------------------------------------
+CELL_COLUMNS = ("cell", "started", "duration_s", "device", "allocated_before_bytes", "allocated_after_bytes",
+                "delta_allocated_bytes", "reserved_before_bytes", "reserved_after_bytes", "delta_reserved_bytes",
+                "peak_allocated_bytes", "peak_note", "peak_line", "process_used_before_bytes",
+                "process_used_after_bytes", "delta_process_used_bytes", "rss_before_bytes", "rss_after_bytes",
+                "delta_rss_bytes", "peak_rss_bytes", "error")
+
+
+def _delta(a: int | None, b: int | None) -> int | None:
+    return None if a is None or b is None else b - a
+
+
+@dataclass(frozen=True, slots=True)
+class CellRecord:
+    """What one monitored cell did on one device."""
+
+    cell: int
+    started: float  # epoch seconds
+    duration_s: float
+    device: str
+    allocated_before_bytes: int | None
+    allocated_after_bytes: int | None
+    reserved_before_bytes: int | None
+    reserved_after_bytes: int | None
+    peak_allocated_bytes: int | None
+    peak_note: str
+    process_used_before_bytes: int | None
+    process_used_after_bytes: int | None
+    rss_before_bytes: int | None
+    rss_after_bytes: int | None
+    peak_rss_bytes: int | None
+    error: str
+    peak_line: int | None = None  # the cell's line running at the peak, where the allocator's trace tells
+
+    @property
+    def delta_allocated_bytes(self) -> int | None:
+        return _delta(self.allocated_before_bytes, self.allocated_after_bytes)
+
+    @property
+    def delta_reserved_bytes(self) -> int | None:
+        return _delta(self.reserved_before_bytes, self.reserved_after_bytes)
+
+    @property
+    def delta_process_used_bytes(self) -> int | None:
+        return _delta(self.process_used_before_bytes, self.process_used_after_bytes)
+
+    @property
+    def delta_rss_bytes(self) -> int | None:
+        return _delta(self.rss_before_bytes, self.rss_after_bytes)
+
+    def row(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["started"] = _dt.datetime.fromtimestamp(self.started, _dt.timezone.utc)
+        for k in ("delta_allocated_bytes", "delta_reserved_bytes", "delta_process_used_bytes", "delta_rss_bytes"):
+            d[k] = getattr(self, k)
+        return {c: d[c] for c in CELL_COLUMNS}
+
+    def summary_cells(self) -> list[str]:
+        peak = fmt_bytes(self.peak_allocated_bytes) if not is_na(self.peak_allocated_bytes) else (
+            self.peak_note or "NA")
+        if self.device == "cpu" and self.allocated_after_bytes is None:
+            peak = "NA"
+        return [self.device, fmt_bytes(self.delta_allocated_bytes, signed=True),
+                fmt_bytes(self.delta_reserved_bytes, signed=True), peak,
+                fmt_bytes(self.delta_process_used_bytes, signed=True), fmt_bytes(self.delta_rss_bytes, signed=True)]
+
+
+SUMMARY_COLUMNS = (Column("device"), Column("Δallocated", numeric=True), Column("Δreserved", numeric=True),
+                   Column("peak allocated", numeric=True), Column("Δ NVML process", numeric=True),
+                   Column("Δ RSS", numeric=True))
+
+
+# -- findings -------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """Memory worth the user's attention: the names that keep it alive, how much, and what frees it.
+
+    One storage, or a group (``tensors`` > 1: a container of many small tensors that together pass
+    the threshold). ``graph_bytes`` are the saved tensors of the autograd graphs it keeps alive; a
+    graph several holders share is counted under each of them (``graph_shared_with`` names the others).
+    """
+
+    cell: int  # where it appeared; 0 = before nbmem was watching
+    name: str
+    holders: tuple[str, ...]
+    kind: HolderKind
+    device: str
+    storage_bytes: int
+    graph_bytes: int = 0
+    holds_graph: bool = False
+    tensors: int = 1
+    view_bytes: int | None = None  # a view: the bytes its tensor spans, of a storage of storage_bytes
+    graph_shared_with: tuple[str, ...] = ()
+    hint: str = ""
+    roots: tuple[str, ...] = ()  # top-level names `del` removes to free it
+    id: str = ""  # a handle the gauge refers to
+    line: int | None = None  # the cell's line that allocated it, where the allocator's trace tells
+
+    @property
+    def bytes(self) -> int:
+        return self.storage_bytes + self.graph_bytes
+
+    def what(self) -> str:
+        """The size, as a person reads it: views, groups and graphs said in words."""
+        parts = [fmt_bytes(self.storage_bytes)]
+        if self.tensors > 1:
+            parts = [f"{self.tensors:,} tensors, {fmt_bytes(self.storage_bytes)}"]
+        if self.view_bytes is not None:
+            parts = [f"a {fmt_bytes(self.view_bytes)} view of a {fmt_bytes(self.storage_bytes)} storage"]
+        if self.graph_bytes:
+            shared = f", shared with {', '.join(self.graph_shared_with)}" if self.graph_shared_with else ""
+            parts.append(f"graph {fmt_bytes(self.graph_bytes)}{shared}")
+        return " + ".join(parts)
+
+    def row(self) -> dict[str, Any]:
+        return {"cell": self.cell, "name": self.name, "holders": list(self.holders), "kind": self.kind.value,
+                "device": self.device, "bytes": self.bytes, "storage_bytes": self.storage_bytes,
+                "graph_bytes": self.graph_bytes, "holds_graph": self.holds_graph, "tensors": self.tensors,
+                "view_bytes": self.view_bytes, "line": self.line, "hint": self.hint,
+                "action": cleanup_text(self)}
+
+
+FINDING_COLUMNS = ("cell", "name", "holders", "kind", "device", "bytes", "storage_bytes", "graph_bytes",
+                   "holds_graph", "tensors", "view_bytes", "line", "hint", "action")
+
+
+@dataclass(frozen=True, slots=True)
+class CleanupOf:
+    """What frees a finding: the one mapping from holder kinds to cleanup steps."""
+
+    names: tuple[str, ...] = ()
+    outputs: bool = False
+    traceback: bool = False
+
+    def __bool__(self) -> bool:
+        return bool(self.names or self.outputs or self.traceback)
+
+
+def cleanup_of(f: Finding) -> CleanupOf:
+    if f.kind is HolderKind.OUTPUT:
+        return CleanupOf(outputs=True)
+    if f.kind is HolderKind.TRACEBACK:
+        return CleanupOf(traceback=True)
+    if f.kind is HolderKind.NAMESPACE:
+        return CleanupOf(names=f.roots)
+    return CleanupOf()
+
+
+def cleanup_text(f: Finding | CleanupOf) -> str:
+    """The cleanup a finding (or several, merged) asks for, as ``%cudamem clean`` would be typed."""
+    c = cleanup_of(f) if isinstance(f, Finding) else f
+    parts = list(c.names) + (["--outputs"] if c.outputs else []) + (["--traceback"] if c.traceback else [])
+    return ("%cudamem clean " + " ".join(parts)) if parts else ""
+
+
+def merge_cleanups(findings: Iterable[Finding]) -> CleanupOf:
+    names: dict[str, None] = {}
+    outputs = traceback = False
+    for f in findings:
+        c = cleanup_of(f)
+        names.update(dict.fromkeys(c.names))
+        outputs |= c.outputs
+        traceback |= c.traceback
+    return CleanupOf(tuple(names), outputs, traceback)
+
+
+FINDING_TABLE = (Column("name", code=True), Column("kind"), Column("device"), Column("bytes", numeric=True),
+                 Column("what"), Column("line", code=True), Column("hint", wide=True))
+
+
+def finding_cells(f: Finding) -> list[str]:
+    return [f.name, f.kind.value, f.device, fmt_bytes(f.bytes), f.what(), "" if f.line is None else str(f.line),
+            f.hint]
+
+
+LEAK_TABLE = (Column("cell", numeric=True), *FINDING_TABLE)
+
+
+@dataclass(frozen=True)
+class Leaks:
+    """``%cudamem leaks``: findings as a table that fits the notebook (the DataFrame is ``nbmem.leaks()``)."""
+
+    findings: tuple[Finding, ...]
+    title: str
+
+    def _rows(self) -> list[list[str]]:
+        return [[str(f.cell), *finding_cells(f)] for f in self.findings]
+
+    def _columns(self) -> tuple[Column, ...]:
+        has_line = any(f.line is not None for f in self.findings)
+        return tuple(c for c in LEAK_TABLE if has_line or c.title != "line")
+
+    def _keep(self, row: list[str]) -> list[str]:
+        has_line = any(f.line is not None for f in self.findings)
+        return [v for c, v in zip(LEAK_TABLE, row) if has_line or c.title != "line"]
+
+    def __str__(self) -> str:
+        if not self.findings:
+            return f"{self.title}: nothing above the threshold"
+        return self.title + "\n" + text_table(self._columns(), [self._keep(r) for r in self._rows()])
+
+    def __repr__(self) -> str:
+        return str(self)
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(str(self))
+
+    def _repr_html_(self) -> str:
+        if not self.findings:
+            return f"<div class='nbmem-report'>{esc(self.title)}: nothing above the threshold</div>"
+        return ("<div class='nbmem-report'>" + html_table(self._columns(), [self._keep(r) for r in self._rows()],
+                                                           caption=self.title) + "</div>")
+
+
+# -- the report under a cell -------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class LineRecord:
+    """One line of a cell, from the allocator's event trace: what it left allocated and its peak."""
+
+    cell: int
+    device: str
+    line: int
+    source: str
+    delta_allocated_bytes: int
+    peak_allocated_bytes: int
+    events: int
+    top_frame: str = ""  # the deepest user frame that allocated the largest blocks live at the peak
+
+    def row(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+LINE_COLUMNS = ("cell", "device", "line", "source", "delta_allocated_bytes", "peak_allocated_bytes", "events",
+                "top_frame")
+LINE_TABLE = (Column("line", numeric=True), Column("source", code=True), Column("Δallocated", numeric=True),
+              Column("peak", numeric=True), Column("allocated at", code=True))
+
+
+def line_cells(r: LineRecord, peak_line: int | None) -> list[str]:
+    mark = " ◀ peak" if r.line == peak_line else ""
+    return [str(r.line), r.source.strip()[:80], fmt_bytes(r.delta_allocated_bytes, signed=True),
+            fmt_bytes(r.peak_allocated_bytes) + mark, r.top_frame]
+
+
+@dataclass(frozen=True)
+class CellReport:
+    """What one cell did, shown under it: the cell records, findings, lines and advice."""
+
+    cell: int
+    duration_s: float
+    records: tuple[CellRecord, ...]
+    findings: tuple[Finding, ...] = ()
+    unattributed: tuple[tuple[str, int], ...] = ()
+    error: str = ""
+    advice: tuple[str, ...] = ()
+    lines: tuple[LineRecord, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    def last_report_cleanup(self) -> CleanupOf:
+        """What ``%cudamem clean --last-report`` removes: exactly the holders listed here."""
+        return merge_cleanups(self.findings)
+
+    def _peak_line(self, device: str) -> int | None:
+        return next((r.peak_line for r in self.records if r.device == device), None)
+
+    def _line_tables(self) -> list[tuple[str, list[list[str]]]]:
+        out = []
+        for dev in dict.fromkeys(r.device for r in self.lines):
+            peak = self._peak_line(dev)
+            out.append((dev, [line_cells(r, peak) for r in self.lines if r.device == dev]))
+        return out
+
+    def _head(self) -> str:
+        err = f" · error: {self.error}" if self.error else ""
+        return f"nbmem [{self.cell}] · {fmt_seconds(self.duration_s)}{err}"
+
+    def _clean_line(self) -> str:
+        c = self.last_report_cleanup()
+        return f"`%cudamem clean --last-report` would run: {cleanup_text(c)[len('%cudamem clean '):]}" if c else ""
+
+    def __str__(self) -> str:
+        parts = [self._head(), text_table(SUMMARY_COLUMNS, [r.summary_cells() for r in self.records])]
+        for dev, rows in self._line_tables():
+            parts += [f"lines ({dev}):", text_table(LINE_TABLE, rows)]
+        if self.findings:
+            parts += ["holders of memory this cell added:",
+                      text_table(FINDING_TABLE, [finding_cells(f) for f in self.findings])]
+            if self._clean_line():
+                parts.append(self._clean_line())
+        for dev, b in self.unattributed:
+            parts.append(f"unattributed on {dev}: {fmt_bytes(b)} (allocated, but no name reaches it)")
+        parts += [f"- {a}" for a in (*self.notes, *self.advice)]
+        return "\n".join(parts)
+
+    def __repr__(self) -> str:
+        return str(self)
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(str(self))
+
+    def _repr_html_(self) -> str:
+        parts = [f"<div class='nbmem-report'><div style='font-weight:600'>{esc(self._head())}</div>",
+                 html_table(SUMMARY_COLUMNS, [r.summary_cells() for r in self.records])]
+        for dev, rows in self._line_tables():
+            parts.append(html_table(LINE_TABLE, rows, caption=f"lines ({dev})"))
+        if self.findings:
+            parts.append(html_table(FINDING_TABLE, [finding_cells(f) for f in self.findings],
+                                    caption="holders of memory this cell added"))
+            if self._clean_line():
+                parts.append(f"<div>{esc(self._clean_line())}</div>")
+        for dev, b in self.unattributed:
+            parts.append(f"<div>unattributed on {esc(dev)}: {esc(fmt_bytes(b))} (allocated, but no name reaches "
+                         f"it)</div>")
+        items = (*self.notes, *self.advice)
+        if items:
+            parts.append("<ul style='margin:2px 0'>" + "".join(f"<li>{esc(a)}</li>" for a in items) + "</ul>")
+        parts.append("</div>")
+        return "".join(parts)
+
+
+# -- cleanup -------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class CleanupStep:
+    """One action and what it freed; ``error`` when the step itself failed."""
+
+    action: str
+    target: str
+    freed_allocated_bytes: int | None
+    freed_reserved_bytes: int | None
+    note: str = ""
+    error: str = ""
+
+
+def known_sum(values: Iterable[int | None]) -> int | None:
+    """Sum of the known values; None (unknown) when none is known, rather than a made-up 0."""
+    known = [v for v in values if v is not None]
+    return sum(known) if known else None
+
+
+CLEANUP_COLUMNS = (Column("step"), Column("target", code=True), Column("freed allocated", numeric=True),
+                   Column("freed reserved", numeric=True), Column("note", wide=True))
+
+
+@dataclass(frozen=True)
+class CleanupReport:
+    """What a cleanup removed, step by step, and the bytes each step gave back."""
+
+    steps: tuple[CleanupStep, ...]
+    still_held: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (deleted name, names still holding its memory)
+
+    @property
+    def freed_allocated_bytes(self) -> int | None:
+        return known_sum(s.freed_allocated_bytes for s in self.steps)
+
+    @property
+    def freed_reserved_bytes(self) -> int | None:
+        """None when no step could measure reserved memory (no CUDA): unknown, not zero."""
+        return known_sum(s.freed_reserved_bytes for s in self.steps)
+
+    @property
+    def errors(self) -> tuple[str, ...]:
+        return tuple(f"{s.action}: {s.error}" for s in self.steps if s.error)
+
+    def _rows(self) -> list[list[str]]:
+        return [[s.action, s.target, fmt_bytes(s.freed_allocated_bytes), fmt_bytes(s.freed_reserved_bytes),
+                 "; ".join(x for x in (s.note, f"failed: {s.error}" if s.error else "") if x)] for s in self.steps]
+
+    def _head(self) -> str:
+        return (f"nbmem cleanup: freed {fmt_bytes(self.freed_allocated_bytes)} allocated, "
+                f"{fmt_bytes(self.freed_reserved_bytes)} reserved")
+
+    def _held_lines(self) -> list[str]:
+        return [f"{name}: its memory is still held by {', '.join(others)}, which were not removed"
+                for name, others in self.still_held]
+
+    def __str__(self) -> str:
+        return "\n".join([self._head(), text_table(CLEANUP_COLUMNS, self._rows()), *self._held_lines()])
+
+    def __repr__(self) -> str:
+        return str(self)
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(str(self))
+
+    def _repr_html_(self) -> str:
+        held = "".join(f"<div>{esc(x)}</div>" for x in self._held_lines())
+        return ("<div class='nbmem-report'>" + html_table(CLEANUP_COLUMNS, self._rows(), caption=self._head())
+                + held + "</div>")
+
+    def row(self) -> dict[str, Any]:
+        return {"freed_allocated_bytes": self.freed_allocated_bytes, "freed_reserved_bytes": self.freed_reserved_bytes}
+
+
+# -- what the engine tells its subscribers ------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Tick:
+    """One sampler tick: a sample per device (``cpu`` first), all read at the same moment."""
+
+    samples: tuple[Sample, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Holders:
+    """The current holders above the threshold, after a scan (a cell, a cleanup, ``%cudamem on``)."""
+
+    findings: tuple[Finding, ...]
+
+
+# -- status ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Fault:
+    """An exception inside nbmem, recorded (and shown once); the user's cell was not affected."""
+
+    where: str
+    error: str
+    count: int
+
+
+@dataclass(frozen=True)
+class Status:
+    """What nbmem can and cannot see, and why; shown by ``%cudamem status``."""
+
+    devices: tuple[str, ...]
+    cannot: tuple[str, ...]
+    sampler_running: bool
+    interval_s: float
+    monitoring: bool
+    faults: tuple[Fault, ...] = ()
+    scan: tuple[str, ...] = field(default=())  # how the last holder scans went (skipped objects, unfinished roots)
+
+    def __str__(self) -> str:
+        lines = [f"nbmem: sampling every {self.interval_s:g} s ({'running' if self.sampler_running else 'stopped'}); "
+                 f"per-cell monitoring {'on' if self.monitoring else 'off'}",
+                 "sees: " + (", ".join(self.devices) or "nothing")]
+        lines += [f"cannot see: {c}" for c in self.cannot]
+        lines += [f"scan: {s}" for s in self.scan]
+        lines += [f"fault in {f.where} (x{f.count}): {f.error}" for f in self.faults]
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return str(self)
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(str(self))
