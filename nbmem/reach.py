@@ -1,0 +1,339 @@
+"""Reading objects without running their code: the only way the holder scan looks at user objects.
+
+Every object in a notebook may be hostile, huge or deeply nested. So nothing here calls an
+object's ``__getattr__``, ``__getattribute__``, ``__len__``, ``__iter__``, ``__eq__``, ``__hash__``,
+``__repr__`` or properties, nor ``isinstance`` (which asks ``__class__``):
+
+- types are read through ``type``'s own descriptors (``__mro__``, ``__dict__``, ``__name__``);
+- instance state through the C descriptors found on the class: the ``__dict__`` getset and the
+  slot members of every class in the MRO;
+- containers through their base type's C methods (``list.__iter__(x)``, ``dict.items(x)``), never
+  a subclass's override;
+- labels through a bounded repr of exact built-in types only (anything else is ``<TypeName>``).
+"""
+
+from __future__ import annotations
+
+import gc
+import sys
+import types
+import weakref
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from itertools import compress, islice
+from typing import Any
+
+_mro: Callable[[type], tuple[type, ...]] = type.__dict__["__mro__"].__get__
+_own_dict: Callable[[type], Any] = type.__dict__["__dict__"].__get__
+_name: Callable[[type], Any] = type.__dict__["__name__"].__get__
+_module: Callable[[type], Any] = type.__dict__["__module__"].__get__
+_flags: Callable[[type], int] = type.__dict__["__flags__"].__get__
+_HEAPTYPE = 1 << 9
+
+GETSET = types.GetSetDescriptorType
+MEMBER = types.MemberDescriptorType
+is_tracked = gc.is_tracked
+referents = gc.get_referents
+
+#: Exact types that hold no references worth following.
+ATOMS = frozenset({int, float, complex, bool, str, bytes, bytearray, type(None), range, slice, type(Ellipsis),
+                   type(NotImplemented), memoryview})
+_ATOM_IDS = frozenset(map(id, ATOMS))
+#: Exact built-in containers whose children ``gc.get_referents`` lists completely (bulk descent).
+PLAIN = (dict, list, tuple, set, frozenset, deque)
+_PLAIN_IDS = frozenset(map(id, PLAIN))
+
+
+def is_atom_type(t: type) -> bool:
+    """By identity: a membership test on a set would hash ``t`` through its metaclass."""
+    return id(t) in _ATOM_IDS
+
+
+def is_plain(obj: Any) -> bool:
+    return id(type(obj)) in _PLAIN_IDS
+
+
+def is_one_of(t: type, choices: tuple[type, ...]) -> bool:
+    return any(t is c for c in choices)
+
+#: Libraries whose objects cannot hold the notebook's tensors, or whose walk would only cost time.
+SKIP_MODULES = ("IPython", "ipykernel", "nbmem", "traitlets", "zmq", "tornado", "asyncio", "jupyter", "comm",
+                "ipywidgets", "anywidget", "matplotlib", "pandas", "numpy", "threading", "logging", "_thread",
+                "pygments", "prompt_toolkit", "jedi", "sidecar", "psutil", "pynvml", "concurrent", "socket", "ssl",
+                "selectors", "subprocess", "multiprocessing", "torch._C", "torch._ops", "torch.library",
+                "torch._tensor_str", "torch.fx", "torch._dynamo", "torch._inductor", "sympy", "typing",
+                "enum", "abc", "inspect", "importlib", "collections.abc", "re", "_weakrefset", "weakref")
+
+
+def type_name(t: type) -> str:
+    n = _name(t)
+    return n if type(n) is str else "?"
+
+
+def type_module(t: type) -> str:
+    try:
+        m = _module(t)
+    except Exception:  # a heap type whose __module__ was deleted
+        return ""
+    return m if type(m) is str else ""
+
+
+def mro(t: type) -> tuple[type, ...]:
+    return _mro(t)
+
+
+def derives(t: type, base: type) -> bool:
+    """``issubclass`` by identity over the MRO (no metaclass ``__subclasscheck__``)."""
+    return any(c is base for c in _mro(t))
+
+
+def own_items(t: type) -> list[tuple[Any, Any]]:
+    """The class's own namespace, as a list (C iteration of the underlying dict)."""
+    return list(_own_dict(t).items())
+
+
+def is_heap(t: type) -> bool:
+    return bool(_flags(t) & _HEAPTYPE)
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """Where an instance of a type keeps its state, found once per type."""
+
+    dict_get: Callable[[Any], Any] | None  # the C __dict__ getter, or None (no dict, or a Python override)
+    dict_shadowed: bool  # a Python-level __dict__ (a property, say): the real dict is not safely reachable
+    slots: tuple[tuple[str, Callable[[Any], Any]], ...]  # member descriptors of heap classes in the MRO
+
+
+def layout(t: type) -> Layout:
+    dict_get: Callable[[Any], Any] | None = None
+    shadowed = False
+    seen_dict = False
+    slots: list[tuple[str, Callable[[Any], Any]]] = []
+    seen_names: set[str] = set()
+    for c in _mro(t):
+        for k, d in own_items(c):
+            if type(k) is not str:
+                continue
+            if k == "__dict__" and not seen_dict:
+                seen_dict = True
+                if type(d) is GETSET:
+                    dict_get = d.__get__
+                else:
+                    shadowed = True  # e.g. a lazy proxy's property: reading it would run its code
+            elif type(d) is MEMBER and is_heap(c) and k not in seen_names:
+                seen_names.add(k)
+                slots.append((k, d.__get__))
+    if shadowed:
+        # The class hides the C getter; a base class that does not may still have it.
+        for c in _mro(t)[1:]:
+            d = _own_dict(c).get("__dict__")
+            if type(d) is GETSET:
+                dict_get, shadowed = d.__get__, False
+                break
+    return Layout(dict_get, shadowed, tuple(slots))
+
+
+def instance_dict(obj: Any, lay: Layout) -> dict[Any, Any] | None:
+    if lay.dict_get is None:
+        return None
+    try:
+        d = lay.dict_get(obj)
+    except Exception:
+        return None
+    return d if type(d) is dict else None
+
+
+def slot_values(obj: Any, lay: Layout) -> Iterator[tuple[str, Any]]:
+    for name, get in lay.slots:
+        try:
+            yield name, get(obj)
+        except Exception:  # an unset slot raises AttributeError in C, without __getattr__
+            continue
+
+
+def dict_items(d: Any) -> list[tuple[Any, Any]]:
+    return list(dict.items(d))
+
+
+def seq_items(obj: Any) -> list[Any]:
+    """A list, tuple, deque, set or frozenset's elements through the base type's C iterator."""
+    for base in (list, tuple, deque, set, frozenset):
+        if derives(type(obj), base):
+            return list(base.__iter__(obj))
+    return []
+
+
+def any_tracked(items: Any) -> bool:
+    """Whether any element can hold a reference to another object (C speed)."""
+    return any(map(is_tracked, items))
+
+
+_STEP = 65536  # children per C call: a few milliseconds, so a deadline is checked often
+
+
+def _children(level: list[Any]) -> Iterator[list[Any]]:
+    """The children of plain containers, in lists of about ``_STEP``; a huge container is sliced."""
+    batch: list[Any] = []
+    size = 0
+    for c in level:
+        n = len(c)  # exact built-in types only: C lengths
+        if n <= _STEP:
+            batch.append(c)
+            size += n
+            if size >= _STEP:
+                yield referents(*batch)
+                batch, size = [], 0
+            continue
+        if type(c) is dict:
+            for part in (dict.keys(c), dict.values(c)):
+                it = iter(part)
+                while chunk := list(islice(it, _STEP)):
+                    yield chunk
+        else:
+            it = iter(c)
+            while chunk := list(islice(it, _STEP)):
+                yield chunk
+    if batch:
+        yield referents(*batch)
+
+
+def plain_subtree_is_inert(root: Any, *, max_objects: int, deadline: Callable[[], bool]) -> tuple[bool, int]:
+    """Whether everything below a plain container is plain containers and atoms (no tensor can hide).
+
+    A breadth-first descent at C speed: each step is one ``gc.get_referents`` call (or one slice of a
+    huge container) of about 64k children, filtered to GC-tracked objects, so the caller's deadline is
+    checked every few milliseconds. Returns (inert, objects looked at); not inert as soon as any other
+    kind of object appears, the subtree is larger than ``max_objects``, or time runs out.
+    """
+    seen: set[int] = {id(root)}
+    level = [root]
+    count = 0
+    while level:
+        nxt: list[Any] = []
+        for children in _children(level):
+            count += len(children)
+            if count > max_objects or deadline():
+                return False, count
+            tracked = list(filter(is_tracked, children))
+            if not tracked:
+                continue
+            if not set(map(id, map(type, tracked))) <= _PLAIN_IDS:
+                return False, count
+            ids = list(map(id, tracked))
+            fresh = set(ids) - seen
+            seen |= fresh
+            nxt.extend(compress(tracked, map(fresh.__contains__, ids)))
+        level = nxt
+    return True, count
+
+
+# -- labels ---------------------------------------------------------------------------------------------
+LABEL_MAX = 80
+
+
+def _clip(s: str, n: int = LABEL_MAX) -> str:
+    return s if len(s) <= n else s[: n - 1] + "…"
+
+
+def key_label(k: Any, depth: int = 0) -> str:
+    """A dict key as a user would type it, for exact built-in types; ``<TypeName>`` otherwise."""
+    t = type(k)
+    try:
+        if t is str:
+            return _clip(repr(k[:LABEL_MAX]))
+        if t is int:
+            return str(k) if -(10**30) < k < 10**30 else "<int>"
+        if t in (bool, float, complex, type(None)):
+            return repr(k)
+        if t is bytes:
+            return _clip(repr(k[:LABEL_MAX]))
+        if t is tuple and depth < 2:
+            parts = [key_label(x, depth + 1) for x in islice(tuple.__iter__(k), 5)]
+            if tuple.__len__(k) > 5:
+                parts.append("…")
+            return _clip("(" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")")
+    except Exception:
+        pass
+    return f"<{type_name(t)}>"
+
+
+def attr_label(name: Any) -> str:
+    return _clip(name) if type(name) is str else "<attribute>"
+
+
+# -- identity of types, without hashing them ------------------------------------------------------------
+class TypeCache:
+    """Per-type facts keyed by ``id(type)``, validated by a weak reference (ids are reused)."""
+
+    def __init__(self) -> None:
+        self._d: dict[int, tuple[weakref.ref[type] | None, Any]] = {}
+
+    def get(self, t: type) -> Any:
+        hit = self._d.get(id(t))
+        if hit is None:
+            return None
+        ref, value = hit
+        if ref is not None and ref() is not t:
+            return None
+        return value
+
+    def put(self, t: type, value: Any) -> None:
+        try:
+            ref: weakref.ref[type] | None = weakref.ref(t)
+        except TypeError:
+            ref = None  # static types live forever
+        self._d[id(t)] = (ref, value)
+
+
+def is_library_module(modname: str) -> bool:
+    return modname == "builtins" or modname.startswith(SKIP_MODULES)
+
+
+_MODULE_DICT: Any = vars(types.ModuleType)["__dict__"]
+
+
+def module_dict(m: types.ModuleType) -> dict[Any, Any] | None:
+    try:
+        d = _MODULE_DICT.__get__(m)
+    except Exception:
+        return None
+    return d if type(d) is dict else None
+
+
+def is_user_module(m: types.ModuleType) -> bool:
+    """A module the user wrote or made (``types.ModuleType(...)``), not a library or the stdlib."""
+    d = module_dict(m)
+    if d is None:
+        return False
+    name = d.get("__name__")
+    if type(name) is not str or name in sys.builtin_module_names or name == "__main__" or is_library_module(name):
+        return False
+    f = d.get("__file__")
+    if f is None:
+        spec = d.get("__spec__")
+        return spec is None  # made by hand; a namespace package or frozen module has a spec
+    if type(f) is not str:
+        return False
+    prefixes = {p for p in (sys.prefix, sys.base_prefix, sys.exec_prefix) if p}
+    return not any(f.startswith(p) for p in prefixes) and "site-packages" not in f and "dist-packages" not in f
+
+
+def frame_locals(frame: types.FrameType) -> list[tuple[str, Any]]:
+    """A finished frame's local variables with their names.
+
+    On 3.13+ ``f_locals`` is a live view; before, reading it stores a snapshot dict on the frame, which
+    is harmless for the frames of a traceback (they have finished and die with it).
+    """
+    try:
+        return [(k, v) for k, v in list(frame.f_locals.items()) if type(k) is str]
+    except Exception:
+        return []
+
+
+def generator_locals(gen: Any) -> list[Any]:
+    """A suspended generator's or coroutine's locals, values only: naming them would mean reading
+    ``f_locals``, which before 3.13 stores a snapshot that keeps old values alive."""
+    return [x for x in referents(gen) if type(x) is not types.CodeType and type(x) is not types.FrameType
+            and type(x) is not str]
