@@ -31,6 +31,8 @@ import {
  * @property {number} bytes
  * @property {boolean} graph
  * @property {string[]} roots top-level names `del` removes
+ * @property {string} del_label what the del button does, e.g. "del model, opt" ("" when it cannot)
+ * @property {string} what the size in words (views, groups of small tensors, graphs)
  * @property {boolean} to_cpu whether "to CPU" applies
  * @property {string} hint
  */
@@ -410,12 +412,14 @@ export default {
           meta.append(" · ", f);
         }
         const btns = h("div", "nbmem-buttons");
-        const roots = x.roots || [];
+
         const why = x.kind === "output" ? "held by the output history: use “clear outputs”"
           : x.kind === "traceback" ? "held by the last traceback: use “clear traceback”"
           : "no top-level name to delete";
+        // The button says exactly which variables it deletes, before and while it asks for confirmation.
+        const delLabel = x.del_label || "del";
         btns.append(
-          button("del", "del", `del ${roots.join(", ")}?`, { id: x.id, destructive: true, disabled: roots.length ? "" : why }),
+          button("del", delLabel, `${delLabel}?`, { id: x.id, destructive: true, disabled: x.del_label ? "" : why }),
           button("to_cpu", "to CPU", `${x.name}.cpu()?`, {
             id: x.id, destructive: true,
             disabled: x.to_cpu ? "" : x.device === "cpu" ? "already on the CPU" : "only a top-level tensor or module moves",
@@ -437,7 +441,8 @@ export default {
         if (a.ok) {
           const back = !isNA(a.freed_reserved) && a.freed_reserved !== 0
             ? `; ${fmtBytes(a.freed_reserved)} of cache returned to the driver` : "";
-          status.textContent = `${a.label}: freed ${fmtBytes(a.freed)}${back}`;
+          const still = a.still ? ` (${a.still})` : "";
+          status.textContent = `${a.label}: freed ${fmtBytes(a.freed)}${back}${still}`;
           status.dataset.state = "done";
         } else {
           status.textContent = `${a.label}: ${a.error}`;

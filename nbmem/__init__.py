@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 __all__ = [
     "Gauge",
     "__version__",
@@ -36,38 +36,49 @@ def unload_ipython_extension(shell: Any) -> None:
 
 
 def _session() -> Any:
-    from .magics import _magics
+    from .magics import session_of
 
-    return _magics().session
+    return session_of()
+
+
+def _cell_number(cell: Any, what: str) -> int | None:
+    import numbers
+
+    if cell is None:
+        return None
+    if isinstance(cell, bool) or not isinstance(cell, numbers.Integral) or int(cell) < 0:
+        raise TypeError(f"nbmem.{what}(cell=...) takes a cell number (the N of In[N]) or None, got {cell!r}")
+    return int(cell)
 
 
 def leaks(cell: int | None = None) -> Any:
-    """Findings as a DataFrame: what cell N added (``cell=N``), or everything held now (``None``).
+    """Holders as a DataFrame: what cell N added (``cell=N``), or everything held now (``None``).
 
-    Columns: cell, name, holders, kind ("namespace", "output", "traceback"), device, bytes,
-    holds_graph, hint. Storages are counted once; bytes include the saved tensors of a kept graph.
+    Columns: cell, name, holders, kind ("namespace", "module", "output", "traceback"), device, bytes
+    (storage + autograd graph), storage_bytes, graph_bytes, holds_graph, tensors (more than 1 for a
+    container of small tensors), view_bytes, line, hint, action. Byte columns are integers, NA where
+    unknown. A cell that was not measured is a LookupError.
     """
-    import numbers
-
-    if cell is not None and (isinstance(cell, bool) or not isinstance(cell, numbers.Integral)):
-        raise TypeError(f"nbmem.leaks(cell=...) takes a cell number (the N of In[N]) or None, got {cell!r}")
-    return _session().leaks(None if cell is None else int(cell))
+    return _session().leaks(_cell_number(cell, "leaks"))
 
 
 def cleanup(names: Any = (), outputs: bool = False, traceback: bool = False, collect: bool = True,
             empty_cache: bool = True, to_cpu: Any = ()) -> Any:
-    """Delete the named variables, clear outputs / the last traceback if asked, then gc and empty_cache.
+    """Delete exactly the named variables, clear outputs / the last traceback if asked, then gc and empty_cache.
 
-    Returns a report with ``freed_allocated_bytes`` and ``freed_reserved_bytes`` and one line per step.
+    A name's object also loses IPython's hidden references to it (``Out[n]``, ``_n``, ``_``, the last
+    result); other variables bound to it are never removed (the report says they still hold it).
+    The whole request is checked first: any unknown or protected name raises ``ValueError`` listing
+    every problem, and nothing is removed. Returns a report with ``freed_allocated_bytes``,
+    ``freed_reserved_bytes`` and one line per step.
     """
-    from .magics import cleanup as _cleanup
+    from .cleaner import CleanupRequest
 
-    return _cleanup(names=names, outputs=outputs, traceback=traceback, collect=collect,
-                    empty_cache=empty_cache, to_cpu=to_cpu)
+    return _session().cleanup(CleanupRequest.of(names, to_cpu, outputs, traceback, collect, empty_cache))
 
 
 def samples() -> Any:
-    """The background samples as a DataFrame, one row per (time, device)."""
+    """The background samples as a DataFrame, one row per (time, device); integer bytes, NA where unknown."""
     return _session().samples()
 
 
@@ -81,11 +92,11 @@ def status() -> Any:
     return _session().status()
 
 
-def plot() -> Any:
+def plot(**kwargs: Any) -> Any:
     """A matplotlib Figure of memory over time per device, monitored cells shaded with their peaks."""
     from .plotting import plot as _plot
 
-    return _plot(_session())
+    return _plot(_session(), **kwargs)
 
 
 def __getattr__(name: str) -> Any:

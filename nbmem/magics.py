@@ -5,116 +5,181 @@ Load it once per kernel::
     %load_ext nbmem
 
 ``%%cudamem`` (first line of a cell) runs the cell and reports what it did: wall time, Δallocated,
-Δreserved, the exact peak allocated inside the cell (from the allocator's own counter), Δ of this
-process's NVML usage, Δ RSS, and which names keep the memory it added alive.
+Δreserved, the peak allocated inside the cell, Δ of this process's NVML usage, Δ RSS, and which names
+keep the memory it added alive.
 
     %%cudamem [--reset-peak] [--no-scan] [--quiet]
 
-``%cudamem`` (a line) takes a command:
+``%cudamem`` (a line) takes a command; each command accepts only its own options:
 
-    %cudamem on [--reset-peak] [--no-scan]   monitor every cell from now on
-    %cudamem off                             stop monitoring cells (the sampler keeps running)
+    %cudamem on [--reset-peak] [--no-scan]   measure every cell from now on
+    %cudamem off                             stop measuring cells (the sampler and gauge keep running)
     %cudamem status                          what nbmem can and cannot see, and why
-    %cudamem report                          one row per monitored cell (= nbmem.report())
+    %cudamem report                          one row per measured cell (= nbmem.report())
     %cudamem leaks [--cell N]                who holds memory now, or what cell N added
-    %cudamem clean NAME ... [--outputs] [--traceback] [--all-flagged] [--to-cpu NAME]
-                                             delete names (through IPython's del_var), clear the
-                                             output history or the last traceback, then gc.collect()
-                                             and torch.cuda.empty_cache(); reports the bytes freed
+    %cudamem clean NAME ... [--outputs] [--traceback] [--last-report] [--to-cpu NAME]
+                   [--no-collect] [--no-empty-cache]
     %cudamem gauge [--inline | --sidebar]    show the live gauge again
     %cudamem plot                            memory over time with cells shaded (= nbmem.plot())
+
+Cleanup removes exactly what you name, and checks the whole request before it changes anything:
+
+- ``clean x`` deletes the variable ``x`` and IPython's own hidden references to the same object
+  (``Out[n]``, ``_n``, ``_``/``__``/``___``, the last result). Other variables bound to that object
+  are never removed: the report names them ("still held by alias") and the bytes they keep count as
+  not freed.
+- ``--outputs`` clears the output history; ``--traceback`` drops the last exception's frames (then
+  ``%debug`` cannot inspect it); ``--to-cpu NAME`` moves a tensor or module to the CPU.
+- ``--last-report`` does exactly what the most recent cell report listed under "would run": it deletes
+  the variables that report showed as holders, clears the outputs or the traceback if it showed
+  them, and nothing else.
+- Then ``gc.collect()`` and ``torch.cuda.empty_cache()`` (``--no-collect``, ``--no-empty-cache`` skip
+  them). Every step reports the bytes it freed; a step that fails is reported and the others stand.
+- An unknown, protected (IPython's own, ``__name__``) or misspelled name is refused with every
+  problem listed, and nothing at all is removed.
 
 Peaks: the allocator keeps one global peak counter per device (pytorch#16266). nbmem never resets
 it on its own, so your own ``torch.cuda.max_memory_allocated()`` keeps its meaning. A cell's peak is
 exact whenever the cell raised that counter; otherwise the report says it stayed below an earlier
 peak. ``--reset-peak`` (or ``%config Nbmem.reset_peak = True``) resets the counter at the start of
-each measured cell for an exact peak every time: your own peak reading then starts at that cell.
+each measured cell: your own peak reading then starts at that cell.
 
-Options (``%config Nbmem.<name> = value``, or ``c.Nbmem.<name>`` in ipython_config.py): interval,
-history, threshold, scan, show, reset_peak, gauge. ``%config Nbmem`` lists them with their help.
+Options: ``%config Nbmem.<name> = value``, or ``c.Nbmem.<name>`` in ipython_config.py; ``%config Nbmem``
+lists them with their allowed values. A value outside those is refused with one line, and the old
+value stays.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
 import weakref
+from collections.abc import Iterator
 from typing import Any
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-from traitlets import Bool, Enum, Float, Int, TraitError, validate
+from traitlets import Bool, Enum, Float, Int, TraitType
 from traitlets.config import Configurable
 
-from .session import Session, Settings
+from .cleaner import CleanupRefused, CleanupRequest
+from .options import OPTION_BY_NAME, OPTIONS, Option, OptionError, Settings
+from .session import Session
 from .shell import ShellAdapter
 
 _ACTIVE: weakref.WeakKeyDictionary[Any, NbmemMagics] = weakref.WeakKeyDictionary()
-_COMMANDS = ("on", "off", "status", "report", "leaks", "clean", "gauge", "plot")
+
+#: Which options each command takes; anything else given is a usage error and nothing runs.
+COMMANDS: dict[str, frozenset[str]] = {
+    "on": frozenset({"reset_peak", "no_scan"}),
+    "off": frozenset(),
+    "status": frozenset(),
+    "report": frozenset(),
+    "leaks": frozenset({"cell"}),
+    "clean": frozenset({"names", "outputs", "traceback", "last_report", "to_cpu", "no_collect", "no_empty_cache"}),
+    "gauge": frozenset({"inline", "sidebar"}),
+    "plot": frozenset(),
+}
+CELL_OPTIONS = frozenset({"reset_peak", "no_scan", "quiet"})
+_FLAG_NAMES = {"names": "NAME", "reset_peak": "--reset-peak", "no_scan": "--no-scan", "quiet": "--quiet",
+               "cell": "--cell", "outputs": "--outputs", "traceback": "--traceback", "last_report": "--last-report",
+               "to_cpu": "--to-cpu", "no_collect": "--no-collect", "no_empty_cache": "--no-empty-cache",
+               "inline": "--inline", "sidebar": "--sidebar"}
 
 
-class Nbmem(Configurable):
-    """nbmem's options."""
+def _set(value: Any) -> bool:
+    """Whether an option was given (0 counts: `--cell 0` is a cell number)."""
+    return value is not None and value is not False and value != []
 
-    interval = Float(0.5, help="Seconds between background samples (0.01 to 60). NVML memory queries "
-                               "cost ~10 µs, so the default 2 Hz is free.").tag(config=True)
-    history = Float(3600.0, help="Seconds of samples kept in memory (a bounded ring).").tag(config=True)
-    threshold = Int(2**20, help="Smallest storage, in bytes, that a leak report lists.").tag(config=True)
-    scan = Bool(True, help="Find which names hold the memory a monitored cell added.").tag(config=True)
-    show = Enum(["auto", "always", "never"], "auto",
-                help="When to show the report under a monitored cell: 'auto' when it changed memory "
-                     "by at least `threshold`, found a holder or failed.").tag(config=True)
-    scan_budget = Float(0.5, help="Seconds a monitored cell's holder scan may take before it stops and says "
-                                  "its findings may be incomplete (nbmem.leaks() always scans fully)."
-                        ).tag(config=True)
-    reset_peak = Bool(False, help="Reset the allocator's peak counter at the start of each monitored cell "
-                                  "for exact per-cell peaks (your own max_memory_allocated() then "
-                                  "counts from that cell).").tag(config=True)
-    gauge = Enum(["auto", "sidebar", "inline", "none"], "auto",
-                 help="Where %load_ext shows the live gauge: 'auto' is the JupyterLab sidebar, inline in "
-                      "VS Code and Colab, none in a terminal.").tag(config=True)
 
-    @validate("interval")
-    def _check_interval(self, proposal: Any) -> float:
-        v = proposal["value"]
-        if not 0.01 <= v <= 60:
-            raise TraitError(f"Nbmem.interval must be between 0.01 and 60 seconds, got {v!r}")
-        return float(v)
+# -- options: traitlets glue over nbmem.options ----------------------------------------------------------
+def _trait(o: Option) -> TraitType[Any, Any]:
+    text = f"{o.help} Allowed: {o.allowed()}."
+    if o.choices:
+        return Enum(list(o.choices), o.default, help=text).tag(config=True)
+    if o.kind is bool:
+        return Bool(o.default, help=text).tag(config=True)
+    if o.kind is int:
+        return Int(o.default, help=text).tag(config=True)
+    return Float(o.default, help=text).tag(config=True)
 
-    @validate("history")
-    def _check_history(self, proposal: Any) -> float:
-        v = proposal["value"]
-        if not 1 <= v <= 7 * 86400:
-            raise TraitError(f"Nbmem.history must be between 1 second and 7 days (in seconds), got {v!r}")
-        return float(v)
 
-    @validate("scan_budget")
-    def _check_budget(self, proposal: Any) -> float:
-        v = proposal["value"]
-        if not 0 < v <= 3600:
-            raise TraitError(f"Nbmem.scan_budget is in seconds, > 0 and <= 3600, got {v!r}")
-        return float(v)
+class _Options(Configurable):
+    """Checks every value through ``nbmem.options`` and refuses bad ones with one line, keeping the old one."""
 
-    @validate("threshold")
-    def _check_threshold(self, proposal: Any) -> int:
-        v = proposal["value"]
-        if v < 0:
-            raise TraitError(f"Nbmem.threshold is a number of bytes >= 0, got {v!r}")
-        return int(v)
+    def __init__(self, *, notify: Any = print, **kwargs: Any) -> None:
+        self._notify = notify
+        super().__init__(**kwargs)
+
+    def _load_config(self, cfg: Any, section_names: Any = None, traits: Any = None) -> None:
+        for name, value in self._find_my_config(cfg).items():
+            opt = OPTION_BY_NAME.get(name)
+            if opt is None:
+                self._notify(f"nbmem: Nbmem has no option {name!r}; options: {', '.join(OPTION_BY_NAME)}.")
+                continue
+            if hasattr(value, "get_value"):  # a value from the command line or a lazy container
+                try:
+                    value = value.get_value(self.traits()[name])
+                except Exception:
+                    value = str(value)
+            try:
+                setattr(self, name, opt.check(value))
+            except OptionError as e:
+                self._notify(f"nbmem: {e}; kept {getattr(self, name)!r}.")
 
     def settings(self) -> Settings:
-        return Settings(interval_s=self.interval, history_s=self.history, threshold_bytes=self.threshold,
-                        scan=self.scan, show=self.show, reset_peak=self.reset_peak, scan_budget_s=self.scan_budget)
+        return Settings(**{o.attr: getattr(self, o.name) for o in OPTIONS})
 
 
-class _AlreadyShown(Exception):
-    """Fails a ``%%cudamem`` cell whose body's error IPython has already shown."""
-
-    def _render_traceback_(self) -> list[str]:
-        return []
+Nbmem = type("Nbmem", (_Options,), {"__doc__": "nbmem's options (%config Nbmem lists them).",
+                                    **{o.name: _trait(o) for o in OPTIONS}})
 
 
-def _defer_traceback(*args: Any, **kwargs: Any) -> None:
-    """Stands in for ``shell.showtraceback`` while a ``%%cudamem`` body runs."""
+# -- the adapter -----------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _compiled_as(shell: Any, number: int) -> Iterator[None]:
+    """Compile cells run inside as cell ``number``, so their tracebacks say ``In[number]``.
+
+    ``shell.run_cell`` names a cell by the execution count, which has already moved on to the next
+    cell while this one runs.
+    """
+    comp = shell.compile
+    had = "cache" in vars(comp)
+    original = comp.cache
+
+    def cache(transformed_code: str, number_: int = 0, raw_code: str | None = None) -> str:
+        return original(transformed_code, number, raw_code=raw_code)
+
+    comp.cache = cache
+    try:
+        yield
+    finally:
+        if vars(comp).get("cache") is cache:
+            if had:
+                comp.cache = original
+            else:
+                del comp.cache
+
+
+@contextlib.contextmanager
+def _semicolon_of(shell: Any, body: str) -> Iterator[None]:
+    """IPython decides "ends with ;" from the outer cell (the magic call): ask about the body instead."""
+    dh = shell.displayhook
+    had, previous = "quiet" in vars(dh), vars(dh).get("quiet")
+
+    def quiet() -> bool:
+        return bool(dh.semicolon_at_end_of_expression(body))
+
+    dh.quiet = quiet
+    try:
+        yield
+    finally:
+        if vars(dh).get("quiet") is quiet:
+            if had:
+                dh.quiet = previous
+            else:
+                del dh.quiet
 
 
 @magics_class
@@ -123,14 +188,14 @@ class NbmemMagics(Magics):
 
     shell: Any  # always set: the adapter is created for a shell
 
-    def __init__(self, shell: Any, options: Nbmem, session: Session) -> None:
+    def __init__(self, shell: Any, options: Any, session: Session) -> None:
         super().__init__(shell)
         self.options = options
         self.session = session
         self._nested = False
         self.gauge: Any = None
 
-    # -- events ----------------------------------------------------------------------------------
+    # -- events ------------------------------------------------------------------------------------
     def pre_run_cell(self, info: Any) -> None:
         try:
             s = self.session
@@ -138,9 +203,10 @@ class NbmemMagics(Magics):
                 return
             if getattr(info, "silent", False) or not getattr(info, "store_history", False):
                 return
-            if (getattr(info, "raw_cell", "") or "").lstrip().startswith("%%cudamem"):
+            raw = getattr(info, "raw_cell", "") or ""
+            if raw.lstrip().startswith("%%cudamem"):
                 return  # the cell magic measures this cell itself
-            s.begin_cell(self.shell.execution_count - 1)
+            s.begin_cell(self.shell.execution_count - 1, source=raw)
         except Exception as e:
             self.session.fault("pre_run_cell", e)
 
@@ -159,22 +225,22 @@ class NbmemMagics(Magics):
 
         display(obj)
 
-    # -- the magic -------------------------------------------------------------------------------
+    # -- the magic ---------------------------------------------------------------------------------
     @magic_arguments()
-    @argument("command", nargs="?", default=None,
-              help="Line form only: on, off, status, report, leaks, clean, gauge, plot.")
-    @argument("names", nargs="*", default=[], help="With `clean`: the top-level names to delete.")
+    @argument("command", nargs="?", default=None, help="Line form only: " + ", ".join(COMMANDS) + ".")
+    @argument("names", nargs="*", default=[], help="With `clean`: the variables to delete.")
     @argument("--reset-peak", action="store_true",
-              help="Reset the allocator's peak counter at the start of the cell(s) for an exact peak. "
-                   "Your own torch.cuda.max_memory_allocated() then counts from there.")
-    @argument("--no-scan", action="store_true", help="Skip finding which names hold the memory.")
-    @argument("-q", "--quiet", action="store_true", help="Record the report without showing it.")
+              help="Cell form and `on`: reset the allocator's peak counter at the start of each measured cell "
+                   "(your own torch.cuda.max_memory_allocated() then counts from there).")
+    @argument("--no-scan", action="store_true", help="Cell form and `on`: skip finding which names hold memory.")
+    @argument("-q", "--quiet", action="store_true", help="Cell form: record the report without showing it.")
     @argument("--cell", type=int, default=None, help="With `leaks`: what cell N added.")
     @argument("--outputs", action="store_true", help="With `clean`: clear the output history (Out, _N, _).")
     @argument("--traceback", action="store_true",
               help="With `clean`: drop the last exception's frames (ends %%debug for it).")
-    @argument("--all-flagged", action="store_true",
-              help="With `clean`: everything the last report flagged (names, outputs, traceback).")
+    @argument("--last-report", action="store_true",
+              help="With `clean`: exactly what the last cell report listed under 'would run'.")
+    @argument("--all-flagged", action="store_true", help=argparse.SUPPRESS)
     @argument("--to-cpu", action="append", default=[], metavar="NAME",
               help="With `clean`: move this tensor or module to the CPU instead of deleting it.")
     @argument("--no-collect", action="store_true", help="With `clean`: skip gc.collect().")
@@ -186,15 +252,17 @@ class NbmemMagics(Magics):
         """Measure GPU memory per cell, find which names hold it, and give it back.
 
         As a cell magic, ``%%cudamem`` on a cell's first line runs the cell and reports wall time,
-        Δallocated, Δreserved, the exact peak inside the cell, Δ NVML process usage, Δ RSS and the
-        names that keep what the cell added. As a line magic it takes a command:
+        Δallocated, Δreserved, the peak inside the cell, Δ NVML process usage, Δ RSS and the names
+        that keep what the cell added. As a line magic it takes a command:
 
           on / off            measure every cell from now on / stop
           status              what nbmem can and cannot see, and why
           report              one row per measured cell (= nbmem.report())
           leaks [--cell N]    who holds memory now, or what cell N added (= nbmem.leaks())
-          clean NAME ...      delete names via IPython's del_var; --outputs, --traceback,
-                              --all-flagged, --to-cpu NAME; then gc.collect() and empty_cache()
+          clean NAME ...      delete exactly these variables (and IPython's hidden references
+                              to their objects, never another variable); --outputs, --traceback,
+                              --last-report, --to-cpu NAME; then gc.collect() and empty_cache().
+                              The whole request is checked first: one bad name, nothing removed.
           gauge               show the live gauge again (--inline or --sidebar)
           plot                memory over time, measured cells shaded (= nbmem.plot())
 
@@ -202,68 +270,89 @@ class NbmemMagics(Magics):
         cell's peak is exact when the cell raised the high-water mark, and reported as "≤ X" otherwise.
         Options: %config Nbmem (interval, history, threshold, scan, scan_budget, show, reset_peak, gauge).
         """
-        __tracebackhide__ = True  # a failing %%cudamem body shows the user's traceback, not ours
-        args = parse_argstring(self.cudamem, line)
+        try:
+            args = parse_argstring(self.cudamem, line)
+        except UsageError:
+            raise
+        except SystemExit:  # argparse's own exit on a bad flag
+            raise UsageError(f"%cudamem: could not read {line!r}; `%cudamem?` lists the options.") from None
+        if args.all_flagged:
+            raise UsageError("%cudamem clean: --all-flagged is now --last-report, which removes exactly the holders "
+                             "the last cell report listed (its 'would run' line).")
         if cell is not None:
             if args.command is not None or args.names:
                 raise UsageError(f"%%cudamem takes options only, not {args.command!r}: put `%%cudamem` alone "
                                  f"on the first line, or use the line form `%cudamem {args.command}`.")
+            self._only(args, CELL_OPTIONS, "%%cudamem")
             return self._measure_cell(cell, args)
         if args.command is None:
-            raise UsageError("%cudamem needs a command: " + ", ".join(_COMMANDS) + ". Example: `%cudamem on`. "
+            raise UsageError("%cudamem needs a command: " + ", ".join(COMMANDS) + ". Example: `%cudamem on`. "
                              "To measure one cell, put `%%cudamem` on its first line.")
-        if args.command not in _COMMANDS:
-            raise UsageError(f"%cudamem: unknown command {args.command!r}; use one of: {', '.join(_COMMANDS)}.")
-        if args.names and args.command != "clean":
-            raise UsageError(f"%cudamem {args.command} takes no names (got {' '.join(args.names)}).")
+        if args.command not in COMMANDS:
+            raise UsageError(f"%cudamem: unknown command {args.command!r}; use one of: {', '.join(COMMANDS)}.")
+        self._only(args, COMMANDS[args.command], f"%cudamem {args.command}")
         return getattr(self, f"_cmd_{args.command}")(args)
 
-    def _measure_cell(self, cell: str, args: Any) -> None:
+    def _only(self, args: Any, allowed: frozenset[str], what: str) -> None:
+        given = [k for k in _FLAG_NAMES if _set(getattr(args, k))]
+        wrong = [k for k in given if k not in allowed]
+        if wrong:
+            takes = ", ".join(_FLAG_NAMES[k] for k in sorted(allowed) if k != "names") or "no options"
+            extra = " and names" if "names" in allowed else ""
+            shown = ", ".join(_FLAG_NAMES[k] if k != "names" else " ".join(args.names) for k in wrong)
+            raise UsageError(f"{what} does not take {shown}; it takes {takes}{extra}. Nothing was run.")
+
+    def _measure_cell(self, body: str, args: Any) -> None:
         s = self.session
+        sh = self.shell
         if self._nested:
             raise UsageError("%%cudamem cannot be nested inside another %%cudamem cell.")
         if s.in_cell:  # monitoring began this cell before we knew it was ours
             s.end_cell()
-        s.begin_cell(self.shell.execution_count - 1, reset_peak=args.reset_peak or None,
-                     scan=False if args.no_scan else None)
+        number = sh.execution_count - 1
+        s.begin_cell(number, source=body, reset_peak=args.reset_peak or None, scan=False if args.no_scan else None)
+        outer = getattr(sh.displayhook, "exec_result", None)  # this cell's result, which IPython fills in
         self._nested = True
         result = None
-        shell = self.shell
-        # The body's exception is re-raised below so the cell fails (Run All stops, %debug works);
-        # showing it here as well would print the traceback twice.
-        shell.showtraceback = _defer_traceback
-        # IPython decides "ends with ;" from the outer cell (the magic call): ask about the body instead.
-        dh = shell.displayhook
-        dh.quiet = lambda: dh.semicolon_at_end_of_expression(cell)
         try:
-            result = shell.run_cell(cell, store_history=False)
+            with _compiled_as(sh, number), _semicolon_of(sh, body):
+                result = sh.run_cell(body, store_history=False)
         finally:
-            del shell.showtraceback
-            del dh.quiet
             self._nested = False
+            sh.displayhook.exec_result = outer  # the inner run cleared it
             error = getattr(result, "error_in_exec", None) or getattr(result, "error_before_exec", None)
             report = s.end_cell(error)
         if report is not None and not args.quiet:
             self._display(report)
-        if isinstance(error, SyntaxError) and error is getattr(result, "error_before_exec", None):
-            raise _AlreadyShown() from None  # IPython printed it while compiling; fail the cell quietly
         if error is not None:
-            __tracebackhide__ = True  # IPython hides this frame: the traceback starts in the user's code
-            raise error
+            # The body's own run already showed the traceback (through any showtraceback you installed)
+            # and set sys.last_* for %debug; failing this cell's result stops Run All here.
+            if outer is not None:
+                outer.error_in_exec = error
+            else:
+                raise error
 
-    # -- line commands ---------------------------------------------------------------------------
+    # -- line commands -----------------------------------------------------------------------------
+    def _set(self, name: str, value: Any) -> None:
+        setattr(self.options, name, OPTION_BY_NAME[name].check(value))
+
     def _cmd_on(self, args: Any) -> None:
         s = self.session
-        s.monitoring = True
         if args.reset_peak:
-            self.options.reset_peak = True
+            self._set("reset_peak", True)
         if args.no_scan:
-            self.options.scan = False
+            self._set("scan", False)
+        s.monitoring = True
         if s.settings.scan:
             s.take_baseline()
+        from .formatting import fmt_bytes
+
+        print(f"nbmem: measuring every cell from now on; a report shows under cells that change memory by "
+              f"{fmt_bytes(s.settings.threshold_bytes)} or more, find a holder or fail. `%cudamem off` stops.")
 
     def _cmd_off(self, args: Any) -> None:
         self.session.monitoring = False
+        print("nbmem: no longer measuring cells (the sampler and the gauge keep running). `%cudamem on` resumes.")
 
     def _cmd_status(self, args: Any) -> Any:
         return self.session.status()
@@ -274,7 +363,10 @@ class NbmemMagics(Magics):
     def _cmd_leaks(self, args: Any) -> Any:
         if args.cell is not None and args.cell < 0:
             raise UsageError(f"--cell takes a cell number (the N of In[N]), got {args.cell}.")
-        return self.session.leaks(args.cell)
+        try:
+            return self.session.leaks_table(args.cell)
+        except LookupError as e:
+            raise UsageError(f"%cudamem leaks: {e}") from None
 
     def _cmd_plot(self, args: Any) -> Any:
         from .plotting import plot
@@ -287,30 +379,36 @@ class NbmemMagics(Magics):
         self.show_gauge("inline" if args.inline else "sidebar" if args.sidebar else "auto", explicit=True)
 
     def _cmd_clean(self, args: Any) -> Any:
-        names, to_cpu = list(args.names), list(args.to_cpu)
-        outputs, traceback = args.outputs, args.traceback
-        if args.all_flagged:
-            for f in self.session.flagged():
-                if f.kind == "output":
-                    outputs = True
-                elif f.kind == "traceback":
-                    traceback = True
-                else:
-                    names += [r for r in f.roots if r not in names]
-        if not (names or to_cpu or outputs or traceback or args.all_flagged):
-            raise UsageError("%cudamem clean: say what goes: names (`%cudamem clean x`), --outputs, --traceback, "
-                             "--to-cpu NAME or --all-flagged. Nothing was removed.")
-        try:  # cleanup() checks every name before it removes anything; here its refusal is a usage error
-            return cleanup(names=names, to_cpu=to_cpu, outputs=outputs, traceback=traceback,
-                           collect=not args.no_collect, empty_cache=not args.no_empty_cache, shell=self.shell)
-        except (ValueError, NameError, TypeError) as e:
+        try:
+            req = CleanupRequest.of(args.names, args.to_cpu, args.outputs, args.traceback, not args.no_collect,
+                                    not args.no_empty_cache)
+            if args.last_report:
+                last = self.session.last_report
+                if last is None:
+                    raise UsageError("%cudamem clean --last-report: no cell has been reported yet.")
+                listed = last.last_report_cleanup()
+                req = CleanupRequest(tuple(dict.fromkeys(req.names + listed.names)), req.to_cpu,
+                                     req.outputs or listed.outputs, req.traceback or listed.traceback,
+                                     req.collect, req.empty_cache)
+            if not req and not args.last_report:
+                raise UsageError("%cudamem clean: say what goes: names (`%cudamem clean x`), --outputs, "
+                                 "--traceback, --to-cpu NAME or --last-report. Nothing was removed.")
+            return self.session.cleanup(req)
+        except CleanupRefused as e:
             raise UsageError(f"%cudamem clean: {e}") from None
 
-    # -- gauge -----------------------------------------------------------------------------------
+    # -- gauge -------------------------------------------------------------------------------------
     def show_gauge(self, where: str, *, explicit: bool = False) -> None:
         try:
             from .widget import show_gauge
-
+        except ImportError as e:  # anywidget (or its front-end packages) not installed
+            msg = (f"the live gauge needs anywidget and ipywidgets ({e}); `pip install anywidget`. "
+                   f"Everything else works without it.")
+            if explicit:
+                raise UsageError(f"%cudamem gauge: {msg}") from None
+            self.session.tell_once("no-gauge", f"nbmem: {msg}")
+            return
+        try:
             self.gauge = show_gauge(self.session, where, previous=self.gauge, shell=self.shell, explicit=explicit)
         except Exception as e:
             if explicit:
@@ -338,33 +436,9 @@ def _magics(shell: Any = None) -> NbmemMagics:
     return m
 
 
-def cleanup(names: Any = (), outputs: bool = False, traceback: bool = False, collect: bool = True,
-            empty_cache: bool = True, to_cpu: Any = (), shell: Any = None) -> Any:
-    """Delete the named variables and clear what you ask for; report the bytes each step freed.
-
-    Nothing is removed that the call does not name. Names go through IPython's ``del_var``, which
-    also drops them from ``Out``, ``_`` and the last result.
-    """
-    m = _magics(shell)
-    names = [names] if isinstance(names, str) else list(names)
-    to_cpu = [to_cpu] if isinstance(to_cpu, str) else list(to_cpu)
-    for group, what in ((names, "names"), (to_cpu, "to_cpu")):
-        for n in group:
-            if not isinstance(n, str) or not n.isidentifier():
-                raise ValueError(f"nbmem.cleanup({what}=...): {n!r} is not a variable name; pass top-level names "
-                                 f"such as ['x', 'losses'] (to drop one element, do it yourself, e.g. "
-                                 f"`losses.clear()`). Nothing was removed.")
-    user = m.shell.user_ns
-    missing = [n for n in names + to_cpu if n not in user]
-    if missing:
-        raise NameError(f"nbmem.cleanup: no variable named {', '.join(map(repr, missing))} in this notebook. "
-                        f"Nothing was removed.")
-    for n in to_cpu:
-        if not hasattr(user[n], "cpu"):
-            raise TypeError(f"nbmem.cleanup(to_cpu=[{n!r}]): {type(user[n]).__name__} has no .cpu(); only tensors "
-                            f"and modules move. Nothing was removed.")
-    return m.session.cleanup(names=names, to_cpu=to_cpu, outputs=bool(outputs), traceback=bool(traceback),
-                             collect=bool(collect), empty_cache=bool(empty_cache))
+def session_of(shell: Any = None) -> Session:
+    """The engine of the shell nbmem is loaded in (the Python API's way in)."""
+    return _magics(shell).session
 
 
 def load_ipython_extension(shell: Any) -> None:
@@ -403,8 +477,9 @@ def unload_ipython_extension(shell: Any) -> None:
             shell.events.unregister(event, fn)
         except ValueError:
             pass
-    if magics.options in shell.configurables:
-        shell.configurables.remove(magics.options)
+    for configurable in (magics.options, magics):  # IPython's Magics.__init__ adds itself there too
+        while configurable in shell.configurables:
+            shell.configurables.remove(configurable)
     magics.options.unobserve_all()
     mm = shell.magics_manager
     for kind in ("line", "cell"):

@@ -1,24 +1,48 @@
-"""The engine: one per shell. Owns the sources, the sampler, the store and the leak state.
+"""The engine: one per shell. Owns the sources, the sampler, the store, the holder scanner and the cleanup door.
 
-It knows nothing of IPython; the magics adapter calls ``begin_cell``/``end_cell`` and the public
-API. Faults inside nbmem are recorded here and reported once.
+It knows nothing of IPython: the magics adapter calls ``begin_cell``/``end_cell`` and the public API
+with plain values and an adapter object. Consumers (the gauge, an exporter) ``subscribe`` to what it
+produces (``Tick``, ``CellReport``, ``Holders``, ``CleanupReport``) and read it through its methods;
+nothing outside reaches into its store, sampler or sources. Faults inside nbmem are recorded here and
+reported once.
 """
 
 from __future__ import annotations
 
+import gc
 import threading
+import time
 import traceback as _tb
 from collections import deque
-from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
 
 from . import holders
-from .cells import CELL_COLUMNS, CellRecord, CellReport, cell_records
-from .cleaner import Cleaner, CleanupReport
+from .cells import cell_records
+from .cleaner import Cleaner, CleanupRequest
 from .formatting import fmt_bytes
+from .holders import Scan, Scanner
+from .options import Settings
+from .records import (
+    CELL_COLUMNS,
+    FINDING_COLUMNS,
+    Boundary,
+    CellRecord,
+    CellReport,
+    CleanupReport,
+    Fault,
+    Finding,
+    GpuDevice,
+    Holders,
+    Leaks,
+    Sample,
+    Status,
+    Tick,
+)
 from .sampler import Sampler
-from .sources import Boundary, Probe, Sample, heap_bytes
-from .store import Store, records_frame
+from .sources import Probe, heap_bytes
+from .store import Store, records_frame, ticks_for
 
 OOM_ADVICE = (
     "evaluate under torch.no_grad() (or torch.inference_mode()): no activations are kept for backward",
@@ -28,36 +52,14 @@ OOM_ADVICE = (
     "activation checkpointing (torch.utils.checkpoint) trades compute for memory",
     "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set before CUDA starts) reduces fragmentation",
 )
-
-
-#: A walk this fast (a small namespace) is repeated after any rebinding; slower ones only when memory,
-#: names, outputs or exceptions change, so a training cell that rebinds `loss` stays cheap.
-CHEAP_SCAN_S = 0.005
-
 RESTART_ADVICE = ("CUDA is in an error state (a device-side assert or an illegal access) and stays so for the "
                   "life of this process: restart the kernel. Cleanup cannot free GPU memory now.")
 _CUDA_BROKEN = ("device-side assert", "illegal memory access", "unspecified launch failure",
                 "cuda error: misaligned address")
+#: Most cells whose findings are kept for ``nbmem.leaks(cell=N)``.
+CELLS_KEPT = 10_000
 
-
-@dataclass(frozen=True)
-class Settings:
-    """The options, as the ``Nbmem`` configurable sets them."""
-
-    interval_s: float = 0.5
-    history_s: float = 3600.0
-    threshold_bytes: int = 2**20
-    scan: bool = True
-    show: str = "auto"  # auto | always | never
-    reset_peak: bool = False
-    scan_budget_s: float = 0.5
-
-
-@dataclass
-class Fault:
-    where: str
-    error: str
-    count: int = 1
+Listener = Callable[[Any], None]
 
 
 @dataclass
@@ -66,33 +68,10 @@ class _Open:
     before: Boundary
     reset: bool
     scan: bool
-    baseline: holders.Scan | None  # what the cell's findings are compared with
-
-
-@dataclass
-class Status:
-    """What nbmem can and cannot see, and why; shown by ``%cudamem status``."""
-
-    devices: list[str]
-    cannot: list[str]
-    sampler_running: bool
-    interval_s: float
-    monitoring: bool
-    faults: list[Fault] = field(default_factory=list)
-
-    def __str__(self) -> str:
-        lines = [f"nbmem: sampling every {self.interval_s:g} s ({'running' if self.sampler_running else 'stopped'}); "
-                 f"per-cell monitoring {'on' if self.monitoring else 'off'}",
-                 "sees: " + (", ".join(self.devices) or "nothing")]
-        lines += [f"cannot see: {c}" for c in self.cannot]
-        lines += [f"fault in {f.where} (x{f.count}): {f.error}" for f in self.faults]
-        return "\n".join(lines)
-
-    def __repr__(self) -> str:
-        return str(self)
-
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
-        p.text(str(self))
+    baseline: Scan | None  # what the cell's findings are compared with
+    mentioned: frozenset[str]
+    gen_collections: int
+    heap_bytes: int | None
 
 
 class Session:
@@ -104,25 +83,26 @@ class Session:
         self.settings = settings
         self.probe = probe or Probe()
         self.notify = notify
-        self.store = Store(capacity=max(1, int(settings.history_s / settings.interval_s)) * 2)
-        self.sampler: Sampler[Sample] = Sampler(self.probe.samples, self.store.add_samples,
-                                                interval_s=settings.interval_s,
+        self.store = Store(ticks=ticks_for(settings.history_s, settings.interval_s))
+        self.sampler: Sampler[Sample] = Sampler(self.probe.samples, self._on_tick, interval_s=settings.interval_s,
                                                 on_error=lambda e: self.fault("sampler", e))
+        self.scanner = Scanner(self.probe.torch.torch)
         self.monitoring = False
         self.cuda_broken = False
-        self.faults: dict[str, Fault] = {}
+        self._faults: dict[str, Fault] = {}
         self._told: set[str] = set()
         self._open: _Open | None = None
-        self._last_scan: holders.Scan | None = None
-        self._scan_mark: tuple[Any, int | None, tuple[int, ...]] | None = None
-        self._first_seen: dict[tuple[str, int], int] = {}
-        self._findings: dict[int, tuple[holders.Finding, ...]] = {}
+        self._last_scan: Scan | None = None
+        self._scan_mark: tuple[Any, ...] | None = None
+        self._gaps: dict[str, int] = {}  # allocated bytes no name reached, per device, after the last scan
+        self._findings: dict[int, tuple[Finding, ...]] = {}
         self._finding_cells: deque[int] = deque()
+        self._current: tuple[Finding, ...] = ()
         self.last_report: CellReport | None = None
-        self.cell_listeners: list[Callable[[CellReport], None]] = []
-        self._lock = threading.RLock()
+        self._listeners: list[Listener] = []
+        self._lock = threading.Lock()
 
-    # -- lifecycle -------------------------------------------------------------------------------
+    # -- lifecycle -------------------------------------------------------------------------------------
     def start(self) -> None:
         self.probe.start()
         self.sampler.sample_once()
@@ -134,24 +114,60 @@ class Session:
         self.store.clear()
         self._findings.clear()
         self._last_scan = None
-        self.cell_listeners.clear()
-        self.sampler.listeners.clear()
+        with self._lock:
+            self._listeners.clear()
 
     def reconfigure(self, settings: Settings) -> None:
-        self.settings = settings
-        if settings.interval_s != self.sampler.interval_s:
+        """Apply new options now: the sampling interval and the history's length take effect at once."""
+        old, self.settings = self.settings, settings
+        if (settings.history_s, settings.interval_s) != (old.history_s, old.interval_s):
+            self.store.resize(ticks_for(settings.history_s, settings.interval_s))
+        if settings.interval_s != old.interval_s:
             self.sampler.stop()
             self.sampler.interval_s = settings.interval_s
             self.sampler.start()
 
-    # -- faults: recorded always, told once ------------------------------------------------------------
+    # -- the one seam: subscribers get records, nothing else -----------------------------------------
+    def subscribe(self, listener: Listener) -> Callable[[], None]:
+        """Call ``listener`` with every ``Tick`` (sampler thread), ``CellReport``, ``Holders`` and
+        ``CleanupReport`` (the thread that ran the cell or the cleanup). Returns the unsubscribe call."""
+        with self._lock:
+            self._listeners.append(listener)
+
+        def unsubscribe() -> None:
+            with self._lock:
+                if listener in self._listeners:
+                    self._listeners.remove(listener)
+        return unsubscribe
+
+    @property
+    def subscribers(self) -> int:
+        with self._lock:
+            return len(self._listeners)
+
+    def _publish(self, event: Any) -> None:
+        with self._lock:
+            listeners = list(self._listeners)
+        for listen in listeners:
+            try:
+                listen(event)
+            except Exception as e:
+                self.fault("a subscriber", e)
+
+    def _on_tick(self, batch: Sequence[Sample]) -> None:
+        self.store.add_tick(batch)
+        self._publish(Tick(tuple(batch)))
+
+    # -- faults: recorded always, told once ----------------------------------------------------------
     def fault(self, where: str, e: BaseException) -> None:
         msg = f"{type(e).__name__}: {e}"
-        f = self.faults.get(where + msg)
+        key = where + msg
+        f = self._faults.get(key)
         if f:
-            f.count += 1
+            self._faults[key] = replace(f, count=f.count + 1)
             return
-        self.faults[where + msg] = Fault(where, msg + " | " + "".join(_tb.format_tb(e.__traceback__, limit=-2)).strip())
+        where_in_code = "".join(_tb.format_tb(e.__traceback__, limit=-2)).strip()
+        self._faults[key] = Fault(where, f"{msg} | {where_in_code}", 1)
         self.tell_once(f"fault:{where}", f"nbmem: an internal error in {where} was recorded and will not be "
                        f"shown again ({msg}); your cell is unaffected. `%cudamem status` lists faults.")
 
@@ -159,6 +175,26 @@ class Session:
         if key not in self._told:
             self._told.add(key)
             self.notify(message)
+
+    @property
+    def faults(self) -> tuple[Fault, ...]:
+        return tuple(self._faults.values())
+
+    # -- what the engine can see ---------------------------------------------------------------------
+    def devices(self) -> tuple[GpuDevice, ...]:
+        return tuple(self.probe.nvml.devices)
+
+    def notes(self) -> tuple[str, ...]:
+        """Why some numbers are unknown, in a line each (the gauge shows them)."""
+        nv = self.probe.nvml
+        if self.cuda_broken:
+            return (RESTART_ADVICE,)
+        out = []
+        if not nv.devices:
+            out.append(f"no GPU seen: {nv.reason or 'no GPU found'}")
+        elif nv.process_reason:
+            out.append(f"per-process numbers unknown: {nv.process_reason}")
+        return tuple(out)
 
     def status(self) -> Status:
         p = self.probe
@@ -168,28 +204,39 @@ class Session:
         elif not p.torch.cuda_initialized() and p.nvml.devices:
             cannot.append("CUDA is not initialised in this process yet: allocator numbers start when it is")
         devices = ["cpu (RSS, CPU tensors)"] + [f"{d.name} = {d.model} (NVML #{d.nvml_index})" for d in p.nvml.devices]
-        return Status(devices, cannot, self.sampler.running, self.sampler.interval_s, self.monitoring,
-                      list(self.faults.values()))
+        scan = []
+        s = self._last_scan
+        if s is not None:
+            scan.append(f"last holder scan: {s.objects:,} objects in {s.seconds * 1000:.1f} ms, walked "
+                        f"{len(s.walked)} of the roots (the others were unchanged)")
+            if s.errors:
+                scan.append(f"{s.errors} objects could not be read and were skipped ({', '.join(s.error_types)})")
+            if s.unfinished:
+                scan.append("not finished within Nbmem.scan_budget: " + ", ".join(s.unfinished[:10]))
+        return Status(tuple(devices), tuple(cannot), self.sampler.running, self.sampler.interval_s, self.monitoring,
+                      self.faults, tuple(scan))
 
     def greeting(self) -> str:
-        st = self.status()
-        gpus = [d for d in st.devices if d.startswith("cuda")]
+        gpus = [f"{d.name} = {d.model}" for d in self.probe.nvml.devices]
         if gpus:
             return "nbmem: watching " + "; ".join(gpus) + ". %cudamem? for help."
         why = self.probe.nvml.reason or "no GPU found"
         return f"nbmem: no GPU seen ({why}); tracking CPU tensors and RSS. %cudamem? for help."
 
-    # -- cells -----------------------------------------------------------------------------------
-    def begin_cell(self, cell: int, *, reset_peak: bool | None = None, scan: bool | None = None) -> None:
+    # -- cells -----------------------------------------------------------------------------------------
+    def begin_cell(self, cell: int, *, source: str = "", reset_peak: bool | None = None,
+                   scan: bool | None = None) -> None:
         reset = self.settings.reset_peak if reset_peak is None else reset_peak
         do_scan = self.settings.scan if scan is None else scan
         if do_scan and (self._last_scan is None or not self.monitoring):
             # With monitoring on, the previous cell's closing scan is this cell's baseline.
-            self._rescan()
+            self._rescan(cell=0, walk="all")
         if reset:
             for i in range(self.probe.torch.device_count()):
                 self.probe.torch.reset_peak(i)
-        self._open = _Open(cell, self.probe.boundary(), reset, do_scan, self._last_scan)
+        mentioned = frozenset(self.adapter.mentioned(source)) if do_scan and source else frozenset()
+        self._open = _Open(cell, self.probe.boundary(), reset, do_scan, self._last_scan, mentioned,
+                           _collections(), heap_bytes() if heap_bytes else None)
 
     @property
     def in_cell(self) -> bool:
@@ -202,55 +249,105 @@ class Session:
         after = self.probe.boundary()
         err = type(error).__name__ if error is not None else ""
         records = cell_records(o.cell, o.before, after, error=err, was_reset=o.reset)
-        found: tuple[holders.Finding, ...] = ()
-        cur: holders.Scan | None = None
+        found: tuple[Finding, ...] = ()
         unattributed: list[tuple[str, int]] = []
+        notes: list[str] = []
         if o.scan:
-            prev = o.baseline  # not _last_scan: a cleanup inside the cell may have replaced it
-            mark = self._mark(after.allocator)
-            cur = (self._rescan(mark, budget_s=self.settings.scan_budget_s) if self._changed_since_scan(mark)
-                   else self._last_scan)
-            assert cur is not None
+            cur = self._scan_after_cell(o, after)
+            prev = o.baseline
+            graph_totals = self.scanner.graph_totals(cur.storages)
             # The CPU has no allocator counters: its "allocated" is the live CPU tensor storages the scan found.
-            records = [replace(r, allocated_before_bytes=prev.totals.get("cpu", 0) if prev else None,
-                               allocated_after_bytes=cur.totals.get("cpu", 0)) if r.device == "cpu" else r
-                       for r in records]
-            found = tuple(holders.findings(cur, prev, o.cell, threshold_bytes=self.settings.threshold_bytes))
-            # Storages already there when watching began get cell 0: which cell made them is unknown.
-            before = prev.storages if prev is not None else {}
-            self._first_seen = {k: self._first_seen.get(k, 0 if k in before else o.cell) for k in cur.storages}
+            records = [replace(r, allocated_before_bytes=_tensor_bytes(prev, self.scanner, "cpu"),
+                               allocated_after_bytes=cur.totals.get("cpu", 0) + graph_totals.get("cpu", 0))
+                       if r.device == "cpu" else r for r in records]
+            graphs = self.scanner.graphs(holders.graph_candidates(cur, prev), exclude=cur.storages,
+                                         budget_s=self.settings.scan_budget_s)
+            found = tuple(holders.findings(cur, prev, o.cell, threshold_bytes=self.settings.threshold_bytes,
+                                           graphs=graphs))
             self._remember(o.cell, found)
-            for r in records:
-                if r.allocated_after_bytes is None or r.device == "cpu":
-                    continue
-                # Allocated bytes no name reaches (cuBLAS workspaces, C++-held buffers, cycles): shown
-                # when this cell made the gap grow, not under every report.
-                gap = r.allocated_after_bytes - cur.totals.get(r.device, 0)
-                gap0 = (r.allocated_before_bytes - prev.totals.get(r.device, 0)
-                        if prev is not None and r.allocated_before_bytes is not None else 0)
-                if gap - gap0 >= self.settings.threshold_bytes:
-                    unattributed.append((r.device, gap))
+            graph_totals = self.scanner.graph_totals(cur.storages)
+            unattributed = self._unattributed(records, cur, graph_totals)
+            if cur.truncated:
+                notes.append(f"the holder scan stopped at Nbmem.scan_budget ({self.settings.scan_budget_s:g} s) "
+                             f"before finishing {', '.join(cur.unfinished[:5])}"
+                             f"{' and others' if len(cur.unfinished) > 5 else ''}: findings may be incomplete; "
+                             f"nbmem.leaks() scans everything")
+            self._current = tuple(holders.current(cur, threshold_bytes=self.settings.threshold_bytes,
+                                                  graphs=self.scanner.graphs(
+                                                      [s for s, h in cur.storages.items() if h.holds_graph],
+                                                      exclude=cur.storages, budget_s=self.settings.scan_budget_s)))
         for r in records:
             self.store.add_cell(r)
         text = f"{err}: {error}".lower()
+        advice: tuple[str, ...] = ()
         if any(s in text for s in _CUDA_BROKEN):
             self.cuda_broken = True
-            advice: tuple[str, ...] = (RESTART_ADVICE,)
+            advice = (RESTART_ADVICE,)
         elif err == "OutOfMemoryError" or "out of memory" in text:
             advice = self._oom_advice(records)
-        else:
-            advice = ()
-        if o.scan and cur is not None and cur.truncated:
-            advice += (f"the holder scan stopped after {cur.objects_visited:,} objects ({cur.seconds:.2f} s, "
-                       f"Nbmem.scan_budget): findings may be incomplete; nbmem.leaks() runs a full scan",)
-        report = CellReport(o.cell, records[0].duration_s, tuple(records), found, tuple(unattributed), err, advice)
+        report = CellReport(o.cell, records[0].duration_s, tuple(records), found, tuple(unattributed), err, advice,
+                            notes=tuple(notes))
         self.last_report = report
-        for listen in list(self.cell_listeners):
-            try:
-                listen(report)
-            except Exception as e:
-                self.fault("cell listener", e)
+        self._publish(report)
+        if o.scan:
+            self._publish(Holders(self._current))
         return report
+
+    def _scan_after_cell(self, o: _Open, after: Boundary) -> Scan:
+        """The cell's closing scan: changed roots first; everything else only if memory moved unexplained."""
+        mark = self._mark(after.allocator)
+        if not self._changed_since_scan(mark) and self._last_scan is not None:
+            return self._last_scan
+        budget = self.settings.scan_budget_s
+        t0 = time.perf_counter()
+        moved = self._scan_mark is None or mark[0] != self._scan_mark[0] or mark[1] != self._scan_mark[1]
+        cur = self._rescan(cell=o.cell, walk="changed", mentioned=o.mentioned, budget_s=budget, validate=moved,
+                           mark=mark)
+        prev = o.baseline
+        left = budget - (time.perf_counter() - t0)
+        if left > 0 and not cur.truncated and self._unexplained(o, after, prev, cur):
+            cur = self._rescan(cell=o.cell, walk="rest", budget_s=left, mark=mark)
+        return cur
+
+    def _unexplained(self, o: _Open, after: Boundary, prev: Scan | None, cur: Scan) -> bool:
+        """Whether memory grew by at least the threshold more than the storages the scan found.
+
+        CUDA's allocator says exactly what was allocated. The CPU has no such counter: the C heap is a
+        proxy that also grows for non-tensor data, so it counts only while young tensors that no walked
+        root reaches are alive, or when a collection promoted the cell's objects out of the young
+        generations (then they cannot be checked).
+        """
+        t = self.settings.threshold_bytes
+        self.scanner.graphs(holders.graph_candidates(cur, prev), exclude=cur.storages)
+        graph = self.scanner.graph_totals(cur.storages)
+        graph0 = self.scanner.graph_totals(prev.storages) if prev is not None else {}
+
+        def found(dev: str) -> int:
+            before = prev.totals.get(dev, 0) + graph0.get(dev, 0) if prev is not None else 0
+            return cur.totals.get(dev, 0) + graph.get(dev, 0) - before
+
+        for dev, a1 in after.allocator.items():
+            a0 = o.before.allocator.get(dev)
+            if a1 is not None and a1.allocated_bytes - (a0.allocated_bytes if a0 else 0) - found(dev) >= t:
+                return True
+        h1 = heap_bytes() if heap_bytes else None
+        if h1 is None or o.heap_bytes is None or h1 - o.heap_bytes - found("cpu") < t:
+            return False
+        if _collections() != o.gen_collections:
+            return True
+        return self.scanner.young_unlocated(cur).get("cpu", 0) >= t
+
+    def _unattributed(self, records: Sequence[CellRecord], cur: Scan, graph: dict[str, int]) -> list[tuple[str, int]]:
+        """Allocated bytes no name reaches (cuBLAS workspaces, C++-held buffers), when this cell made them grow."""
+        out = []
+        for r in records:
+            if r.device == "cpu" or r.allocated_after_bytes is None:
+                continue
+            gap = r.allocated_after_bytes - cur.totals.get(r.device, 0) - graph.get(r.device, 0)
+            if gap - self._gaps.get(r.device, 0) >= self.settings.threshold_bytes:
+                out.append((r.device, gap))
+            self._gaps[r.device] = gap
+        return out
 
     def _oom_advice(self, records: Sequence[CellRecord]) -> tuple[str, ...]:
         lines = []
@@ -260,83 +357,104 @@ class Session:
                 lines.append(f"{r.device}: allocated {fmt_bytes(r.allocated_after_bytes)}, reserved "
                              f"{fmt_bytes(r.reserved_after_bytes)} ({fmt_bytes(cached)} cached but free: "
                              f"fragmentation if large)")
-        return tuple(lines) + OOM_ADVICE
+        return (*lines, *OOM_ADVICE)
 
     def should_show(self, report: CellReport) -> bool:
         if self.settings.show == "never":
             return False
-        if self.settings.show == "always" or report.findings or report.error:
+        if self.settings.show == "always" or report.findings or report.error or report.notes:
             return True
         t = self.settings.threshold_bytes
         return any(abs(r.delta_allocated_bytes or 0) >= t or abs(r.delta_reserved_bytes or 0) >= t
                    or (r.peak_allocated_bytes or 0) - (r.allocated_before_bytes or 0) >= t for r in report.records)
 
-    # -- leaks -----------------------------------------------------------------------------------
-    def scan_now(self, *, budget_s: float | None = None) -> holders.Scan:
-        """A walk of the notebook now; it changes no state (``leaks()`` and cleanup's measuring use it)."""
-        return holders.scan(self.adapter.roots(), torch=self.probe.torch.torch(), budget_s=budget_s)
+    # -- scanning --------------------------------------------------------------------------------------
+    def _roots(self) -> list[holders.Root]:
+        return list(self.adapter.roots())
 
-    def _rescan(self, mark: Any = None, *, budget_s: float | None = None) -> holders.Scan:
-        """Walk now and keep the result as the latest scan, together with the state it saw."""
+    def _rescan(self, *, cell: int, walk: str, mentioned: frozenset[str] = frozenset(),
+                budget_s: float | None = None, validate: bool = True, mark: tuple[Any, ...] | None = None) -> Scan:
+        """Scan now and keep the result as the latest scan, together with the state it saw."""
         mark = self._mark() if mark is None else mark
-        self._last_scan = self.scan_now(budget_s=budget_s)
+        self._last_scan = self.scanner.update(self._roots(), cell=cell, walk=walk, mentioned=mentioned,
+                                              budget_s=budget_s, validate=validate)
         self._scan_mark = mark
         return self._last_scan
 
-    def _mark(self, allocator: Any = None) -> tuple[Any, int | None, Any]:
+    def _mark(self, allocator: Any = None) -> tuple[Any, ...]:
         readings = self.probe.allocator() if allocator is None else allocator
         alloc = tuple(sorted((d, r.allocated_bytes if r else None) for d, r in readings.items()))
         return alloc, heap_bytes() if heap_bytes else None, self.adapter.fingerprint()
 
-    def _changed_since_scan(self, mark: Any) -> bool:
-        """Whether a new walk could find something new.
-
-        Yes when memory moved (CUDA allocated by any amount, exact; the C heap, where CPU tensors live,
-        by half the report threshold), a name was added or deleted, an output or exception was kept,
-        or a name was rebound while walks are cheap. A cell that only rebinds names in a namespace
-        too big to walk quickly (a training loop's ``loss = ...``) is not walked again: nothing it
-        could report has grown.
-        """
+    def _changed_since_scan(self, mark: tuple[Any, ...]) -> bool:
+        """Whether a new scan could find something new: memory moved (CUDA allocated by any amount,
+        exactly; the C heap, where CPU tensors live, by half the threshold), or a name was added,
+        deleted or rebound, or an output or exception was kept."""
         if self._last_scan is None or self._scan_mark is None:
             return True
-        alloc, heap, (names, ids, kept) = mark
-        alloc0, heap0, (names0, ids0, kept0) = self._scan_mark
-        if alloc != alloc0 or names != names0 or kept != kept0:
-            return True
-        if ids != ids0 and self._last_scan.seconds < CHEAP_SCAN_S:
+        alloc, heap, fp = mark
+        alloc0, heap0, fp0 = self._scan_mark
+        if alloc != alloc0 or fp != fp0:
             return True
         return heap is None or heap0 is None or abs(heap - heap0) >= max(1, self.settings.threshold_bytes // 2)
 
-    def tensor_totals(self) -> dict[str, int] | None:
-        """Bytes of live tensor storages per device, as the latest scan found them; None before a scan."""
-        return dict(self._last_scan.totals) if self._last_scan is not None else None
-
     def take_baseline(self) -> None:
-        """Scan now: the state the next monitored cell is compared with."""
-        self._rescan()
+        """Scan everything now: the state the next monitored cell is compared with."""
+        self._rescan(cell=0, walk="all")
+        self._refresh_current()
 
-    def _remember(self, cell: int, found: tuple[holders.Finding, ...]) -> None:
+    def _refresh_current(self) -> None:
+        cur = self._last_scan
+        if cur is None:
+            return
+        graphs = self.scanner.graphs([s for s, h in cur.storages.items() if h.holds_graph], exclude=cur.storages)
+        self._current = tuple(holders.current(cur, threshold_bytes=self.settings.threshold_bytes, graphs=graphs))
+        self._publish(Holders(self._current))
+
+    def _remember(self, cell: int, found: tuple[Finding, ...]) -> None:
         self._findings[cell] = found
         self._finding_cells.append(cell)
-        while len(self._finding_cells) > 10_000:
+        while len(self._finding_cells) > CELLS_KEPT:
             self._findings.pop(self._finding_cells.popleft(), None)
 
-    def leak_list(self, cell: int | None = None) -> list[holders.Finding]:
+    def measured_cells(self) -> list[int]:
+        return sorted({r.cell for r in self.store.cell_list()})
+
+    def leak_list(self, cell: int | None = None) -> list[Finding]:
+        """What cell N added, or (None) everything held now after a full scan."""
         if cell is not None:
+            if cell not in self._findings and cell not in self.measured_cells():
+                measured = self.measured_cells()
+                span = f"measured cells: {_spans(measured)}" if measured else "no cell has been measured yet"
+                raise LookupError(f"cell {cell} was not measured ({span}); `%cudamem on` measures every cell")
             return list(self._findings.get(cell, ()))
-        cur = self.scan_now()
-        return holders.current(cur, self._first_seen, threshold_bytes=self.settings.threshold_bytes)
+        self._rescan(cell=0, walk="all")
+        self._refresh_current()
+        return list(self._current)
 
     def leaks(self, cell: int | None = None) -> Any:
-        return records_frame(self.leak_list(cell), columns=holders.FINDING_COLUMNS)
+        return records_frame(self.leak_list(cell), columns=FINDING_COLUMNS)
 
-    def flagged(self) -> list[holders.Finding]:
-        """Findings a front end may act on: those of the latest scan."""
-        if self._last_scan is None:
-            return []
-        return holders.current(self._last_scan, self._first_seen, threshold_bytes=self.settings.threshold_bytes)
+    def leaks_table(self, cell: int | None = None) -> Leaks:
+        found = tuple(self.leak_list(cell))
+        title = f"holders of memory cell [{cell}] added" if cell is not None else "holders of memory now"
+        return Leaks(found, title)
 
-    # -- cleanup ---------------------------------------------------------------------------------
+    def findings(self) -> tuple[Finding, ...]:
+        """The holders above the threshold as of the latest scan (what the gauge lists)."""
+        return self._current
+
+    def tensor_totals(self) -> dict[str, int] | None:
+        """Bytes of live tensor storages per device, as the latest scan found them; None before a scan."""
+        s = self._last_scan
+        if s is None:
+            return None
+        out = dict(s.totals)
+        for dev, n in self.scanner.graph_totals(s.storages).items():
+            out[dev] = out.get(dev, 0) + n
+        return out
+
+    # -- cleanup: the one door ------------------------------------------------------------------------
     def _measure(self) -> dict[str, tuple[int | None, int | None]]:
         out: dict[str, tuple[int | None, int | None]] = {}
         t = self.probe.torch
@@ -344,8 +462,10 @@ class Session:
             r = t.read(i)
             if r is not None:
                 out[f"cuda:{i}"] = (r.allocated_bytes, r.reserved_bytes)
-        cpu = self.scan_now().totals.get("cpu")
-        out["cpu"] = (cpu or 0, None)
+        # On the CPU, what tensors hold: an incremental scan (deleted names are the only change) is cheap.
+        self._rescan(cell=0, walk="changed", validate=True)
+        totals = self.tensor_totals() or {}
+        out["cpu"] = (totals.get("cpu", 0), None)
         return out
 
     def _empty_cache(self) -> bool:
@@ -356,16 +476,63 @@ class Session:
         torch.cuda.empty_cache()
         return True
 
-    def cleanup(self, **kw: Any) -> CleanupReport:
+    def cleanup(self, request: CleanupRequest) -> CleanupReport:
+        """Check the whole request (CleanupRefused, nothing removed), then run it and report each step."""
+        request.check(self.adapter)
         if self.cuda_broken:
             self.notify(RESTART_ADVICE)
-        rep = Cleaner(self.adapter, self._measure, self._empty_cache).run(**kw)
-        self._rescan()
+        held_by: dict[str, set[int]] = {}
+        if request.names and self._last_scan is not None:
+            for sid, h in self._last_scan.storages.items():
+                for name in h.roots & set(request.names):
+                    held_by.setdefault(name, set()).add(sid)
+        rep = Cleaner(self.adapter, self._measure, self._empty_cache).run(request)
+        self._rescan(cell=0, walk="changed")
+        cur = self._last_scan
+        still: list[tuple[str, tuple[str, ...]]] = []
+        if cur is not None:
+            for name, sids in held_by.items():
+                others = sorted({p for s in sids if s in cur.storages for p in cur.storages[s].holders})
+                if others:
+                    still.append((name, tuple(others[:4])))
+        rep = replace(rep, still_held=tuple(still))
+        self._refresh_current()
+        self._publish(rep)
         return rep
 
-    # -- frames ----------------------------------------------------------------------------------
+    # -- frames ------------------------------------------------------------------------------------------
     def samples(self) -> Any:
         return self.store.samples_frame()
 
     def report(self) -> Any:
-        return records_frame(self.store.cell_list(), index="cell", columns=CELL_COLUMNS)
+        return records_frame(self.store.cell_list(), columns=CELL_COLUMNS, index="cell")
+
+    def recent_samples(self, seconds: float) -> list[Sample]:
+        return self.store.last_samples(seconds, time.time())
+
+    def cell_list(self) -> list[CellRecord]:
+        return self.store.cell_list()
+
+
+def _collections() -> int:
+    """Collections of the older generations so far: when they ran, new objects left the young ones."""
+    stats = gc.get_stats()
+    return sum(s.get("collections", 0) for s in stats[1:])
+
+
+def _tensor_bytes(scan: Scan | None, scanner: Scanner, device: str) -> int | None:
+    if scan is None:
+        return None
+    return scan.totals.get(device, 0) + scanner.graph_totals(scan.storages).get(device, 0)
+
+
+def _spans(cells: list[int]) -> str:
+    """``[1, 2, 3, 7]`` as ``1–3, 7`` (the first and last few runs when there are many)."""
+    runs: list[list[int]] = []
+    for c in cells:
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    text = [f"{a}–{b}" if b > a else str(a) for a, b in runs]
+    return ", ".join(text if len(text) <= 6 else [*text[:3], "…", *text[-2:]])

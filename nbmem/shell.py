@@ -1,25 +1,26 @@
 """The notebook's hiding places, read and cleared through IPython's own objects.
 
-Duck-typed over an ``InteractiveShell`` (this module does not import IPython): the roots the leak
-scan starts from, and the three ways cleanup reaches back into the shell.
+Duck-typed over an ``InteractiveShell`` (this module does not import IPython): the roots the holder
+scan starts from, the names a cell's code mentions, and the ways cleanup reaches back into the shell.
+Deleting a name removes that name and IPython's own hidden references to the same object (``Out[n]``,
+``_n``, ``_``/``__``/``___``, the last result), never another user name bound to it: IPython's
+``del_var`` deletes every name bound to the object, ``None`` and ``0`` included.
 """
 
 from __future__ import annotations
 
-import re
+import ast
 import sys
 import traceback as _tb
 import types
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
-_OUTPUT_NAME = re.compile(r"^_\d+$")
-_INPUT_NAME = re.compile(r"^_i+\d*$")
-_ROTATING = ("_", "__", "___")
+from . import reach
+from .holders import Root
+from .records import LAST_RESULT, ROTATING_OUTPUTS, HolderKind, is_cache_name, is_output_name
 
-
-def _output_cache_name(name: str) -> bool:
-    """IPython's own input/output cache names (``_``, ``_12``, ``_i``, ``_i12``): not user variables."""
-    return name in _ROTATING or bool(_OUTPUT_NAME.match(name) or _INPUT_NAME.match(name))
+_IPYTHON_MODULE_NAMES = ("__main__", "__mp_main__")
 
 
 class ShellAdapter:
@@ -27,60 +28,65 @@ class ShellAdapter:
 
     def __init__(self, shell: Any) -> None:
         self.shell = shell
+        self._user_modules: dict[int, tuple[Any, bool]] = {}  # id(module) -> (weak ref, is the user's)
 
-    # -- roots -----------------------------------------------------------------------------------
-    def roots(self) -> Iterator[tuple[str, str, Any]]:
-        """(path, kind, object) in priority order: user names, then outputs, then tracebacks."""
-        sh = self.shell
-        ns = sh.user_ns
-        hidden = getattr(sh, "user_ns_hidden", {})
-        for name, obj in list(ns.items()):
-            if _output_cache_name(name):
-                continue
-            if name in hidden and hidden[name] is obj:
-                continue  # IPython's own entries (In, Out, exit, get_ipython, …)
-            if name.startswith("__") and name.endswith("__"):
-                continue
-            yield name, "namespace", obj
+    # -- roots -----------------------------------------------------------------------------------------
+    def _own(self, name: str, obj: Any) -> bool:
+        """IPython's own entries (In, Out, get_ipython, exit, the caches), not the user's variables."""
+        hidden = getattr(self.shell, "user_ns_hidden", {})
+        return is_cache_name(name) or (name in hidden and hidden[name] is obj) or (
+            name.startswith("__") and name.endswith("__"))
+
+    def roots(self) -> Iterator[Root]:
+        """Where the holder scan starts, most useful names first: variables, modules, outputs, tracebacks."""
+        for name, obj in list(self.shell.user_ns.items()):
+            if type(name) is str and not self._own(name, obj):
+                yield Root(name, HolderKind.NAMESPACE, obj)
+        yield from self.module_roots()
         yield from self.output_roots()
         yield from self.traceback_roots()
 
-    def fingerprint(self) -> tuple[int, int, tuple[int, ...]]:
-        """Cheap identity of the roots: (the set of names, what they are bound to, outputs and exceptions).
+    def module_roots(self) -> Iterator[Root]:
+        """Modules the notebook made or wrote (a ``types.ModuleType`` put in ``sys.modules``, a local file)."""
+        import weakref
 
-        Equal parts mean no name was added or deleted, rebound, no output kept and no exception kept.
-        """
-        sh = self.shell
-        items = [(k, id(v)) for k, v in sh.user_ns.items() if not _output_cache_name(k)]
-        hm = getattr(sh, "history_manager", None)
-        kept = (len(getattr(hm, "output_hist", ())),
-                id(getattr(getattr(sh, "last_execution_result", None), "result", None)),
-                id(getattr(sys, "last_value", None)), id(getattr(sys, "last_exc", None)),
-                id(getattr(getattr(sh, "InteractiveTB", None), "tb", None)))
-        return hash(tuple(k for k, _ in items)), hash(tuple(items)), kept
+        for name, m in list(sys.modules.items()):
+            if not isinstance(name, str) or name in _IPYTHON_MODULE_NAMES or type(m) is not types.ModuleType:
+                continue
+            hit = self._user_modules.get(id(m))
+            if hit is None or hit[0]() is not m:
+                hit = (weakref.ref(m), reach.is_user_module(m))
+                self._user_modules[id(m)] = hit
+            if hit[1]:
+                d = reach.module_dict(m) or {}
+                for k, v in list(d.items()):
+                    if type(k) is str and not k.startswith("__") and type(v) is not types.ModuleType:
+                        yield Root(f"{name}.{k}", HolderKind.MODULE, v)
 
-    def output_roots(self) -> Iterator[tuple[str, str, Any]]:
+    def output_roots(self) -> Iterator[Root]:
         sh = self.shell
         hm = getattr(sh, "history_manager", None)
         for n, obj in list(getattr(hm, "output_hist", {}).items()):
-            yield f"Out[{n}]", "output", obj
-        for name, obj in list(sh.user_ns.items()):
-            if _OUTPUT_NAME.match(name):
-                yield name, "output", obj
+            yield Root(f"Out[{n}]", HolderKind.OUTPUT, obj)
+        hidden = getattr(sh, "user_ns_hidden", {})
+        for space in (sh.user_ns, hidden):
+            for name, obj in list(space.items()):
+                if type(name) is str and is_output_name(name) and name not in ROTATING_OUTPUTS:
+                    yield Root(name, HolderKind.OUTPUT, obj)
         dh = getattr(sh, "displayhook", None)
-        for name in _ROTATING:
-            obj = sh.user_ns.get(name)
-            if obj is None:
-                obj = getattr(sh, "user_ns_hidden", {}).get(name)
-            if obj is None and dh is not None:
-                obj = getattr(dh, name, None)
-            if obj is not None and not (isinstance(obj, str) and obj == ""):  # "" = nothing shown yet
-                yield name, "output", obj
+        for name in ROTATING_OUTPUTS:
+            seen: list[Any] = []
+            for where, obj in (("", sh.user_ns.get(name)), ("hidden ", hidden.get(name)),
+                               ("displayhook ", getattr(dh, name, None))):
+                if obj is None or (type(obj) is str and obj == "") or any(obj is s for s in seen):
+                    continue  # "" is what IPython binds when nothing was shown
+                seen.append(obj)
+                yield Root(name if not seen[1:] else f"<{where}{name}>", HolderKind.OUTPUT, obj)
         res = getattr(getattr(sh, "last_execution_result", None), "result", None)
         if res is not None:
-            yield "<last result>", "output", res
+            yield Root(LAST_RESULT, HolderKind.OUTPUT, res)
 
-    def _tracebacks(self) -> list[Any]:
+    def _tracebacks(self) -> list[types.TracebackType]:
         sh = self.shell
         excs = [getattr(sys, "last_value", None), getattr(sys, "last_exc", None),
                 getattr(getattr(sh, "last_execution_result", None), "error_in_exec", None)]
@@ -92,11 +98,12 @@ class ShellAdapter:
                 seen.add(id(e))
                 tbs.append(e.__traceback__)
                 excs += [e.__context__, e.__cause__]
-        return [t for t in tbs if isinstance(t, types.TracebackType)]
+        return [t for t in tbs if type(t) is types.TracebackType]
 
-    def traceback_roots(self) -> Iterator[tuple[str, str, Any]]:
-        frames: dict[int, Any] = {}
-        for tb in self._tracebacks():
+    def traceback_roots(self) -> Iterator[Root]:
+        frames: dict[int, types.FrameType] = {}
+        for first in self._tracebacks():
+            tb: types.TracebackType | None = first
             while tb is not None:
                 frames.setdefault(id(tb.tb_frame), tb.tb_frame)
                 tb = tb.tb_next
@@ -106,41 +113,118 @@ class ShellAdapter:
                 continue  # the cell's own top level: its names are the namespace, already walked
             if "site-packages" in code.co_filename and "IPython" in code.co_filename:
                 continue
-            for var, obj in list(frame.f_locals.items()):
-                yield f"<traceback {code.co_name}>.{var}", "traceback", obj
-        for e in (getattr(sys, "last_value", None),):
-            if isinstance(e, BaseException):
-                yield "<last exception>", "traceback", e
+            for var, obj in reach.frame_locals(frame):
+                yield Root(f"<traceback {code.co_name}>.{var}", HolderKind.TRACEBACK, obj)
+        e = getattr(sys, "last_value", None)
+        if isinstance(e, BaseException):
+            yield Root("<last exception>", HolderKind.TRACEBACK, e)
 
-    # -- the ways back in (explicit requests only) ---------------------------------------------------
-    def user_names(self) -> set[str]:
-        return set(self.shell.user_ns)
+    def fingerprint(self) -> tuple[int, int, tuple[int, ...]]:
+        """Cheap identity of the roots: equal means no name added, deleted or rebound, no output or exception kept."""
+        sh = self.shell
+        items = [(k, id(v)) for k, v in sh.user_ns.items() if type(k) is str and not is_cache_name(k)]
+        hm = getattr(sh, "history_manager", None)
+        kept = (len(getattr(hm, "output_hist", ())),
+                id(getattr(getattr(sh, "last_execution_result", None), "result", None)),
+                id(getattr(sys, "last_value", None)), id(getattr(sys, "last_exc", None)),
+                id(getattr(getattr(sh, "InteractiveTB", None), "tb", None)), len(sys.modules))
+        return hash(tuple(k for k, _ in items)), hash(tuple(items)), kept
 
-    def delete(self, name: str) -> None:
-        """``del`` through IPython's own ``del_var``: also drops ``Out``, ``_`` and the last result."""
-        self.shell.del_var(name)
+    def mentioned(self, source: str) -> set[str]:
+        """Top-level names a cell's code reads, writes or calls: the roots it could have changed."""
+        try:
+            code = self.shell.transform_cell(source) if hasattr(self.shell, "transform_cell") else source
+            tree = ast.parse(code)
+        except Exception:  # not Python (yet): the engine's accounting decides what else to walk
+            return set()
+        return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
 
-    def get(self, name: str) -> Any:
-        return self.shell.user_ns[name]
+    # -- what cleanup asks (explicit requests only) ------------------------------------------------------
+    def has(self, name: str) -> bool:
+        return name in self.shell.user_ns
 
-    def rebind(self, name: str, value: Any) -> None:
-        self.shell.user_ns[name] = value
+    def protected(self, name: str) -> str | None:
+        """Why a name may not be deleted, or None."""
+        if name.startswith("__") and name.endswith("__"):
+            return "is Python's own (the notebook needs it)"
+        if is_output_name(name):
+            return "is IPython's output history: clear it with --outputs (outputs=True)"
+        if is_cache_name(name) or self._own(name, self.shell.user_ns[name]):
+            return "is IPython's own"
+        return None
+
+    def movable(self, name: str) -> str | None:
+        """Why a name cannot be moved to the CPU, or None (only tensors and nn.Modules move)."""
+        t = type(self.shell.user_ns[name])
+        torch = sys.modules.get("torch")
+        bases = [b for b in (getattr(getattr(torch, "_C", None), "TensorBase", None),
+                             getattr(getattr(torch, "nn", None), "Module", None)) if b is not None]
+        if any(reach.derives(t, b) for b in bases):
+            return None
+        return f"is a {reach.type_name(t)}: only tensors and torch.nn.Modules move to the CPU"
+
+    def delete(self, name: str) -> tuple[str, ...]:
+        """Remove ``name`` and IPython's hidden references to its object; returns those references."""
+        sh = self.shell
+        ns = sh.user_ns
+        obj = ns.pop(name)
+        hidden = getattr(sh, "user_ns_hidden", {})
+        if name in hidden and hidden[name] is obj:
+            del hidden[name]
+        removed: list[str] = []
+        hm = getattr(sh, "history_manager", None)
+        out = getattr(hm, "output_hist", None)
+        shown = [n for n, o in list(out.items()) if o is obj] if out is not None else []
+        for n in shown:
+            del out[n]  # type: ignore[union-attr]
+            removed.append(f"Out[{n}]")
+        for n in shown:
+            for space in (ns, hidden):
+                if space.get(f"_{n}") is obj:
+                    del space[f"_{n}"]
+            removed.append(f"_{n}")
+        dh = getattr(sh, "displayhook", None)
+        for u in ROTATING_OUTPUTS:
+            hit = False
+            for space in (ns, hidden):
+                if space.get(u) is obj:
+                    space[u] = ""  # what IPython binds when nothing was shown
+                    hit = True
+            if dh is not None and getattr(dh, u, None) is obj:
+                setattr(dh, u, "")
+                hit = True
+            if hit:
+                removed.append(u)
+        res = getattr(sh, "last_execution_result", None)
+        if res is not None and getattr(res, "result", None) is obj:
+            res.result = None
+            removed.append("the last result")
+        return tuple(removed)
+
+    def to_cpu(self, name: str) -> str:
+        obj = self.shell.user_ns[name]
+        torch = sys.modules["torch"]
+        if reach.derives(type(obj), torch.nn.Module):
+            obj.cpu()  # a module moves in place
+            return "module moved in place; optimizer state it had stays on its device"
+        self.shell.user_ns[name] = obj.cpu()
+        return "rebound to a CPU copy; other names still hold the original"
 
     def clear_outputs(self) -> int:
-        """Empty the output history (``Out``, ``_N``, ``_``/``__``/``___``, the last result)."""
+        """Empty the output history (``Out``, ``_N``, ``_``/``__``/``___`` everywhere, the last result)."""
         sh = self.shell
         hm = getattr(sh, "history_manager", None)
         n = len(getattr(hm, "output_hist", {}))
         dh = sh.displayhook
         if getattr(dh, "do_full_cache", False):
             dh.flush()
-        for ns in (sh.user_ns, getattr(sh, "user_ns_hidden", {})):
-            for name in [k for k in ns if _OUTPUT_NAME.match(k)]:
-                del ns[name]
-            for name in _ROTATING:
-                if name in ns:
-                    ns[name] = ""  # what IPython itself binds when nothing was shown
-        for name in _ROTATING:
+        for space in (sh.user_ns, getattr(sh, "user_ns_hidden", {})):
+            for name in [k for k in space if type(k) is str and is_output_name(k) and k not in ROTATING_OUTPUTS]:
+                del space[name]
+            for name in ROTATING_OUTPUTS:
+                if name in space:
+                    space[name] = ""
+        for name in ROTATING_OUTPUTS:
             setattr(dh, name, "")
         if hm is not None:
             hm.output_hist.clear()
@@ -162,7 +246,6 @@ class ShellAdapter:
                 _tb.clear_frames(tb)
             except Exception:
                 pass
-        had = bool(tbs)
         for attr in ("last_type", "last_value", "last_traceback", "last_exc"):
             if hasattr(sys, attr):
                 try:
@@ -175,4 +258,4 @@ class ShellAdapter:
         res = getattr(sh, "last_execution_result", None)
         if res is not None and getattr(res, "error_in_exec", None) is not None:
             res.error_in_exec = None
-        return had
+        return bool(tbs)

@@ -1,10 +1,11 @@
 """The live gauge: an anywidget fed by one throttled publisher, and where it is shown.
 
-Presentation only. The sampler and the cell hooks hand their results to the gauge's listeners; a
-single publisher thread turns them into compact columns of raw bytes (the JS formats them) and writes
-every data trait, at most ``MAX_UPDATES_PER_S`` times a second, one ``hold_sync`` batch per update.
-The front end writes no trait: its only message is a cleanup request, which acts only on a finding
-the session lists at that moment.
+Presentation only. The gauge subscribes to the engine (``Session.subscribe``) and reads it through
+its public methods; a single publisher thread turns what arrives into compact columns of raw bytes (the
+JS formats them) and writes every data trait, at most ``MAX_UPDATES_PER_S`` times a second, one
+``hold_sync`` batch per update. The front end writes no trait: its only message is a cleanup request,
+which becomes a ``CleanupRequest`` for a finding the session lists at that moment, through the same
+door as ``nbmem.cleanup``.
 """
 
 from __future__ import annotations
@@ -15,8 +16,9 @@ import re
 import sys
 import threading
 import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, Iterable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any
 
 try:
     import anywidget
@@ -24,13 +26,10 @@ except ImportError as e:  # the magics turn this into "the gauge cannot be shown
     raise ImportError(f"nbmem's gauge needs anywidget: pip install anywidget ({e})") from e
 import traitlets
 
-from .cells import CellRecord, CellReport
-from .cleaner import CleanupReport
-from .session import RESTART_ADVICE
-from .sources import Sample
+from .cleaner import CleanupRefused, CleanupRequest
+from .records import CellRecord, CellReport, CleanupReport, Finding, Holders, Sample, Tick, cleanup_of
 
 if TYPE_CHECKING:
-    from .holders import Finding
     from .session import Session
 
 log = logging.getLogger(__name__)
@@ -42,7 +41,6 @@ HISTORY_EVERY_S = 1.0  # the sparkline moves a bucket every 2 s; rebuilding it f
 TOP_HOLDERS = 8
 THREAD_NAME = "nbmem-gauge"
 ACTIONS = ("del", "to_cpu", "outputs", "traceback", "gc")
-_ACTION_LABELS = {"outputs": "clear outputs", "traceback": "clear traceback", "gc": "gc + empty cache"}
 _REFUSED_KEPT = 100
 
 # -- the front end: one ES module ------------------------------------------------------------------
@@ -165,24 +163,31 @@ def can_move_to_cpu(f: Finding) -> bool:
     return f.device != "cpu" and f.name in f.roots
 
 
+def request_for(f: Finding, action: str) -> CleanupRequest | None:
+    """What a holder's button does, exactly: the same request ``nbmem.cleanup`` would make."""
+    if action == "del":
+        c = cleanup_of(f)
+        return CleanupRequest(names=c.names) if c.names else None
+    if action == "to_cpu":
+        return CleanupRequest(to_cpu=(f.name,)) if can_move_to_cpu(f) else None
+    return None
+
+
 def holder_rows(findings: Sequence[Finding], limit: int = TOP_HOLDERS) -> list[dict[str, Any]]:
-    """The biggest holders of the last scan, with what their buttons may do."""
+    """The biggest holders of the last scan, with what their buttons do, in the buttons' own words."""
     top = sorted(findings, key=lambda f: -f.bytes)[:limit]
-    return [{"id": f.id, "name": f.name, "kind": f.kind, "device": f.device, "bytes": f.bytes,
-             "graph": f.holds_graph, "roots": list(f.roots), "to_cpu": can_move_to_cpu(f), "hint": f.hint}
-            for f in top]
-
-
-def _known_sum(values: Iterable[int | None]) -> int | None:
-    """Sum of the known values; None (NA) when none is known, rather than a made-up 0."""
-    known = [v for v in values if v is not None]
-    return sum(known) if known else None
+    rows = []
+    for f in top:
+        d = request_for(f, "del")
+        rows.append({"id": f.id, "name": f.name, "kind": f.kind.value, "device": f.device, "bytes": f.bytes,
+                     "what": f.what(), "graph": f.holds_graph, "roots": list(f.roots), "to_cpu": can_move_to_cpu(f),
+                     "del_label": ("del " + ", ".join(d.names)) if d is not None else "", "hint": f.hint})
+    return rows
 
 
 def freed(report: CleanupReport) -> tuple[int | None, int | None]:
     """(allocated, reserved) bytes a cleanup gave back, NA where no step could measure it."""
-    return (_known_sum(s.freed_allocated_bytes for s in report.steps),
-            _known_sum(s.freed_reserved_bytes for s in report.steps))
+    return report.freed_allocated_bytes, report.freed_reserved_bytes
 
 
 # -- the publisher ---------------------------------------------------------------------------------
@@ -280,10 +285,9 @@ class Gauge(anywidget.AnyWidget):
     action: traitlets.Dict[str, Any] = traitlets.Dict().tag(sync=True)
     note = traitlets.Unicode("").tag(sync=True)
 
-    def __init__(self, session: Session, *, shell: Any = None, start: bool = True, **kwargs: Any) -> None:
+    def __init__(self, session: Session, *, start: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.session = session
-        self.shell = shell
         self.refused: list[str] = []  # front-end requests turned down, newest last
         self.sidecar: Any = None
         self._latest: Sequence[Sample] = ()
@@ -292,60 +296,52 @@ class Gauge(anywidget.AnyWidget):
         self._peaks_lock = threading.Lock()
         self._history_at = float("-inf")
         self._publisher = Publisher(self, self._build, on_error=lambda e: session.fault("gauge", e))
+        self._unsubscribe: Callable[[], None] | None = None
         self._closed = False
         try:
             self._seed()
             self.on_msg(self._on_msg)
-            self._sample_listeners().append(self._on_samples)
-            session.cell_listeners.append(self._on_cell)
+            self._unsubscribe = session.subscribe(self._on_event)
             if start:
                 self._publisher.start()
         except BaseException:
-            self.close()  # a half-made gauge must not stay registered or keep its comm open
+            self.close()  # a half-made gauge must not stay subscribed or keep its comm open
             raise
-
-    def _sample_listeners(self) -> list[Callable[[Sequence[Sample]], None]]:
-        return self.session.sampler.listeners
 
     def _seed(self) -> None:
         """Fill the gauge from what the session already has, so it opens with numbers."""
         s = self.session
-        for sample in s.store.sample_list():
+        samples = s.recent_samples(WINDOW_S)
+        for sample in samples:
             self._raise_peak(sample.device, _main_value(sample))
-        records = s.store.cell_list()
+        records = s.cell_list()
         for r in records:
             self._raise_peak_from(r)
-        samples = s.store.last_samples(WINDOW_S, time.time())
         latest_t = samples[-1].t_wall if samples else None
         self._latest = [x for x in samples if x.t_wall == latest_t]
         self._tensors = self._cpu_tensors()
-        now = time.time()
-        self._publisher.put(holders=holder_rows(s.flagged()), cells=cell_spans(records, now),
+        self._publisher.put(holders=holder_rows(s.findings()), cells=cell_spans(records, time.time()),
                             last_cell=last_cell_row(s.last_report) if s.last_report else {})
         if self._latest:
             self._publisher.poke()
         self._publisher.flush()
 
-    # -- listeners (engine threads) -------------------------------------------------------------
-    def _on_samples(self, batch: Sequence[Sample]) -> None:
-        """Sampler thread: keep the newest batch; the publisher builds from it."""
-        try:
-            self._latest = batch
+    # -- what the engine sends (its threads) -------------------------------------------------------
+    def _on_event(self, event: Any) -> None:
+        if isinstance(event, Tick):  # the sampler thread: keep the newest batch; the publisher builds from it
+            self._latest = event.samples
             self._publisher.poke()
-        except Exception as e:
-            self.session.fault("gauge", e)
-
-    def _on_cell(self, report: CellReport) -> None:
-        """Main thread, after each monitored cell: its numbers, and the holders of the new scan."""
-        try:
-            for r in report.records:
+        elif isinstance(event, CellReport):
+            for r in event.records:
                 self._raise_peak_from(r)
             self._tensors = self._cpu_tensors()
-            self._publisher.put(last_cell=last_cell_row(report), holders=holder_rows(self.session.flagged()),
-                                cells=cell_spans(self.session.store.cell_list(), time.time()))
+            self._publisher.put(last_cell=last_cell_row(event),
+                                cells=cell_spans(self.session.cell_list(), time.time()))
             self._publisher.poke()
-        except Exception as e:
-            self.session.fault("gauge", e)
+        elif isinstance(event, Holders):
+            self._tensors = self._cpu_tensors()
+            self._publisher.put(holders=holder_rows(event.findings))
+            self._publisher.poke()
 
     def _cpu_tensors(self) -> int | None:
         totals = self.session.tensor_totals()
@@ -360,45 +356,31 @@ class Gauge(anywidget.AnyWidget):
     def _raise_peak_from(self, r: CellRecord) -> None:
         self._raise_peak(r.device, r.peak_rss_bytes if r.device == "cpu" else r.peak_allocated_bytes)
 
-    # -- building (publisher thread) --------------------------------------------------------------
+    # -- building (publisher thread) ------------------------------------------------------------------
     def _build(self) -> dict[str, Any]:
         batch = list(self._latest)
         if not batch:
             return {}
-        s = self.session
-        probe = s.probe
         for x in batch:
             self._raise_peak(x.device, _main_value(x))
             self._raise_peak(x.device, x.peak_bytes)  # read by the sampler with the rest of the sample
         with self._peaks_lock:
             peaks = dict(self._peaks)
-        models = {d.name: d.model for d in probe.nvml.devices}
+        models = {d.name: d.model for d in self.session.devices()}
         now = batch[0].t_wall
-        me = os.getpid()
-        procs: dict[str, list[dict[str, Any]]] = {}
-        for x in batch:
-            if x.device != "cpu":
-                listed = probe.nvml.processes(x.device) or ()
-                procs[x.device] = [{"pid": p.pid, "name": p.name, "bytes": p.used_bytes} for p in listed if p.pid != me]
+        procs = {x.device: [{"pid": p.pid, "name": p.name, "bytes": p.used_bytes} for p in x.processes]
+                 for x in batch if x.device != "cpu"}
         out: dict[str, Any] = {
             "snapshot": snapshot_columns(batch, models=models, peaks=peaks, cpu_tensors_bytes=self._tensors),
             "processes": procs,
-            "note": self._note(batch),
+            "note": " · ".join(self.session.notes()),
         }
         if time.monotonic() - self._history_at >= HISTORY_EVERY_S:
             self._history_at = time.monotonic()
-            out["history"] = history_columns(s.store.last_samples(WINDOW_S, now), now)
+            out["history"] = history_columns(self.session.recent_samples(WINDOW_S), now)
         return out
 
-    def _note(self, batch: Sequence[Sample]) -> str:
-        if self.session.cuda_broken:
-            return RESTART_ADVICE
-        nv = self.session.probe.nvml
-        if not any(x.device != "cpu" for x in batch):
-            return f"no GPU seen: {nv.reason or 'no GPU found'}"
-        return f"per-process numbers unknown: {nv.process_reason}" if nv.process_reason else ""
-
-    # -- clicks (main thread, between cells) --------------------------------------------------------
+    # -- clicks (main thread, between cells) ------------------------------------------------------------
     def _on_msg(self, _widget: Any, content: Any, _buffers: Any) -> None:
         try:
             self._request(content)
@@ -422,49 +404,42 @@ class Gauge(anywidget.AnyWidget):
         if action not in ACTIONS:
             self._refuse(req, f"unknown action {action!r:.40}", content)
             return
-        kw: dict[str, Any] = {}
         if action in ("del", "to_cpu"):
             fid = content.get("id")
-            f = next((f for f in self.session.flagged() if isinstance(fid, str) and f.id == fid), None)
+            f = next((f for f in self.session.findings() if isinstance(fid, str) and f.id == fid), None)
             if f is None:
-                self._refuse(req, "not a finding the gauge lists now (it may have been freed already)", content)
+                self._refuse(req, "not a holder the gauge lists now (it may have been freed already)", content)
                 return
-            if action == "del":
-                if not f.roots:
-                    self._refuse(req, f"{f.name} has no top-level name to delete", content)
-                    return
-                kw["names"], label = list(f.roots), "del " + ", ".join(f.roots)
-            else:
-                if not can_move_to_cpu(f):
-                    self._refuse(req, f"{f.name} cannot be moved to the CPU from here", content)
-                    return
-                kw["to_cpu"], label = [f.name], f"{f.name} to CPU"
+            request = request_for(f, action)
+            if request is None:
+                self._refuse(req, f"{f.name} cannot be {'deleted by name' if action == 'del' else 'moved'} "
+                                  f"from here", content)
+                return
         else:
-            kw = {"outputs": action == "outputs", "traceback": action == "traceback"}
-            label = _ACTION_LABELS[action]
-        from .magics import cleanup
-
+            request = CleanupRequest(outputs=action == "outputs", traceback=action == "traceback")
+        label = request.describe()
         try:
-            rep = cleanup(shell=self.shell, **kw)
-        except (NameError, TypeError, ValueError) as e:  # the user changed the name since the scan
+            rep = self.session.cleanup(request)
+        except CleanupRefused as e:  # the user changed the name since the scan
             result: dict[str, Any] = {"req": req, "label": label, "ok": False, "error": str(e)}
         else:
             a, r = freed(rep)
-            result = {"req": req, "label": label, "ok": True, "freed": a, "freed_reserved": r}
-        self._tensors = self._cpu_tensors()
-        self._publisher.put(action=result, holders=holder_rows(self.session.flagged()))
+            result = {"req": req, "label": label, "ok": not rep.errors, "freed": a, "freed_reserved": r}
+            if rep.errors:
+                result["error"] = "; ".join(rep.errors)
+            if rep.still_held:
+                result["still"] = "; ".join(f"{n} is still held by {', '.join(o)}" for n, o in rep.still_held)
+        self._publisher.put(action=result)
         self._publisher.poke()
 
-    # -- lifecycle ------------------------------------------------------------------------------
+    # -- lifecycle ------------------------------------------------------------------------------------
     def close(self) -> None:
-        """Unregister from the session, stop the publisher, close the sidebar panel and the widget."""
+        """Unsubscribe, stop the publisher, close the sidebar panel and the widget."""
         if self._closed:
             return
         self._closed = True
-        while self._on_samples in self._sample_listeners():
-            self._sample_listeners().remove(self._on_samples)
-        while self._on_cell in self.session.cell_listeners:
-            self.session.cell_listeners.remove(self._on_cell)
+        if self._unsubscribe is not None:
+            self._unsubscribe()
         self._publisher.stop()
         if self.sidecar is not None:
             self.sidecar.close()
@@ -519,7 +494,7 @@ def show_gauge(session: Session, where: str, *, previous: Gauge | None = None, s
     place = auto_place() if where == "auto" else where
     from IPython.display import display
 
-    gauge = Gauge(session, shell=shell)
+    gauge = Gauge(session)
     try:
         if place == "sidebar":
             try:

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import gc
+import re
+import sys
 import weakref
 
 import pytest
@@ -116,10 +118,12 @@ def test_samples_frame_columns_and_na(ip):
     df = nbmem.samples()
     assert list(df.columns) == ["time", "device", "allocated_bytes", "reserved_bytes", "active_bytes",
                                 "inactive_split_bytes", "nvml_used_bytes", "nvml_total_bytes",
-                                "process_used_bytes", "other_processes_bytes", "rss_bytes"]
+                                "process_used_bytes", "other_processes_bytes", "rss_bytes", "host_used_bytes",
+                                "host_total_bytes", "peak_bytes"]
     cpu = df[df.device == "cpu"]
     assert len(cpu) >= 2 and cpu["rss_bytes"].gt(0).all()
-    assert cpu["nvml_used_bytes"].isna().all()  # unknown is NaN, not 0
+    assert cpu["nvml_used_bytes"].isna().all()  # unknown is NA, not 0
+    assert all(str(df[c].dtype) == "Int64" for c in df.columns if c.endswith("_bytes"))
     assert str(df["time"].dt.tz) == "UTC"
 
 
@@ -138,7 +142,7 @@ def test_a_report_holds_no_reference_to_user_objects(ip):
 @pytest.mark.parametrize("line,fix", [
     ("", "needs a command"),
     ("frobnicate", "unknown command"),
-    ("on extra", "takes no names"),
+    ("on extra", "does not take extra"),
     ("clean", "say what goes"),
     ("clean 'x y'", "not a variable name"),
     ("clean 1x", "not a variable name"),
@@ -162,16 +166,137 @@ def test_bad_cell_magic_input_does_not_run_the_body(ip):
     assert not r.success and "ran" not in ip.user_ns
 
 
-def test_config_is_validated_with_a_clear_message(ip, caplog):
-    # IPython's %config logs a trait error instead of raising; the value must stay as it was.
-    run(ip, "%config Nbmem.interval = -1")
-    assert "Nbmem.interval must be between 0.01 and 60 seconds" in caplog.text
-    assert _ACTIVE[ip].options.interval == 0.5 and _ACTIVE[ip].session.sampler.interval_s == 0.5
+@pytest.mark.parametrize("line,expect", [
+    ("Nbmem.interval = -1", "Nbmem.interval must be a number from 0.01 to 60; got -1; kept 0.5."),
+    ("Nbmem.show = 'sometimes'", "Nbmem.show must be one of 'auto', 'always', 'never'; got 'sometimes'; kept 'auto'."),
+    ("Nbmem.threshold = -5", "Nbmem.threshold must be a whole number from 0 to 1.15292e+18; got -5; kept 1048576."),
+    ("Nbmem.scan = 'yes'", "Nbmem.scan must be True or False; got 'yes'; kept True."),
+])
+def test_a_bad_option_is_refused_in_one_line_and_the_old_value_stays(ip, capsys, line, expect):
+    capsys.readouterr()
+    r = run(ip, f"%config {line}")
+    assert r.success, "a refused value is not a failed cell"
+    out = capsys.readouterr()
+    assert out.out.strip() == f"nbmem: {expect}" and "Traceback" not in out.err
+    name = line.split(".")[1].split(" ")[0]
+    m = _ACTIVE[ip]
+    assert getattr(m.options, name) == getattr(type(m.options)(), name)
+    ok(ip, "%reload_ext nbmem")  # the bad value IPython kept in its config must not break loading
+    assert "cudamem" in ip.magics_manager.magics["line"]
+    assert getattr(_ACTIVE[ip].options, name) == getattr(type(m.options)(), name)
+
+
+def test_a_bad_value_in_the_config_file_falls_back_to_the_default_with_a_message(shell, capsys):
+    shell.config.Nbmem.show = "sometimes"
+    shell.config.Nbmem.interval = 0.25
+    ok(shell, "%load_ext nbmem")
+    out = capsys.readouterr().out
+    assert "nbmem: Nbmem.show must be one of 'auto', 'always', 'never'; got 'sometimes'; kept 'auto'." in out
+    m = _ACTIVE[shell]
+    assert m.options.show == "auto" and m.options.interval == 0.25 and m.session.sampler.interval_s == 0.25
+
+
+def test_interval_and_history_changes_take_effect_after_load(ip):
+    m = _ACTIVE[ip]
     ok(ip, "%config Nbmem.interval = 0.25")
-    assert _ACTIVE[ip].session.sampler.interval_s == 0.25
-    caplog.clear()
-    run(ip, "%config Nbmem.show = 'sometimes'")
-    assert "sometimes" in caplog.text and _ACTIVE[ip].options.show == "auto"
+    assert m.session.sampler.interval_s == 0.25 and m.session.sampler.running
+    per_tick = len(m.session.store.latest_tick())
+    for _ in range(30):
+        m.session.store.add_tick(m.session.store.latest_tick())
+    assert len(m.session.store.sample_list()) >= 30 * per_tick
+    ok(ip, "%config Nbmem.history = 2")
+    assert len(m.session.store.sample_list()) == 8 * per_tick, "2 s at 4 Hz: the newest 8 ticks are kept"
+
+
+@pytest.mark.parametrize("line,fix", [
+    ("status --outputs --cell 3", "%cudamem status does not take --cell, --outputs; it takes no options"),
+    ("on --to-cpu a", "%cudamem on does not take --to-cpu; it takes --no-scan, --reset-peak"),
+    ("leaks --outputs", "%cudamem leaks does not take --outputs; it takes --cell"),
+    ("off x", "%cudamem off does not take x"),
+    ("gauge --cell 1", "%cudamem gauge does not take --cell"),
+])
+def test_options_a_command_does_not_take_are_refused_and_nothing_runs(ip, line, fix):
+    sess = _ACTIVE[ip].session
+    was = sess.monitoring
+    with pytest.raises(UsageError, match=re.escape(fix)):
+        ip.run_line_magic("cudamem", line)
+    assert sess.monitoring == was
+
+
+def test_cell_magic_refuses_line_options_and_does_not_run_the_body(ip):
+    r = run(ip, "%%cudamem --cell 4\nran = True")
+    assert not r.success and "ran" not in ip.user_ns
+    assert "does not take --cell" in str(r.error_in_exec)
+
+
+def test_on_and_off_say_so(shell, capsys):
+    ok(shell, "%load_ext nbmem")
+    capsys.readouterr()
+    ok(shell, "%cudamem on")
+    assert capsys.readouterr().out.startswith("nbmem: measuring every cell from now on")
+    ok(shell, "%cudamem off")
+    assert capsys.readouterr().out.startswith("nbmem: no longer measuring cells")
+
+
+def test_leaks_of_a_cell_that_was_not_measured_says_so(ip):
+    ok(ip, "x = 1")
+    n = last_cell(ip)
+    with pytest.raises(UsageError, match=f"cell 99 was not measured \\(measured cells: .*{n}"):
+        ip.run_line_magic("cudamem", "leaks --cell 99")
+    with pytest.raises(LookupError, match="cell 99 was not measured"):
+        nbmem.leaks(cell=99)
+    assert nbmem.leaks(cell=n).empty
+
+
+def test_a_users_showtraceback_stays_and_runs_for_a_failing_body(ip, capsys):
+    seen = []
+
+    def mine(*args, **kwargs):
+        seen.append(sys.exc_info()[1])
+
+    ip.showtraceback = mine  # what rich.traceback.install() does
+    try:
+        r = run(ip, "%%cudamem\n1 / 0")
+        assert not r.success and isinstance(r.error_in_exec, ZeroDivisionError)
+        assert ip.showtraceback is mine, "nbmem left the user's showtraceback in place"
+        assert len(seen) == 1 and seen[0] is r.error_in_exec
+        ok(ip, "%%cudamem\nfine = 2")
+        assert ip.showtraceback is mine
+    finally:
+        del ip.showtraceback
+
+
+def test_a_failing_body_is_labelled_with_its_own_cell_and_shows_no_magic_frames(ip, capsys):
+    ok(ip, "def inner():\n    raise ValueError('boom')")
+    capsys.readouterr()
+    r = run(ip, "%%cudamem\ninner()")
+    n = last_cell(ip)
+    out = capsys.readouterr().out
+    assert not r.success and f"Cell In[{n}], line 1" in out and f"In[{n + 1}]" not in out
+    assert "run_cell_magic" not in out and "_measure_cell" not in out
+    assert out.count("ValueError: boom") == 1
+
+
+def test_without_anywidget_load_says_so_in_one_plain_line(tmp_path):
+    import subprocess
+
+    code = """
+import sys
+sys.modules["anywidget"] = None  # as if it were not installed
+from IPython.core.interactiveshell import InteractiveShell
+from traitlets.config import Config
+from nbmem.magics import NbmemMagics
+c = Config(); c.HistoryManager.hist_file = ":memory:"; c.Nbmem.gauge = "inline"
+sh = InteractiveShell.instance(config=c)
+sh.run_cell("%load_ext nbmem")
+import nbmem
+print("FAULTS", len(nbmem.status().faults))
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("nbmem:")]
+    assert any("the live gauge needs anywidget" in ln and "pip install anywidget" in ln for ln in lines), lines
+    assert "internal error" not in out.stdout and out.stdout.strip().endswith("FAULTS 0")
 
 
 def test_a_fault_in_our_hook_never_breaks_the_cell_and_is_told_once(ip, capsys, monkeypatch):
@@ -187,7 +312,7 @@ def test_a_fault_in_our_hook_never_breaks_the_cell_and_is_told_once(ip, capsys, 
         assert r.result is None and ip.user_ns["v"] == 42
     out = capsys.readouterr().out
     assert out.count("injected") == 1
-    assert any("injected" in f.error and f.count == 3 for f in sess.faults.values())
+    assert any("injected" in f.error and f.count == 3 for f in sess.faults)
     assert "injected" in str(nbmem.status())
 
 

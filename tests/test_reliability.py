@@ -18,7 +18,8 @@ import nbmem
 from tests.conftest import nbmem_callbacks, nbmem_threads, ok, run
 
 TOKENS = ["on", "off", "status", "report", "leaks", "clean", "gauge", "plot", "--cell", "-3", "0", "99999",
-          "1e9", "--outputs", "--traceback", "--all-flagged", "--to-cpu", "--reset-peak", "--no-scan", "-q",
+          "1e9", "--outputs", "--traceback", "--all-flagged", "--last-report", "--to-cpu", "--reset-peak", "--no-scan",
+          "-q",
           "--inline", "--sidebar", "--bogus", "x y", "1x", "Out[3]", "_12", "'", '"', "--", "-", "é", "\\",
           "nonexistent", "victim", "None", "--no-collect", "--no-empty-cache", "$HOME", "`rm`", "\x00"]
 ALLOWED = (UsageError, NameError, ValueError, TypeError)
@@ -35,7 +36,7 @@ def test_fuzzed_line_magic_never_crashes_and_deletes_only_what_it_names(ip, toke
     except ALLOWED:
         pass
     assert "keep" in ip.user_ns
-    named = "clean" in tokens and ("victim" in tokens or "--all-flagged" in tokens)
+    named = "clean" in tokens and ("victim" in tokens or "--last-report" in tokens)
     if not named:
         assert "victim" in ip.user_ns, line
     assert not [f for f in nbmem.status().faults if "magic" in f.where]
@@ -53,13 +54,27 @@ def test_fuzzed_cell_magic_options_run_the_body_only_when_valid(ip, tokens):
         assert isinstance(r.error_in_exec, ALLOWED), repr(r.error_in_exec)
 
 
-@given(st.one_of(st.text(max_size=5), st.floats(), st.booleans(), st.lists(st.integers(), max_size=2)))
+BAD_CELLS = st.one_of(st.text(max_size=5), st.floats(), st.booleans(), st.lists(st.integers(), max_size=2),
+                     st.integers(max_value=-1))
+BAD_NAMES = st.one_of(st.text(max_size=5).filter(lambda t: not t.isidentifier()), st.floats(), st.integers(),
+                      st.lists(st.integers(), min_size=1, max_size=2), st.none())
+
+
+@given(BAD_CELLS)
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-def test_python_api_rejects_bad_arguments_clearly(ip, bad):
-    with pytest.raises((TypeError, ValueError, NameError)):
+def test_leaks_rejects_what_is_not_a_cell_number(ip, bad):
+    with pytest.raises(TypeError, match="takes a cell number"):
         nbmem.leaks(cell=bad)
+
+
+@given(BAD_NAMES)
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+def test_cleanup_rejects_what_is_not_a_name_and_removes_nothing(ip, bad):
+    ip.user_ns.setdefault("keep", torch.empty(10))
+    before = set(ip.user_ns)
+    with pytest.raises(ValueError, match="Nothing was removed"):
         nbmem.cleanup(names=[bad] if not isinstance(bad, list) else bad)
-        raise TypeError  # reached only if both accepted: must not happen for non-int, non-name input
+    assert set(ip.user_ns) == before
 
 
 def test_load_unload_100_times_leaves_nothing_behind(shell):
@@ -77,7 +92,7 @@ def test_load_unload_100_times_leaves_nothing_behind(shell):
     grown = tracemalloc.get_traced_memory()[0] - base
     tracemalloc.stop()
     assert nbmem_threads() == [] and nbmem_callbacks(shell) == []
-    assert shell.configurables.count(None) == 0 and not any(type(c).__name__ == "Nbmem" for c in shell.configurables)
+    assert not any(type(c).__name__ in ("Nbmem", "NbmemMagics") for c in shell.configurables)
     assert grown < 2 * 2**20, f"{grown} bytes kept after 90 load/unload cycles"
 
 
@@ -88,7 +103,9 @@ def test_records_belong_to_the_shell_they_were_loaded_in(shell):
     assert len(nbmem.report()) == 1
     ok(shell, "%unload_ext nbmem")
     ok(shell, "%load_ext nbmem")
-    assert nbmem.report().empty and nbmem.leaks(cell=1).empty
+    assert nbmem.report().empty
+    with pytest.raises(LookupError, match="was not measured"):
+        nbmem.leaks(cell=3)
 
 
 def test_sampler_survives_a_read_that_keeps_failing(ip, capsys):
@@ -141,7 +158,7 @@ def _size(roots):
         if id(o) in seen or isinstance(o, type): continue
         seen.add(id(o)); total += sys.getsizeof(o); stack.extend(gc.get_referents(o))
     return total
-kept = [s.store, s._findings, s._first_seen, s._last_scan, s.faults, s._finding_cells]
+kept = [s.store, s._findings, s.scanner, s._last_scan, s._faults, s._finding_cells]
 callbacks = sum(map(len, get_ipython().events.callbacks.values()))
 print(json.dumps({"size": _size(kept), "cells": len(s.store.cell_list()), "callbacks": callbacks}))
 """

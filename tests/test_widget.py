@@ -25,13 +25,11 @@ import pytest
 from IPython.core.error import UsageError
 
 from nbmem import widget
-from nbmem.cells import CellRecord, CellReport
-from nbmem.cleaner import CleanupReport, CleanupStep
 from nbmem.formatting import fmt_bytes
-from nbmem.holders import Finding
 from nbmem.magics import _magics
+from nbmem.records import AllocatorReading, CellRecord, CellReport, CleanupReport, CleanupStep, Finding, HolderKind, Sample
 from nbmem.session import Session
-from nbmem.sources import AllocatorReading, NvmlSource, Probe, Sample, TorchSource
+from nbmem.sources import NvmlSource, Probe, TorchSource
 from nbmem.widget import Gauge, Publisher, history_columns, show_gauge
 from tests.conftest import HAS_GPU, cpu_only, ok
 
@@ -60,7 +58,7 @@ def holder_id(g: Gauge, name: str) -> str:
 @pytest.fixture
 def gauge(ip: Any) -> Iterator[Gauge]:
     """A gauge on the loaded extension's session; no publisher thread (tests flush by hand)."""
-    g = Gauge(_magics(ip).session, shell=ip, start=False)
+    g = Gauge(_magics(ip).session, start=False)
     yield g
     g.close()
 
@@ -117,7 +115,7 @@ class FakeAllocator(TorchSource):
         return 1
 
     def read(self, index: int) -> AllocatorReading:
-        return AllocatorReading(8 * GiB, 10 * GiB, 8 * GiB, 0, 9 * GiB, 10 * GiB, 0)
+        return AllocatorReading(8 * GiB, 10 * GiB, 8 * GiB, 0, 9 * GiB, 10 * GiB)
 
 
 @pytest.fixture
@@ -339,7 +337,7 @@ def test_a_name_gone_since_the_scan_is_an_error_shown_not_raised(ip: Any, gauge:
 
 def test_to_cpu_applies_to_a_top_level_name_on_a_gpu() -> None:
     def f(name: str, device: str, roots: tuple[str, ...]) -> Finding:
-        return Finding(1, name, (name,), "namespace", device, GiB, False, "", 0, roots, "id")
+        return Finding(1, name, (name,), HolderKind.NAMESPACE, device, GiB, roots=roots, id="id")
 
     assert widget.can_move_to_cpu(f("w", "cuda:0", ("w",)))
     assert not widget.can_move_to_cpu(f("w", "cpu", ("w",)))
@@ -354,7 +352,7 @@ def test_freed_bytes_are_na_when_no_step_measured_them() -> None:
 
 # -- the publisher ---------------------------------------------------------------------------------
 def test_updates_are_throttled_and_batched(ip: Any) -> None:
-    g = Gauge(_magics(ip).session, shell=ip)
+    g = Gauge(_magics(ip).session)
     sent: list[dict[str, Any]] = []
     real_send = g._send
     g._send = lambda msg, buffers=None: (sent.append(msg), real_send(msg, buffers))  # type: ignore[method-assign]
@@ -400,7 +398,7 @@ def test_publisher_waits_out_its_interval() -> None:
 
 
 def test_a_failing_build_is_recorded_and_the_gauge_goes_on(ip: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    g = Gauge(_magics(ip).session, shell=ip)
+    g = Gauge(_magics(ip).session)
     try:
         def broken(*args: Any, **kwargs: Any) -> dict[str, Any]:
             raise OSError("no /proc here")
@@ -410,7 +408,7 @@ def test_a_failing_build_is_recorded_and_the_gauge_goes_on(ip: Any, monkeypatch:
         deadline = time.monotonic() + 3
         while not g.session.faults and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert [f.where for f in g.session.faults.values()] == ["gauge"]
+        assert [f.where for f in g.session.faults] == ["gauge"]
         monkeypatch.undo()
         before = g._publisher.flushes
         g.session.sampler.sample_once()
@@ -425,14 +423,14 @@ def test_a_failing_build_is_recorded_and_the_gauge_goes_on(ip: Any, monkeypatch:
 # -- lifecycle and placement ---------------------------------------------------------------------------
 def test_close_takes_back_everything_it_added(ip: Any) -> None:
     session = _magics(ip).session
-    listeners = (list(session.sampler.listeners), list(session.cell_listeners))
-    g = Gauge(session, shell=ip)
+    before = session.subscribers
+    g = Gauge(session)
     closed: list[bool] = []
     g.sidecar = SimpleNamespace(close=lambda: closed.append(True))
-    assert g._on_samples in session.sampler.listeners
+    assert session.subscribers == before + 1
     g.close()
     g.close()
-    assert (session.sampler.listeners, session.cell_listeners) == listeners
+    assert session.subscribers == before
     assert closed == [True]
     assert g.comm is None
     assert not [t for t in threading.enumerate() if t.name == widget.THREAD_NAME]
@@ -462,7 +460,7 @@ def test_sidebar_then_inline_then_unload(ip: Any, kernel_like: list[Any]) -> Non
     second = m.gauge
     assert second is not first and second.sidecar is None
     assert first.comm is None and sidecar.comm is None, "the previous gauge and its panel are closed"
-    assert first._on_samples not in m.session.sampler.listeners
+    assert m.session.subscribers == 1, "only the second gauge listens"
     ip.run_line_magic("unload_ext", "nbmem")
     assert second.comm is None
     assert not [t for t in threading.enumerate() if t.name == widget.THREAD_NAME]
@@ -481,7 +479,7 @@ def test_in_a_terminal_auto_shows_nothing_and_asking_explains(ip: Any) -> None:
     session = _magics(ip).session
     assert not widget.in_kernel(ip)
     assert show_gauge(session, "auto", shell=ip) is None
-    assert session.sampler.listeners == []
+    assert session.subscribers == 0
     with pytest.raises(RuntimeError, match="needs a Jupyter front end"):
         show_gauge(session, "inline", shell=ip, explicit=True)
     with pytest.raises(UsageError, match="needs a Jupyter front end"):
@@ -490,9 +488,9 @@ def test_in_a_terminal_auto_shows_nothing_and_asking_explains(ip: Any) -> None:
 
 def test_show_gauge_closes_the_previous_one(ip: Any) -> None:
     session = _magics(ip).session
-    old = Gauge(session, shell=ip, start=False)
+    old = Gauge(session, start=False)
     assert show_gauge(session, "auto", previous=old, shell=ip) is None
-    assert old.comm is None and old._on_cell not in session.cell_listeners
+    assert old.comm is None and session.subscribers == 0
     with pytest.raises(ValueError, match="where must be"):
         show_gauge(session, "floating", shell=ip)
 
@@ -516,3 +514,15 @@ def test_a_cell_report_on_a_gpu_shows_allocated_and_its_peak() -> None:
     row = widget.last_cell_row(CellReport(3, 1.0, (rec,)))["rows"][0]
     assert row == {"device": "cuda:0", "what": "allocated", "delta": GiB, "peak": None,
                    "peak_note": "≤ 4.00 GiB (below an earlier peak)"}
+
+
+def test_the_del_button_says_which_variables_it_deletes(ip: Any, gauge: Gauge) -> None:
+    ok(ip, "model = torch.nn.Linear(1024, 1024)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)")
+    ok(ip, "model(torch.randn(4, 1024)).sum().backward()")
+    gauge._publisher.flush()
+    row = next(h for h in gauge.holders if h["name"] == "model.weight.grad")
+    assert row["del_label"] == "del model, opt", "deleting a gradient's holders deletes the model and the optimizer"
+    out = next(h for h in gauge.holders if h["name"] == "model.weight")
+    click(gauge, request("del", out["id"]))
+    gauge._publisher.flush()
+    assert gauge.action["label"] == "del model, opt" and "model" not in ip.user_ns and "opt" not in ip.user_ns

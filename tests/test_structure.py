@@ -1,0 +1,44 @@
+"""The layers as the README draws them: consumers use the engine's seam, never its insides."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PKG = Path(__file__).resolve().parents[1] / "nbmem"
+CONSUMERS = ["widget.py", "plotting.py", "server.py"]
+#: The engine's insides: a consumer that reads them is wired past the seam.
+INSIDES = {"store", "sampler", "probe", "nvml", "scanner", "_listeners", "_last_scan"}
+
+
+def tree(name: str) -> ast.Module:
+    return ast.parse((PKG / name).read_text(), filename=name)
+
+
+@pytest.mark.parametrize("name", [n for n in CONSUMERS if (PKG / n).exists()])
+def test_consumers_do_not_import_the_magics_or_reach_into_the_engine(name: str) -> None:
+    t = tree(name)
+    imports = [n.module for n in ast.walk(t) if isinstance(n, ast.ImportFrom)]
+    assert "magics" not in imports, f"{name} imports the IPython adapter"
+    reached = sorted({n.attr for n in ast.walk(t) if isinstance(n, ast.Attribute) and n.attr in INSIDES})
+    assert reached == [], f"{name} reaches into the engine: {reached}"
+
+
+def test_nothing_below_the_adapter_imports_ipython() -> None:
+    for path in PKG.glob("*.py"):
+        if path.name in ("magics.py", "widget.py", "server.py"):
+            continue
+        mods = {n.module or "" for n in ast.walk(tree(path.name)) if isinstance(n, ast.ImportFrom)}
+        mods |= {a.name for n in ast.walk(tree(path.name)) if isinstance(n, ast.Import) for a in n.names}
+        assert not any(m.split(".")[0] in ("IPython", "ipywidgets", "anywidget") for m in mods), path.name
+
+
+def test_output_cache_names_and_holder_kinds_are_defined_once() -> None:
+    for path in PKG.glob("*.py"):
+        if path.name == "records.py":
+            continue
+        src = path.read_text()
+        assert '("_", "__", "___")' not in src, f"{path.name} spells IPython's rotating names again"
+        assert '"namespace": 0' not in src, path.name
