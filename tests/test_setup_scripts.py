@@ -1,0 +1,87 @@
+"""scripts/setup.sh, run on a copy of the scripts: the torch it chooses, and how it fails.
+
+Nothing is installed: the torch choices are checked in its dry run (``NBMEM_DRY_RUN=1`` prints the commands),
+and the failure test stops at the first pip command, which asks for a torch release that does not exist.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+TORCH_PIN = re.findall(r"^torch==(\S+)", (ROOT / "requirements/torch.txt").read_text(), re.M)[0]
+PIP = ".venv/bin/python -m pip install --disable-pip-version-check --progress-bar off"
+
+
+@pytest.fixture
+def checkout(tmp_path: Path) -> Path:
+    """What setup.sh reads, copied, so that nothing it does can touch this checkout's .venv."""
+    for d in ("scripts", "requirements"):
+        shutil.copytree(ROOT / d, tmp_path / d)
+    shutil.copy(ROOT / "pyproject.toml", tmp_path)
+    return tmp_path
+
+
+def setup(checkout: Path, timeout: float = 60, **env: str) -> subprocess.CompletedProcess[str]:
+    environ = {k: v for k, v in os.environ.items() if not k.startswith("NBMEM_") and k != "VIRTUAL_ENV"}
+    # TMPDIR: the log setup.sh keeps when a command fails goes into the test's folder.
+    environ |= {"NBMEM_PYTHON": sys.executable, "PIP_RETRIES": "0", "TMPDIR": str(checkout)} | env
+    return subprocess.run(["bash", "scripts/setup.sh"], cwd=checkout, env=environ, text=True, timeout=timeout,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+
+
+def test_the_cpu_build_comes_from_pytorchs_cpu_index_before_anything_else(checkout: Path) -> None:
+    out = setup(checkout, NBMEM_DRY_RUN="1", NBMEM_TORCH="cpu")
+    assert out.returncode == 0, out.stdout
+    torch = (f"{PIP} --index-url https://download.pytorch.org/whl/cpu --extra-index-url https://pypi.org/simple "
+             f"torch=={TORCH_PIN}+cpu")
+    rest = f"{PIP} -r requirements/dev.txt -e ."
+    assert f"would run: {torch}\n" in out.stdout, out.stdout
+    assert out.stdout.index(torch) < out.stdout.index(rest), "torch must be installed before nbmem asks for it"
+    assert not (checkout / ".venv").exists(), "a dry run made .venv"
+
+
+def test_the_default_build_says_it_may_be_the_cuda_one_and_how_to_get_the_cpu_one(checkout: Path) -> None:
+    out = setup(checkout, NBMEM_DRY_RUN="1")
+    assert out.returncode == 0, out.stdout
+    assert f"would run: {PIP} torch=={TORCH_PIN}\n" in out.stdout, out.stdout
+    assert "CUDA build" in out.stdout and "NBMEM_TORCH=cpu" in out.stdout, out.stdout
+
+
+def test_an_unknown_torch_choice_is_refused(checkout: Path) -> None:
+    out = setup(checkout, NBMEM_DRY_RUN="1", NBMEM_TORCH="gpu")
+    assert out.returncode == 2 and "default, cpu, skip" in out.stdout, out.stdout
+
+
+def test_an_old_python_is_refused_before_anything_is_made(checkout: Path) -> None:
+    fake = checkout / "python3.10"
+    fake.write_text("#!/bin/sh\necho 3.10.13\n")
+    fake.chmod(0o755)
+    out = setup(checkout, NBMEM_PYTHON=str(fake))
+    assert out.returncode == 1, out.stdout
+    assert "is Python 3.10.13; nbmem needs Python 3.11 or newer" in out.stdout, out.stdout
+    assert "[1/4]" not in out.stdout and not (checkout / ".venv").exists()
+
+
+@pytest.mark.slow
+def test_a_failing_pip_stops_setup_and_names_the_command(checkout: Path) -> None:
+    """The first step is real (a venv, ~5 s); pip then fails on a torch release that does not exist."""
+    (checkout / "requirements/torch.txt").write_text("torch==0.0.0\n")
+    out = setup(checkout, timeout=180)
+    assert out.returncode != 0, out.stdout
+    assert f"FAILED (exit {out.returncode}): {PIP} torch==0.0.0\n" in out.stdout, out.stdout
+    assert "last lines of its output" in out.stdout and "torch==0.0.0" in out.stdout.split("last lines")[1]
+    assert "[3/4]" not in out.stdout and "setup done" not in out.stdout, "setup went on after the failure"
+
+
+def test_ci_runs_the_readmes_test_command() -> None:
+    command = "bash scripts/test.sh"
+    assert command in (ROOT / "README.md").read_text().split("```")[1], "the README's first block names it"
+    assert re.search(rf"^{command}$", (ROOT / ".ci/run").read_text(), re.M), ".ci/run must run it verbatim"
