@@ -11,13 +11,13 @@ import datetime as _dt
 import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 from .formatting import Column, esc, fmt_bytes, fmt_seconds, html_table, is_na, text_table
 
 
-class HolderKind(str, Enum):
+class HolderKind(StrEnum):
     """What keeps a storage alive, which decides how it is freed (``cleanup_of``)."""
 
     NAMESPACE = "namespace"  # a variable of the notebook, or something inside one
@@ -25,8 +25,6 @@ class HolderKind(str, Enum):
     TRACEBACK = "traceback"  # the frames of the last exception
     MODULE = "module"  # an attribute of a module the notebook made (in sys.modules)
 
-    def __str__(self) -> str:
-        return self.value
 
 
 #: The output names IPython moves on every displayed result; a change among them is no news.
@@ -188,7 +186,7 @@ class CellRecord:
 
     def row(self) -> dict[str, Any]:
         d = asdict(self)
-        d["started"] = _dt.datetime.fromtimestamp(self.started, _dt.timezone.utc)
+        d["started"] = _dt.datetime.fromtimestamp(self.started, _dt.UTC)
         for k in ("delta_allocated_bytes", "delta_reserved_bytes", "delta_process_used_bytes", "delta_rss_bytes"):
             d[k] = getattr(self, k)
         return {c: d[c] for c in CELL_COLUMNS}

@@ -63,7 +63,8 @@ def test_a_name_bound_to_a_shared_singleton_removes_only_that_name(ip, value):
     before, under = user_names(ip), dunders(ip)
     nbmem.cleanup(names=["gone"], collect=False, empty_cache=False)
     assert user_names(ip) == before - {"gone"}
-    assert dunders(ip) == under and (ip.user_ns["__spec__"], ip.user_ns["__loader__"], ip.user_ns["__package__"]) == spec
+    assert dunders(ip) == under
+    assert (ip.user_ns["__spec__"], ip.user_ns["__loader__"], ip.user_ns["__package__"]) == spec
     assert eval(f"kept1 == kept2 == {value}", ip.user_ns)
 
 
@@ -117,7 +118,7 @@ def test_a_bad_request_lists_every_problem_and_removes_nothing(ip, kwargs, probl
 
 def test_the_magic_refuses_the_same_way_as_a_usage_error(ip):
     ok(ip, "x = torch.empty(2**20)")
-    with pytest.raises(UsageError, match="no variable named 'nope'.*Nothing was removed"):
+    with pytest.raises(UsageError, match=r"no variable named 'nope'.*Nothing was removed"):
         ip.run_line_magic("cudamem", "clean x nope")
     assert "x" in ip.user_ns
 

@@ -7,8 +7,8 @@ import time
 
 import pytest
 
-from nbmem.sampler import THREAD_NAME, Sampler
 from nbmem.records import SAMPLE_COLUMNS, Sample
+from nbmem.sampler import THREAD_NAME, Sampler
 from nbmem.store import Store
 
 
@@ -69,7 +69,8 @@ def test_bad_interval_is_refused():
 def test_store_is_bounded_by_ticks_whatever_the_number_of_devices():
     st = Store(ticks=5)
     for i in range(10):
-        st.add_tick([sample(float(i), v=None if i == 9 else i), sample(float(i), "cuda:0", v=i), sample(float(i), "cuda:1")])
+        t = float(i)
+        st.add_tick([sample(t, v=None if i == 9 else i), sample(t, "cuda:0", v=i), sample(t, "cuda:1")])
     assert len(st.sample_list()) == 15, "5 ticks of 3 devices, not 5 samples"
     df = st.samples_frame()
     assert list(df.columns) == list(SAMPLE_COLUMNS)

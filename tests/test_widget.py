@@ -27,7 +27,16 @@ from IPython.core.error import UsageError
 from nbmem import widget
 from nbmem.formatting import fmt_bytes
 from nbmem.magics import _magics
-from nbmem.records import AllocatorReading, CellRecord, CellReport, CleanupReport, CleanupStep, Finding, HolderKind, Sample
+from nbmem.records import (
+    AllocatorReading,
+    CellRecord,
+    CellReport,
+    CleanupReport,
+    CleanupStep,
+    Finding,
+    HolderKind,
+    Sample,
+)
 from nbmem.session import Session
 from nbmem.sources import NvmlSource, Probe, TorchSource
 from nbmem.widget import Gauge, Publisher, history_columns, show_gauge

@@ -44,7 +44,8 @@ class Lab:
 @pytest.fixture(scope="session")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Lab]:
     if not shutil.which(CHROMIUM):
-        pytest.skip(f"{CHROMIUM} is missing: bash scripts/test.sh installs it when run as root, or apt-get install chromium")
+        pytest.skip(f"{CHROMIUM} is missing: bash scripts/test.sh installs it when run as root, "
+                    f"or apt-get install chromium")
     d = tmp_path_factory.mktemp("lab")
     for sub in ("cfg/labconfig", "rt", "ipy", "data"):
         (d / sub).mkdir(parents=True)
