@@ -77,6 +77,8 @@ class Held:
     span_bytes: int  # the largest holder tensor's own size; less than nbytes for a view
     roles: frozenset[str] = frozenset()
     first_cell: int = 0
+    addr: int = 0  # the storage's data pointer when first seen (CUDA: matches the allocator's trace)
+    container: str = ""  # the first holder without its last step: where a group of small tensors lives
 
     @property
     def name(self) -> str:
@@ -107,10 +109,13 @@ class Scan:
 
 @dataclass(frozen=True, slots=True)
 class Graph:
-    """The autograd graph a storage's tensor keeps alive: saved tensors not held by any name."""
+    """The autograd graph a storage's tensor keeps alive: saved tensors not held by any name.
+
+    Two holders share a graph when they keep the same saved tensors alive (a loss computed from the
+    outputs); two outputs of one model only meet at its parameters, which free nothing.
+    """
 
     saved: Mapping[int, int]  # storage id -> bytes
-    nodes: frozenset[int]  # node ids, valid for comparing graphs computed together
 
     @property
     def nbytes(self) -> int:
@@ -553,6 +558,7 @@ class _StorageState:
     device: str
     nbytes: int
     first_cell: int
+    addr: int = 0
     span: int = 0
     roles: set[str] = field(default_factory=set)
     graph_tensor: weakref.ref[Any] | None = None
@@ -563,7 +569,6 @@ class _StorageState:
 class _GraphState:
     tensor: weakref.ref[Any]  # the tensor whose grad_fn was walked
     saved: dict[int, tuple[str, int]]  # storage id -> (device, bytes)
-    nodes: frozenset[int]
 
 
 class Scanner:
@@ -577,6 +582,8 @@ class Scanner:
         self._by_obj: dict[int, int] = {}  # id(storage object) -> sid, checked against the weak reference
         self._paths: dict[int, dict[str, HolderKind]] = {}  # sid -> every path that reaches it, from all roots
         self._held: dict[int, Held] = {}
+        self._walked_this_cell: set[str] = set()  # roots walked since the last update that was not a follow-up
+        self._watchers: dict[int, dict[str, weakref.ref[Any]]] = {}  # id(tensor) -> roots that reach it
         self._next_sid = 1
         self.last: Scan | None = None
 
@@ -589,7 +596,11 @@ class Scanner:
                 return sid
         sid = self._next_sid
         self._next_sid += 1
-        self._storages[sid] = _StorageState(weakref.ref(storage), device, nbytes, cell)
+        try:
+            addr = int(storage.data_ptr())
+        except Exception:
+            addr = 0
+        self._storages[sid] = _StorageState(weakref.ref(storage), device, nbytes, cell, addr)
         self._by_obj[id(storage)] = sid
         return sid
 
@@ -657,6 +668,13 @@ class Scanner:
                     for p in ps:
                         d.pop(p, None)
                 dirty.add(sid)
+            for ref, _sid, _g in old.tensors:
+                t = ref()
+                watching = self._watchers.get(id(t)) if t is not None else None
+                if watching is not None:
+                    watching.pop(path, None)
+                    if not watching:
+                        del self._watchers[id(t)]
         if rs is not None:
             self._roots[path] = rs
             for sid, ps in rs.holds.items():
@@ -664,7 +682,30 @@ class Scanner:
                 for p in ps:
                     d[p] = rs.kind
                 dirty.add(sid)
+            for ref, _sid, _g in rs.tensors:
+                t = ref()
+                if t is not None:
+                    self._watchers.setdefault(id(t), {})[path] = ref
         return dirty
+
+    def _also_reaching(self, w: _Walk, now: Mapping[str, tuple[Root, tuple[int, int, int]]],
+                       done: set[str]) -> list[Root]:
+        """Roots not walked yet that also reach a tensor under which this walk found a new storage.
+
+        ``model.weight.grad`` appears under ``model`` and, through the same parameter, under ``opt``:
+        walking the root the cell mentioned must not leave the other one's paths out.
+        """
+        out: dict[str, Root] = {}
+        for f in w.found:
+            p = w.parent[f.node]
+            sid = self._by_obj.get(id(f.storage))
+            if p < 0 or (sid is not None and sid in self._held):
+                continue
+            parent = w.keep[p]
+            for path, ref in self._watchers.get(id(parent), {}).items():
+                if ref() is parent and path not in done and path in now:
+                    out[path] = now[path][0]
+        return list(out.values())
 
     # -- the update ------------------------------------------------------------------------------------
     def update(self, roots: Sequence[Root], *, cell: int, walk: str = "changed", mentioned: Iterable[str] = (),
@@ -673,8 +714,8 @@ class Scanner:
 
         ``walk``: "all" re-walks every root; "changed" only new, rebound or resized roots, roots the
         cell's code mentions, and (with ``validate``) cached roots whose tensors changed storage or
-        gradient; "rest" every root the previous update did not walk (after "changed" left memory
-        unexplained).
+        gradient; "invalid" only those cached roots; "rest" every root the previous update did not walk
+        (each later mode is what the engine asks for when the earlier one left memory unexplained).
         """
         t0 = time.perf_counter()
         deadline = None if budget_s is None else t0 + budget_s
@@ -685,7 +726,7 @@ class Scanner:
         TB = getattr(torch._C, "TensorBase", None) or torch._C._TensorBase
         self._forget_dead()
         mentioned = set(mentioned)
-        walked_before = set(self.last.walked) if self.last is not None and walk == "rest" else set()
+        walked_before = set(self._walked_this_cell) if walk == "rest" else set()
         now: dict[str, tuple[Root, tuple[int, int, int]]] = {}
         for r in roots:
             if r.path not in now:
@@ -702,6 +743,9 @@ class Scanner:
                 elif walk == "rest":
                     if path not in walked_before:
                         todo.append(r)
+                elif walk == "invalid":
+                    if not self._validate(rs, TB):
+                        todo.append(r)
                 elif root_name(path) in mentioned or (validate and not self._validate(rs, TB)):
                     todo.append(r)
             # Cheapest first, so a budget spent on one huge root does not starve the rest.
@@ -711,14 +755,16 @@ class Scanner:
             unfinished: list[str] = []
             walked: list[str] = []
             per_root: dict[int, tuple[bool, int, float]] = {}
-            for r in todo:
-                if w.stopped:
-                    unfinished.append(r.path)
-                    continue
-                ts = time.perf_counter()
-                done, n = w.run_root(r)
-                per_root[len(w.roots) - 1] = (done, n, time.perf_counter() - ts)
-                (walked if done else unfinished).append(r.path)
+            while todo:
+                for r in todo:
+                    if w.stopped:
+                        unfinished.append(r.path)
+                        continue
+                    ts = time.perf_counter()
+                    done, n = w.run_root(r)
+                    per_root[len(w.roots) - 1] = (done, n, time.perf_counter() - ts)
+                    (walked if done else unfinished).append(r.path)
+                todo = [] if w.stopped else self._also_reaching(w, now, {*walked, *unfinished})
             for path, rs in self._absorb(w, now, per_root, cell).items():
                 dirty |= self._set_root(path, rs)
         for path in unfinished:
@@ -728,6 +774,9 @@ class Scanner:
         totals: dict[str, int] = {}
         for h in self._held.values():
             totals[h.device] = totals.get(h.device, 0) + h.nbytes
+        if walk in ("all", "changed"):
+            self._walked_this_cell = set()
+        self._walked_this_cell.update(walked)
         kinds = tuple(f"{k} x{n}" for k, n in sorted(w.error_types.items()))
         self.last = Scan(dict(self._held), totals, w.objects, time.perf_counter() - t0, tuple(walked),
                          tuple(unfinished), w.errors, kinds)
@@ -808,7 +857,8 @@ class Scanner:
             self._held[sid] = Held(sid, st.device, st.nbytes, tuple(p for p, _ in ranked),
                                    tuple(k for _, k in ranked), ranked[0][1],
                                    st.graph_tensor is not None and st.graph_tensor() is not None,
-                                   st.span or st.nbytes, frozenset(st.roles), st.first_cell)
+                                   st.span or st.nbytes, frozenset(st.roles), st.first_cell, st.addr,
+                                   _container(ranked[0][0]))
 
     # -- graphs -----------------------------------------------------------------------------------------
     def graphs(self, sids: Iterable[int], *, exclude: Iterable[int] = (), budget_s: float | None = None
@@ -838,7 +888,7 @@ class Scanner:
                         continue
                 saved = {g: n for g, (_d, n) in st.graph.saved.items()
                          if g not in excluded and g in self._storages and self._storages[g].ref() is not None}
-                out[sid] = Graph(saved, st.graph.nodes)
+                out[sid] = Graph(saved)
         return out
 
     def _walk_graph(self, torch: Any, t: Any, sid: int, deadline: float | None) -> _GraphState | None:
@@ -880,7 +930,7 @@ class Scanner:
             except Exception:
                 continue
             stack.extend(n for n, _ in nxt if n is not None)
-        return _GraphState(weakref.ref(t), saved, frozenset(nodes))
+        return _GraphState(weakref.ref(t), saved)
 
     @staticmethod
     def _saved(node: Any, names: dict[int, tuple[str, ...]], keep: list[Any]) -> list[Any]:
@@ -989,9 +1039,11 @@ def hint_for(h: Held, graph_bytes: int, *, lost: Sequence[str] = (), shared: Seq
         return (f"its autograd graph is shared with {', '.join(shared)}: free both (keep `.item()` or "
                 f"`.detach()` instead) or little comes back")
     if group:
-        g = f" and their graphs ({fmt_bytes(graph_bytes)})" if graph_bytes else ""
-        return (f"{group:,} small tensors{g} in `{_container(name)}`: keep numbers (`.item()`) or "
-                f"`.detach()` instead, or clear the container")
+        where = _container(name)
+        if graph_bytes:
+            return (f"{group:,} small tensors and their graphs ({fmt_bytes(graph_bytes)}) in `{where}`: keep "
+                    f"numbers (`.item()`) or `.detach()` instead, or clear it")
+        return f"{group:,} small tensors in `{where}`: clear it, or `del {root_name(where)}`"
     if ROLE_GRAD in h.roles and name.endswith(".grad"):
         return "a gradient: opt.zero_grad(set_to_none=True) frees gradients between steps"
     if ROLE_OPTIM in h.roles:
@@ -1021,35 +1073,44 @@ def _finding(h: Held, cell: int, graphs: Mapping[int, Graph], lost: Sequence[str
 
 def _group(members: list[Held], cell: int, graphs: Mapping[int, Graph]) -> Finding:
     """A container of small tensors, as one finding; a graph its members share is counted once."""
-    members.sort(key=lambda h: h.holders)
-    first = members[0]
+    first = min(members, key=lambda h: h.sid)
+    container = first.container
     saved: dict[int, int] = {}
     for h in members:
         g = graphs.get(h.sid)
         if g is not None:
             saved.update(g.saved)
     gb = sum(saved.values())
-    roots = tuple(sorted({r for h in members for r in deletable(h)}))
-    holders = tuple(dict.fromkeys(_container(h.name) for h in members))
-    return Finding(cell, _container(first.name), holders, first.kind, first.device, sum(h.nbytes for h in members),
-                   gb, any(h.holds_graph for h in members), len(members), None, (),
-                   hint_for(first, gb, group=len(members)), roots, f"{first.device}:g{first.sid}")
+    return Finding(cell, container, (container,), first.kind, first.device, sum(h.nbytes for h in members), gb,
+                   any(h.holds_graph for h in members), len(members), None, (), hint_for(first, gb, group=len(members)),
+                   deletable(first), f"{first.device}:g{first.sid}")
 
 
 def _with_groups(candidates: Sequence[Held], cell: Callable[[Sequence[Held]], int], threshold: int,
-                 graphs: Mapping[int, Graph], lost: Mapping[int, Sequence[str]]) -> list[Finding]:
-    """Findings for storages over the threshold, and for containers of small ones that together pass it."""
+                 graphs: Mapping[int, Graph], lost: Mapping[int, Sequence[str]],
+                 cache: dict[int, tuple[Held, int, Finding]] | None = None) -> list[Finding]:
+    """Findings for storages over the threshold, and for containers of small ones that together pass it.
+
+    ``cache`` keeps the finding of a storage whose record and graph did not change since the last call.
+    """
     out: list[Finding] = []
     members: dict[int, Held] = {}
     small: dict[tuple[str, str, HolderKind], list[Held]] = {}
     for h in candidates:
         g = graphs.get(h.sid)
-        if h.nbytes + (g.nbytes if g else 0) >= threshold:
-            f = _finding(h, cell([h]), graphs, lost.get(h.sid, ()))
+        gb = g.nbytes if g else 0
+        if h.nbytes + gb >= threshold:
+            hit = cache.get(h.sid) if cache is not None else None
+            if hit is not None and hit[0] is h and hit[1] == gb:
+                f = hit[2]
+            else:
+                f = _finding(h, cell([h]), graphs, lost.get(h.sid, ()))
+                if cache is not None:
+                    cache[h.sid] = (h, gb, f)
             members[id(f)] = h
             out.append(f)
-        elif h.holders and _container(h.name) != h.name:
-            small.setdefault((_container(h.name), h.device, h.kind), []).append(h)
+        elif h.holders and h.container != h.name:
+            small.setdefault((h.container, h.device, h.kind), []).append(h)
     for group in small.values():
         if len(group) > 1:
             f = _group(group, cell(group), graphs)
@@ -1061,15 +1122,23 @@ def _with_groups(candidates: Sequence[Held], cell: Callable[[Sequence[Held]], in
 
 
 def _mark_shared(out: list[Finding], members: Mapping[int, Held], graphs: Mapping[int, Graph]) -> None:
-    """A graph that several findings keep alive is named under each of them."""
-    nodes = {id(f): graphs[members[id(f)].sid].nodes for f in out
-             if id(f) in members and members[id(f)].sid in graphs}
-    shared = {id(f): tuple(o.name for o in out if o is not f and id(o) in nodes
-                           and not nodes[id(f)].isdisjoint(nodes[id(o)])) for f in out if id(f) in nodes}
+    """A graph whose saved tensors several findings keep alive is named under each of them."""
+    keepers: dict[int, list[int]] = {}  # saved storage -> findings (their index in out) that keep it
     for i, f in enumerate(out):
-        with_ = shared.get(id(f))
-        if with_:
-            out[i] = replace(f, graph_shared_with=with_, hint=hint_for(members[id(f)], f.graph_bytes, shared=with_))
+        h = members.get(id(f))
+        g = graphs.get(h.sid) if h is not None else None
+        if g is not None:
+            for s in g.saved:
+                keepers.setdefault(s, []).append(i)
+    shared: dict[int, dict[int, None]] = {}
+    for idx in keepers.values():
+        if len(idx) > 1:
+            for i in idx:
+                shared.setdefault(i, {}).update(dict.fromkeys(j for j in idx if j != i))
+    for i, others in shared.items():
+        f = out[i]
+        names = tuple(out[j].name for j in others)[:MAX_HOLDERS]
+        out[i] = replace(f, graph_shared_with=names, hint=hint_for(members[id(f)], f.graph_bytes, shared=names))
 
 
 def findings(cur: Scan, prev: Scan | None, cell: int, *, threshold_bytes: int,
@@ -1088,6 +1157,8 @@ def findings(cur: Scan, prev: Scan | None, cell: int, *, threshold_bytes: int,
     lost_by: dict[int, Sequence[str]] = {}
     for sid, h in cur.storages.items():
         before = prev_storages.get(sid)
+        if before is h:
+            continue  # a storage nobody re-walked: the same record, nothing new
         if before is None:
             replaced = [prev_at[x] for x in h.holders if x in prev_at]
             if not any(r.sid not in cur.storages and r.nbytes >= h.nbytes for r in replaced):
@@ -1105,14 +1176,22 @@ def findings(cur: Scan, prev: Scan | None, cell: int, *, threshold_bytes: int,
 def graph_candidates(cur: Scan, prev: Scan | None) -> list[int]:
     """Storages whose graphs a cell's findings may need: new ones, and those whose holders changed."""
     prev_storages = prev.storages if prev is not None else {}
-    return [sid for sid, h in cur.storages.items()
-            if h.holds_graph and (sid not in prev_storages or prev_storages[sid].roots != h.roots)]
+    out = []
+    for sid, h in cur.storages.items():
+        before = prev_storages.get(sid)
+        if h.holds_graph and before is not h and (before is None or before.roots != h.roots):
+            out.append(sid)
+    return out
 
 
-def current(cur: Scan, *, threshold_bytes: int, graphs: Mapping[int, Graph]) -> list[Finding]:
+def current(cur: Scan, *, threshold_bytes: int, graphs: Mapping[int, Graph],
+            cache: dict[int, tuple[Held, int, Finding]] | None = None) -> list[Finding]:
     """Everything held now above the threshold (containers of small tensors as groups), with its cell."""
+    if cache is not None:
+        for sid in [s for s in cache if s not in cur.storages]:
+            del cache[sid]
     return _with_groups(list(cur.storages.values()), lambda hs: min(h.first_cell for h in hs), threshold_bytes,
-                        graphs, {})
+                        graphs, {}, cache)
 
 
 __all__ = ["Graph", "Held", "Root", "Scan", "Scanner", "current", "deletable", "findings", "graph_candidates",

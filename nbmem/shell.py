@@ -28,14 +28,22 @@ class ShellAdapter:
 
     def __init__(self, shell: Any) -> None:
         self.shell = shell
-        self._user_modules: dict[int, tuple[Any, bool]] = {}  # id(module) -> (weak ref, is the user's)
+        self._user_modules: list[tuple[str, Any]] = []  # (name, weak ref) of the modules the user made
+        self._modules_seen = -1  # len(sys.modules) when that list was made
+        self._cache_name: dict[str, bool] = {}  # IPython adds _i<N> for every cell: classify each name once
 
     # -- roots -----------------------------------------------------------------------------------------
+    def _is_cache(self, name: str) -> bool:
+        got = self._cache_name.get(name)
+        if got is None:
+            got = self._cache_name[name] = name[:1] == "_" and is_cache_name(name)
+        return got
+
     def _own(self, name: str, obj: Any) -> bool:
         """IPython's own entries (In, Out, get_ipython, exit, the caches), not the user's variables."""
         hidden = getattr(self.shell, "user_ns_hidden", {})
-        return is_cache_name(name) or (name in hidden and hidden[name] is obj) or (
-            name.startswith("__") and name.endswith("__"))
+        return self._is_cache(name) or (name in hidden and hidden[name] is obj) or (
+            name[:2] == "__" and name[-2:] == "__")
 
     def roots(self) -> Iterator[Root]:
         """Where the holder scan starts, most useful names first: variables, modules, outputs, tracebacks."""
@@ -50,18 +58,19 @@ class ShellAdapter:
         """Modules the notebook made or wrote (a ``types.ModuleType`` put in ``sys.modules``, a local file)."""
         import weakref
 
-        for name, m in list(sys.modules.items()):
-            if not isinstance(name, str) or name in _IPYTHON_MODULE_NAMES or type(m) is not types.ModuleType:
+        if len(sys.modules) != self._modules_seen:  # looked for again only when modules come or go
+            self._modules_seen = len(sys.modules)
+            self._user_modules = [(name, weakref.ref(m)) for name, m in list(sys.modules.items())
+                                  if isinstance(name, str) and name not in _IPYTHON_MODULE_NAMES
+                                  and type(m) is types.ModuleType and reach.is_user_module(m)]
+        for name, ref in self._user_modules:
+            m = ref()
+            if m is None:
                 continue
-            hit = self._user_modules.get(id(m))
-            if hit is None or hit[0]() is not m:
-                hit = (weakref.ref(m), reach.is_user_module(m))
-                self._user_modules[id(m)] = hit
-            if hit[1]:
-                d = reach.module_dict(m) or {}
-                for k, v in list(d.items()):
-                    if type(k) is str and not k.startswith("__") and type(v) is not types.ModuleType:
-                        yield Root(f"{name}.{k}", HolderKind.MODULE, v)
+            d = reach.module_dict(m) or {}
+            for k, v in list(d.items()):
+                if type(k) is str and not k.startswith("__") and type(v) is not types.ModuleType:
+                    yield Root(f"{name}.{k}", HolderKind.MODULE, v)
 
     def output_roots(self) -> Iterator[Root]:
         sh = self.shell
@@ -69,10 +78,13 @@ class ShellAdapter:
         for n, obj in list(getattr(hm, "output_hist", {}).items()):
             yield Root(f"Out[{n}]", HolderKind.OUTPUT, obj)
         hidden = getattr(sh, "user_ns_hidden", {})
-        for space in (sh.user_ns, hidden):
-            for name, obj in list(space.items()):
-                if type(name) is str and is_output_name(name) and name not in ROTATING_OUTPUTS:
-                    yield Root(name, HolderKind.OUTPUT, obj)
+        # IPython binds _<n> beside Out[n] (in both namespaces); only those can exist.
+        for n in list(getattr(hm, "output_hist", {})):
+            for space in (sh.user_ns, hidden):
+                obj = space.get(f"_{n}")
+                if obj is not None:
+                    yield Root(f"_{n}", HolderKind.OUTPUT, obj)
+                    break
         dh = getattr(sh, "displayhook", None)
         for name in ROTATING_OUTPUTS:
             seen: list[Any] = []
@@ -122,7 +134,7 @@ class ShellAdapter:
     def fingerprint(self) -> tuple[int, int, tuple[int, ...]]:
         """Cheap identity of the roots: equal means no name added, deleted or rebound, no output or exception kept."""
         sh = self.shell
-        items = [(k, id(v)) for k, v in sh.user_ns.items() if type(k) is str and not is_cache_name(k)]
+        items = [(k, id(v)) for k, v in list(sh.user_ns.items()) if type(k) is str and not self._is_cache(k)]
         hm = getattr(sh, "history_manager", None)
         kept = (len(getattr(hm, "output_hist", ())),
                 id(getattr(getattr(sh, "last_execution_result", None), "result", None)),
@@ -138,6 +150,15 @@ class ShellAdapter:
         except Exception:  # not Python (yet): the engine's accounting decides what else to walk
             return set()
         return {n.id for n in ast.walk(tree) if isinstance(n, ast.Name)}
+
+    def cell_files(self, number: int) -> frozenset[str]:
+        """The file names IPython compiled cell ``number`` under (its code's frames carry them)."""
+        return frozenset(k for k, v in self.cell_names().items() if v == f"In[{number}]")
+
+    def cell_names(self) -> dict[str, str]:
+        """Every cell's file name, as people know the cell: ``In[3]``."""
+        names = getattr(getattr(self.shell, "compile", None), "_filename_map", {})
+        return {k: f"In[{v}]" for k, v in list(names.items()) if type(k) is str}
 
     # -- what cleanup asks (explicit requests only) ------------------------------------------------------
     def has(self, name: str) -> bool:

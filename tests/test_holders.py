@@ -494,3 +494,22 @@ def test_hidden_types_module_objects_are_walked_when_reached():
     mod.big = torch.empty(MB)
     s = scan({"mod": mod})
     by_holder(s, "mod.big")
+
+
+def test_a_new_gradient_found_under_one_root_is_also_named_under_the_others_that_reach_it():
+    model = torch.nn.Linear(512, 512)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sc = Scanner(lambda: torch)
+    ns = {"model": model, "opt": opt}
+    scan(ns, sc)
+    model(torch.randn(4, 512)).sum().backward()
+    s = sc.update(roots(ns), cell=2, walk="changed", mentioned={"model"}, validate=False)
+    grad = by_holder(s, "model.weight.grad")
+    assert grad.roots == {"model", "opt"} and set(s.walked) == {"model", "opt"}
+
+
+def test_outputs_of_one_model_do_not_share_a_graph_but_a_loss_made_from_them_does():
+    lin = torch.nn.Linear(1024, 1024)
+    outs = [lin(torch.randn(512, 1024)) for _ in range(3)]
+    by = {f.name: f for f in finds({"lin": lin, "outs": outs})}
+    assert all(not by[f"outs[{i}]"].graph_shared_with for i in range(3)), "they meet only at lin's parameters"

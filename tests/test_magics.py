@@ -210,7 +210,7 @@ def test_interval_and_history_changes_take_effect_after_load(ip):
 
 @pytest.mark.parametrize("line,fix", [
     ("status --outputs --cell 3", "%cudamem status does not take --cell, --outputs; it takes no options"),
-    ("on --to-cpu a", "%cudamem on does not take --to-cpu; it takes --no-scan, --reset-peak"),
+    ("on --to-cpu a", "%cudamem on does not take --to-cpu; it takes --lines, --no-scan, --reset-peak"),
     ("leaks --outputs", "%cudamem leaks does not take --outputs; it takes --cell"),
     ("off x", "%cudamem off does not take x"),
     ("gauge --cell 1", "%cudamem gauge does not take --cell"),
