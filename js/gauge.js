@@ -375,6 +375,11 @@ export default {
         line.append(h("span", "", r.device), h("span", "", `Δ ${r.what || ""} ${fmtBytes(r.delta, { signed: true })}`),
           h("span", "", `peak ${peak}`));
         lastCell.append(line);
+        if (r.peak_line) {
+          const at = h("div", "nbmem-meta", `peak at ${r.peak_line}`);
+          at.dataset.role = "peak-line";
+          lastCell.append(at);
+        }
       }
     }
 

@@ -14,6 +14,7 @@ __all__ = [
     "__version__",
     "cleanup",
     "leaks",
+    "lines",
     "load_ipython_extension",
     "plot",
     "report",
@@ -60,6 +61,16 @@ def leaks(cell: int | None = None) -> Any:
     unknown. A cell that was not measured is a LookupError.
     """
     return _session().leaks(_cell_number(cell, "leaks"))
+
+
+def lines(cell: int | None = None) -> Any:
+    """Memory per line of a cell measured with ``%%cudamem --lines`` (the last one, or cell N).
+
+    Columns: cell, device, line, source, delta_allocated_bytes (what the line left allocated, over all
+    its runs), peak_allocated_bytes (while it ran), events, top_frame (the user frame that allocated the
+    largest block live at that peak). A cell without lines is a LookupError.
+    """
+    return _session().lines(_cell_number(cell, "lines"))
 
 
 def cleanup(names: Any = (), outputs: bool = False, traceback: bool = False, collect: bool = True,

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from dataclasses import replace
+
 from .formatting import fmt_bytes
+from .linetrace import Replay
 from .records import Boundary, CellRecord
 
 
@@ -67,4 +71,25 @@ def cell_records(cell: int, before: Boundary, after: Boundary, *, error: str = "
             process_used_after_bytes=g1.process_used_bytes if g1 else None,
             rss_before_bytes=before.rss_bytes, rss_after_bytes=after.rss_bytes,
             peak_rss_bytes=_rss_peak(before, after), error=error))
+    return out
+
+
+def with_trace(records: Sequence[CellRecord], replays: Mapping[str, Replay]) -> list[CellRecord]:
+    """Peaks from the allocator's trace where its counter could not tell, and the line of each peak.
+
+    The counter's peak, when known, is exact by definition and stays; the trace's is used when the
+    replay ended exactly where the allocator did, and otherwise shown as "≈" with the difference.
+    """
+    out = []
+    for r in records:
+        rp = replays.get(r.device)
+        if rp is None:
+            out.append(r)
+            continue
+        if r.peak_allocated_bytes is not None:
+            out.append(replace(r, peak_line=rp.peak_line))
+        elif rp.exact:
+            out.append(replace(r, peak_allocated_bytes=rp.peak_bytes, peak_note="", peak_line=rp.peak_line))
+        else:
+            out.append(replace(r, peak_note=f"≈ {fmt_bytes(rp.peak_bytes)} {rp.note()[2:]}", peak_line=rp.peak_line))
     return out

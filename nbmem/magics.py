@@ -8,11 +8,12 @@ Load it once per kernel::
 Δreserved, the peak allocated inside the cell, Δ of this process's NVML usage, Δ RSS, and which names
 keep the memory it added alive.
 
-    %%cudamem [--reset-peak] [--no-scan] [--quiet]
+    %%cudamem [--lines] [--reset-peak] [--no-scan] [--quiet]
 
 ``%cudamem`` (a line) takes a command; each command accepts only its own options:
 
-    %cudamem on [--reset-peak] [--no-scan]   measure every cell from now on
+    %cudamem on [--lines] [--reset-peak] [--no-scan]
+                                             measure every cell from now on
     %cudamem off                             stop measuring cells (the sampler and gauge keep running)
     %cudamem status                          what nbmem can and cannot see, and why
     %cudamem report                          one row per measured cell (= nbmem.report())
@@ -20,6 +21,7 @@ keep the memory it added alive.
     %cudamem clean NAME ... [--outputs] [--traceback] [--last-report] [--to-cpu NAME]
                    [--no-collect] [--no-empty-cache]
     %cudamem gauge [--inline | --sidebar]    show the live gauge again
+    %cudamem lines [--cell N]                the last --lines cell's lines, or cell N's (= nbmem.lines())
     %cudamem plot                            memory over time with cells shaded (= nbmem.plot())
 
 Cleanup removes exactly what you name, and checks the whole request before it changes anything:
@@ -39,10 +41,17 @@ Cleanup removes exactly what you name, and checks the whole request before it ch
   problem listed, and nothing at all is removed.
 
 Peaks: the allocator keeps one global peak counter per device (pytorch#16266). nbmem never resets
-it on its own, so your own ``torch.cuda.max_memory_allocated()`` keeps its meaning. A cell's peak is
-exact whenever the cell raised that counter; otherwise the report says it stayed below an earlier
-peak. ``--reset-peak`` (or ``%config Nbmem.reset_peak = True``) resets the counter at the start of
-each measured cell: your own peak reading then starts at that cell.
+it, so your own ``torch.cuda.max_memory_allocated()`` keeps its meaning. Instead, while a measured
+cell runs, nbmem records the allocator's own event trace (addresses and sizes, no stacks;
+``Nbmem.trace_entries`` bounds it) and replays it: every measured cell gets its exact peak, also
+below an earlier one. A recording you started yourself (``torch.cuda.memory._record_memory_history``)
+is read, never changed. ``--reset-peak`` still resets the counter for those who want that.
+
+Lines: ``%%cudamem --lines`` also records each allocation's Python stack and reports, per line of
+the cell, what it left allocated (Δ), the peak while it ran and the user frame that allocated the
+largest blocks live then; holders get the line that allocated them, and an out-of-memory error
+names the line that asked and what each line had live. GPU only; it costs a few microseconds per
+allocation while the cell runs.
 
 Options: ``%config Nbmem.<name> = value``, or ``c.Nbmem.<name>`` in ipython_config.py; ``%config Nbmem``
 lists them with their allowed values. A value outside those is refused with one line, and the old
@@ -72,7 +81,7 @@ _ACTIVE: weakref.WeakKeyDictionary[Any, NbmemMagics] = weakref.WeakKeyDictionary
 
 #: Which options each command takes; anything else given is a usage error and nothing runs.
 COMMANDS: dict[str, frozenset[str]] = {
-    "on": frozenset({"reset_peak", "no_scan"}),
+    "on": frozenset({"reset_peak", "no_scan", "lines"}),
     "off": frozenset(),
     "status": frozenset(),
     "report": frozenset(),
@@ -80,9 +89,11 @@ COMMANDS: dict[str, frozenset[str]] = {
     "clean": frozenset({"names", "outputs", "traceback", "last_report", "to_cpu", "no_collect", "no_empty_cache"}),
     "gauge": frozenset({"inline", "sidebar"}),
     "plot": frozenset(),
+    "lines": frozenset({"cell"}),
 }
-CELL_OPTIONS = frozenset({"reset_peak", "no_scan", "quiet"})
+CELL_OPTIONS = frozenset({"reset_peak", "no_scan", "quiet", "lines"})
 _FLAG_NAMES = {"names": "NAME", "reset_peak": "--reset-peak", "no_scan": "--no-scan", "quiet": "--quiet",
+               "lines": "--lines",
                "cell": "--cell", "outputs": "--outputs", "traceback": "--traceback", "last_report": "--last-report",
                "to_cpu": "--to-cpu", "no_collect": "--no-collect", "no_empty_cache": "--no-empty-cache",
                "inline": "--inline", "sidebar": "--sidebar"}
@@ -234,7 +245,11 @@ class NbmemMagics(Magics):
                    "(your own torch.cuda.max_memory_allocated() then counts from there).")
     @argument("--no-scan", action="store_true", help="Cell form and `on`: skip finding which names hold memory.")
     @argument("-q", "--quiet", action="store_true", help="Cell form: record the report without showing it.")
-    @argument("--cell", type=int, default=None, help="With `leaks`: what cell N added.")
+    @argument("--lines", action="store_true",
+              help="Cell form and `on`: record the Python stack of each CUDA allocation and report memory per "
+                   "line of the cell (Δ allocated, peak while the line ran, where its largest blocks came from). "
+                   "Costs a few microseconds per allocation while the cell runs.")
+    @argument("--cell", type=int, default=None, help="With `leaks`: what cell N added; with `lines`: cell N's lines.")
     @argument("--outputs", action="store_true", help="With `clean`: clear the output history (Out, _N, _).")
     @argument("--traceback", action="store_true",
               help="With `clean`: drop the last exception's frames (ends %%debug for it).")
@@ -264,11 +279,13 @@ class NbmemMagics(Magics):
                               --last-report, --to-cpu NAME; then gc.collect() and empty_cache().
                               The whole request is checked first: one bad name, nothing removed.
           gauge               show the live gauge again (--inline or --sidebar)
+          lines [--cell N]    memory per line of the last cell measured with --lines (= nbmem.lines())
           plot                memory over time, measured cells shaded (= nbmem.plot())
 
-        nbmem never resets the allocator's peak counter unless you pass --reset-peak: without it a
-        cell's peak is exact when the cell raised the high-water mark, and reported as "≤ X" otherwise.
-        Options: %config Nbmem (interval, history, threshold, scan, scan_budget, show, reset_peak, gauge).
+        Peaks are exact for every measured cell on a GPU, from the allocator's event trace, without
+        ever resetting your peak counter. --lines adds memory per line of the cell.
+        Options: %config Nbmem (interval, history, threshold, scan, scan_budget, show, reset_peak,
+        lines, trace_entries, gauge).
         """
         try:
             args = parse_argstring(self.cudamem, line)
@@ -310,7 +327,8 @@ class NbmemMagics(Magics):
         if s.in_cell:  # monitoring began this cell before we knew it was ours
             s.end_cell()
         number = sh.execution_count - 1
-        s.begin_cell(number, source=body, reset_peak=args.reset_peak or None, scan=False if args.no_scan else None)
+        s.begin_cell(number, source=body, reset_peak=args.reset_peak or None, scan=False if args.no_scan else None,
+                     lines=args.lines or None)
         outer = getattr(sh.displayhook, "exec_result", None)  # this cell's result, which IPython fills in
         self._nested = True
         result = None
@@ -342,6 +360,8 @@ class NbmemMagics(Magics):
             self._set("reset_peak", True)
         if args.no_scan:
             self._set("scan", False)
+        if args.lines:
+            self._set("lines", True)
         s.monitoring = True
         if s.settings.scan:
             s.take_baseline()
@@ -367,6 +387,12 @@ class NbmemMagics(Magics):
             return self.session.leaks_table(args.cell)
         except LookupError as e:
             raise UsageError(f"%cudamem leaks: {e}") from None
+
+    def _cmd_lines(self, args: Any) -> Any:
+        try:
+            return self.session.lines_table(args.cell)
+        except LookupError as e:
+            raise UsageError(f"%cudamem lines: {e}") from None
 
     def _cmd_plot(self, args: Any) -> Any:
         from .plotting import plot

@@ -88,9 +88,10 @@ class Settings:
                               "Not needed for exact peaks on a GPU: nbmem reads the allocator's event trace.")
     lines: bool = option("lines", False, "Record Python stacks of CUDA allocations in monitored cells, for the "
                          "per-line table (%%cudamem --lines does this for one cell). Costs time per allocation.")
-    trace_entries: int = option("trace_entries", 100_000, "Most allocator events kept while a monitored cell runs "
-                                "(bounds the trace's memory; a cell with more events gets its peak from the "
-                                "allocator's counter when it can).", low=1_000, high=10_000_000)
+    trace_entries: int = option("trace_entries", 100_000, "Most CUDA allocator events recorded while a monitored "
+                                "cell runs, for its exact peak and its lines (bounds the trace's memory; a cell with "
+                                "more events gets its peak from the allocator's counter when it can). 0 records none.",
+                                low=0, high=10_000_000)
     gauge: str = option("gauge", "auto", "Where %load_ext shows the live gauge: 'auto' is JupyterLab's right "
                         "sidebar, inline in VS Code and Colab, none in a terminal.",
                         choices=("auto", "sidebar", "inline", "none"))

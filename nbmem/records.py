@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -376,6 +376,36 @@ def line_cells(r: LineRecord, peak_line: int | None) -> list[str]:
     mark = " ◀ peak" if r.line == peak_line else ""
     return [str(r.line), r.source.strip()[:80], fmt_bytes(r.delta_allocated_bytes, signed=True),
             fmt_bytes(r.peak_allocated_bytes) + mark, r.top_frame]
+
+
+@dataclass(frozen=True)
+class Lines:
+    """``%cudamem lines``: a cell's lines (the DataFrame is ``nbmem.lines()``)."""
+
+    cell: int
+    records: tuple[LineRecord, ...]
+    peak_lines: Mapping[str, int | None]
+
+    def _tables(self) -> list[tuple[str, list[list[str]]]]:
+        devs = dict.fromkeys(r.device for r in self.records)
+        return [(d, [line_cells(r, self.peak_lines.get(d)) for r in self.records if r.device == d]) for d in devs]
+
+    def __str__(self) -> str:
+        parts = [f"nbmem [{self.cell}] lines"]
+        for dev, rows in self._tables():
+            parts += [f"{dev}:", text_table(LINE_TABLE, rows)]
+        return "\n".join(parts)
+
+    def __repr__(self) -> str:
+        return str(self)
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(str(self))
+
+    def _repr_html_(self) -> str:
+        return ("<div class='nbmem-report'>" + "".join(
+            html_table(LINE_TABLE, rows, caption=f"nbmem [{self.cell}] lines ({dev})") for dev, rows in self._tables())
+            + "</div>")
 
 
 @dataclass(frozen=True)

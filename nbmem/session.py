@@ -19,10 +19,11 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from . import holders
-from .cells import cell_records
+from .cells import cell_records, with_trace
 from .cleaner import Cleaner, CleanupRequest
 from .formatting import fmt_bytes
 from .holders import Scan, Scanner
+from .linetrace import Replay, line_of_exception, replay
 from .options import Settings
 from .records import (
     CELL_COLUMNS,
@@ -36,12 +37,14 @@ from .records import (
     GpuDevice,
     Holders,
     Leaks,
+    LineRecord,
+    Lines,
     Sample,
     Status,
     Tick,
 )
 from .sampler import Sampler
-from .sources import Probe, heap_bytes
+from .sources import Probe, Trace, heap_bytes
 from .store import Store, records_frame, ticks_for
 
 OOM_ADVICE = (
@@ -72,6 +75,9 @@ class _Open:
     mentioned: frozenset[str]
     gen_collections: int
     heap_bytes: int | None
+    trace: Trace | None
+    lines: bool
+    source: str
 
 
 class Session:
@@ -96,6 +102,9 @@ class Session:
         self._scan_mark: tuple[Any, ...] | None = None
         self._gaps: dict[str, int] = {}  # allocated bytes no name reached, per device, after the last scan
         self._findings: dict[int, tuple[Finding, ...]] = {}
+        self._lines: dict[int, tuple[LineRecord, ...]] = {}
+        self._totals_cache: tuple[Scan, dict[str, int]] | None = None
+        self._finding_cache: dict[int, Any] = {}
         self._finding_cells: deque[int] = deque()
         self._current: tuple[Finding, ...] = ()
         self.last_report: CellReport | None = None
@@ -225,9 +234,10 @@ class Session:
 
     # -- cells -----------------------------------------------------------------------------------------
     def begin_cell(self, cell: int, *, source: str = "", reset_peak: bool | None = None,
-                   scan: bool | None = None) -> None:
+                   scan: bool | None = None, lines: bool | None = None) -> None:
         reset = self.settings.reset_peak if reset_peak is None else reset_peak
         do_scan = self.settings.scan if scan is None else scan
+        want_lines = self.settings.lines if lines is None else lines
         if do_scan and (self._last_scan is None or not self.monitoring):
             # With monitoring on, the previous cell's closing scan is this cell's baseline.
             self._rescan(cell=0, walk="all")
@@ -235,8 +245,14 @@ class Session:
             for i in range(self.probe.torch.device_count()):
                 self.probe.torch.reset_peak(i)
         mentioned = frozenset(self.adapter.mentioned(source)) if do_scan and source else frozenset()
-        self._open = _Open(cell, self.probe.boundary(), reset, do_scan, self._last_scan, mentioned,
-                           _collections(), heap_bytes() if heap_bytes else None)
+        before = self.probe.boundary()
+        trace = None
+        try:  # after the boundary: the trace's events start from its allocated bytes
+            trace = self.probe.torch.start_trace(stacks=want_lines, max_entries=self.settings.trace_entries)
+        except Exception as e:
+            self.fault("the allocator trace", e)
+        self._open = _Open(cell, before, reset, do_scan, self._last_scan, mentioned, _collections(),
+                           heap_bytes() if heap_bytes else None, trace, want_lines, source)
 
     @property
     def in_cell(self) -> bool:
@@ -248,34 +264,45 @@ class Session:
             return None
         after = self.probe.boundary()
         err = type(error).__name__ if error is not None else ""
+        oom = err == "OutOfMemoryError" or "out of memory" in f"{error}".lower()
         records = cell_records(o.cell, o.before, after, error=err, was_reset=o.reset)
+        replays = self._finish_trace(o, after, records, oom)
+        records = with_trace(records, replays)
         found: tuple[Finding, ...] = ()
         unattributed: list[tuple[str, int]] = []
         notes: list[str] = []
+        line_records: tuple[LineRecord, ...] = ()
+        if o.lines:
+            line_records = tuple(r for rp in replays.values() for r in rp.lines)
+            self._lines[o.cell] = line_records
+            if not any(r.device.startswith("cuda") for r in records):
+                notes.append("per-line figures need a CUDA device: this cell ran on the CPU only")
+            elif not replays:
+                why = self.probe.torch.trace_unsupported() or "Nbmem.trace_entries is 0"
+                notes.append(f"no per-line figures for this cell: {why}")
+        changed = False
         if o.scan:
             cur = self._scan_after_cell(o, after)
             prev = o.baseline
-            graph_totals = self.scanner.graph_totals(cur.storages)
-            # The CPU has no allocator counters: its "allocated" is the live CPU tensor storages the scan found.
-            records = [replace(r, allocated_before_bytes=_tensor_bytes(prev, self.scanner, "cpu"),
-                               allocated_after_bytes=cur.totals.get("cpu", 0) + graph_totals.get("cpu", 0))
-                       if r.device == "cpu" else r for r in records]
-            graphs = self.scanner.graphs(holders.graph_candidates(cur, prev), exclude=cur.storages,
-                                         budget_s=self.settings.scan_budget_s)
-            found = tuple(holders.findings(cur, prev, o.cell, threshold_bytes=self.settings.threshold_bytes,
-                                           graphs=graphs))
+            changed = cur is not prev  # the same scan object: nothing could have changed, nothing to redo
+            if changed:
+                graphs = self.scanner.graphs(holders.graph_candidates(cur, prev), exclude=cur.storages,
+                                             budget_s=self.settings.scan_budget_s)
+                found = tuple(holders.findings(cur, prev, o.cell, threshold_bytes=self.settings.threshold_bytes,
+                                               graphs=graphs))
+                found = _with_lines(found, cur, replays)
+                self._current = self._current_findings(cur)
             self._remember(o.cell, found)
-            graph_totals = self.scanner.graph_totals(cur.storages)
-            unattributed = self._unattributed(records, cur, graph_totals)
+            # The CPU has no allocator counters: its "allocated" is the live CPU tensor storages the scan found.
+            records = [replace(r, allocated_before_bytes=self._tensor_bytes(prev).get("cpu", 0) if prev else None,
+                               allocated_after_bytes=self._tensor_bytes(cur).get("cpu", 0))
+                       if r.device == "cpu" else r for r in records]
+            unattributed = self._unattributed(records, cur)
             if cur.truncated:
                 notes.append(f"the holder scan stopped at Nbmem.scan_budget ({self.settings.scan_budget_s:g} s) "
                              f"before finishing {', '.join(cur.unfinished[:5])}"
                              f"{' and others' if len(cur.unfinished) > 5 else ''}: findings may be incomplete; "
                              f"nbmem.leaks() scans everything")
-            self._current = tuple(holders.current(cur, threshold_bytes=self.settings.threshold_bytes,
-                                                  graphs=self.scanner.graphs(
-                                                      [s for s, h in cur.storages.items() if h.holds_graph],
-                                                      exclude=cur.storages, budget_s=self.settings.scan_budget_s)))
         for r in records:
             self.store.add_cell(r)
         text = f"{err}: {error}".lower()
@@ -283,13 +310,13 @@ class Session:
         if any(s in text for s in _CUDA_BROKEN):
             self.cuda_broken = True
             advice = (RESTART_ADVICE,)
-        elif err == "OutOfMemoryError" or "out of memory" in text:
-            advice = self._oom_advice(records)
+        elif oom and error is not None:
+            advice = self._oom_advice(records, error, o, replays)
         report = CellReport(o.cell, records[0].duration_s, tuple(records), found, tuple(unattributed), err, advice,
-                            notes=tuple(notes))
+                            lines=line_records, notes=tuple(notes))
         self.last_report = report
         self._publish(report)
-        if o.scan:
+        if changed:
             self._publish(Holders(self._current))
         return report
 
@@ -300,13 +327,16 @@ class Session:
             return self._last_scan
         budget = self.settings.scan_budget_s
         t0 = time.perf_counter()
-        moved = self._scan_mark is None or mark[0] != self._scan_mark[0] or mark[1] != self._scan_mark[1]
-        cur = self._rescan(cell=o.cell, walk="changed", mentioned=o.mentioned, budget_s=budget, validate=moved,
+        cur = self._rescan(cell=o.cell, walk="changed", mentioned=o.mentioned, budget_s=budget, validate=False,
                            mark=mark)
         prev = o.baseline
-        left = budget - (time.perf_counter() - t0)
-        if left > 0 and not cur.truncated and self._unexplained(o, after, prev, cur):
-            cur = self._rescan(cell=o.cell, walk="rest", budget_s=left, mark=mark)
+        # Then, only while memory grew more than what was found: cached roots whose tensors changed
+        # (a gradient, a swapped storage), and at last every other root.
+        for walk in ("invalid", "rest"):
+            left = budget - (time.perf_counter() - t0)
+            if left <= 0 or cur.truncated or not self._unexplained(o, after, prev, cur):
+                break
+            cur = self._rescan(cell=o.cell, walk=walk, budget_s=left, mark=mark)
         return cur
 
     def _unexplained(self, o: _Open, after: Boundary, prev: Scan | None, cur: Scan) -> bool:
@@ -337,9 +367,10 @@ class Session:
             return True
         return self.scanner.young_unlocated(cur).get("cpu", 0) >= t
 
-    def _unattributed(self, records: Sequence[CellRecord], cur: Scan, graph: dict[str, int]) -> list[tuple[str, int]]:
+    def _unattributed(self, records: Sequence[CellRecord], cur: Scan) -> list[tuple[str, int]]:
         """Allocated bytes no name reaches (cuBLAS workspaces, C++-held buffers), when this cell made them grow."""
         out = []
+        graph = self.scanner.graph_totals(cur.storages) if any(r.device != "cpu" for r in records) else {}
         for r in records:
             if r.device == "cpu" or r.allocated_after_bytes is None:
                 continue
@@ -349,15 +380,62 @@ class Session:
             self._gaps[r.device] = gap
         return out
 
-    def _oom_advice(self, records: Sequence[CellRecord]) -> tuple[str, ...]:
-        lines = []
+    def _finish_trace(self, o: _Open, after: Boundary, records: Sequence[CellRecord],
+                      oom: bool) -> dict[str, Replay]:
+        """Read the cell's allocator events when something needs them, and stop a recording nbmem started.
+
+        Needed for a peak the allocator's counter could not give, for --lines, and after an OOM.
+        """
+        tr = o.trace
+        if tr is None:
+            return {}
+        need = o.lines or oom or any(r.device.startswith("cuda") and r.peak_allocated_bytes is None
+                                     for r in records)
+        try:
+            traces = self.probe.torch.finish_trace(tr, read=need)
+        except Exception as e:
+            self.fault("the allocator trace", e)
+            return {}
+        out: dict[str, Replay] = {}
+        files = self.adapter.cell_files(o.cell)
+        names = self.adapter.cell_names()
+        sources = dict(enumerate(o.source.splitlines(), start=1))
+        for i, entries in enumerate(traces or ()):
+            dev = f"cuda:{i}"
+            a0, a1 = o.before.allocator.get(dev), after.allocator.get(dev)
+            if a1 is None or not entries:
+                continue
+            rp = replay(entries, device=dev, cell=o.cell, start_allocated=a0.allocated_bytes if a0 else 0,
+                              end_allocated=a1.allocated_bytes, cell_files=files,
+                              since_us=tr.since_us if tr.owner == "user" else None, sources=sources, names=names)
+            if tr.owner == "nbmem" and len(entries) >= tr.max_entries:
+                rp = replace(rp, exact=False)  # the ring was full: its oldest events are gone
+            out[dev] = rp
+        return out
+
+    def _oom_advice(self, records: Sequence[CellRecord], error: BaseException, o: _Open,
+                    replays: dict[str, Replay]) -> tuple[str, ...]:
+        out = []
+        line, stack = line_of_exception(error, self.adapter.cell_files(o.cell))
+        user = next((f for f in stack if "site-packages" not in f and "/torch/" not in f), "")
+        where = f"line {line}: {o.source.splitlines()[line - 1].strip()}" if line and line <= len(
+            o.source.splitlines()) else "this cell"
+        out.append(f"the allocation that failed was asked for by {where}" + (f" (in {user})" if user and
+                                                                               not user.startswith("<") else ""))
+        for dev, rp in replays.items():
+            if rp.oom is not None and any(ln is not None for ln, _b in rp.oom.live_by_line):
+                live = ", ".join(f"{'before this cell' if ln is None else f'line {ln}'}: {fmt_bytes(b)}"
+                                 for ln, b in rp.oom.live_by_line[:4])
+                out.append(f"{dev}: live when it failed, by the line that allocated it: {live}")
+        if not o.lines:
+            out.append("%%cudamem --lines on this cell shows which line allocated what was live")
         for r in records:
             if r.reserved_after_bytes is not None and r.allocated_after_bytes is not None:
                 cached = r.reserved_after_bytes - r.allocated_after_bytes
-                lines.append(f"{r.device}: allocated {fmt_bytes(r.allocated_after_bytes)}, reserved "
+                out.append(f"{r.device}: allocated {fmt_bytes(r.allocated_after_bytes)}, reserved "
                              f"{fmt_bytes(r.reserved_after_bytes)} ({fmt_bytes(cached)} cached but free: "
                              f"fragmentation if large)")
-        return (*lines, *OOM_ADVICE)
+        return (*out, *OOM_ADVICE)
 
     def should_show(self, report: CellReport) -> bool:
         if self.settings.show == "never":
@@ -403,19 +481,59 @@ class Session:
         self._rescan(cell=0, walk="all")
         self._refresh_current()
 
+    def _current_findings(self, cur: Scan) -> tuple[Finding, ...]:
+        graphs = self.scanner.graphs([s for s, h in cur.storages.items() if h.holds_graph], exclude=cur.storages,
+                                     budget_s=self.settings.scan_budget_s)
+        return tuple(holders.current(cur, threshold_bytes=self.settings.threshold_bytes, graphs=graphs,
+                                     cache=self._finding_cache))
+
     def _refresh_current(self) -> None:
         cur = self._last_scan
         if cur is None:
             return
-        graphs = self.scanner.graphs([s for s, h in cur.storages.items() if h.holds_graph], exclude=cur.storages)
-        self._current = tuple(holders.current(cur, threshold_bytes=self.settings.threshold_bytes, graphs=graphs))
+        self._current = self._current_findings(cur)
         self._publish(Holders(self._current))
+
+    def _tensor_bytes(self, scan: Scan) -> dict[str, int]:
+        """Bytes per device of the storages a scan found, and of the walked graphs they keep (once per scan)."""
+        hit = self._totals_cache
+        if hit is not None and hit[0] is scan:
+            return hit[1]
+        out = dict(scan.totals)
+        for dev, n in self.scanner.graph_totals(scan.storages).items():
+            out[dev] = out.get(dev, 0) + n
+        self._totals_cache = (scan, out)
+        return out
 
     def _remember(self, cell: int, found: tuple[Finding, ...]) -> None:
         self._findings[cell] = found
         self._finding_cells.append(cell)
         while len(self._finding_cells) > CELLS_KEPT:
-            self._findings.pop(self._finding_cells.popleft(), None)
+            old = self._finding_cells.popleft()
+            self._findings.pop(old, None)
+            self._lines.pop(old, None)
+
+    def line_list(self, cell: int | None = None) -> tuple[int, tuple[LineRecord, ...]]:
+        """A cell's per-line records: cell N, or (None) the last cell measured with lines."""
+        if cell is None:
+            if not self._lines:
+                raise LookupError("no cell was measured with lines yet: put `%%cudamem --lines` on a cell, or "
+                                  "`%config Nbmem.lines = True` with `%cudamem on`")
+            cell = max(self._lines)
+        if cell not in self._lines:
+            raise LookupError(f"cell {cell} was not measured with lines (with lines: "
+                              f"{_spans(sorted(self._lines)) or 'none'})")
+        return cell, self._lines[cell]
+
+    def lines(self, cell: int | None = None) -> Any:
+        from .records import LINE_COLUMNS
+
+        return records_frame(self.line_list(cell)[1], columns=LINE_COLUMNS)
+
+    def lines_table(self, cell: int | None = None) -> Lines:
+        n, recs = self.line_list(cell)
+        peaks = {r.device: r.peak_line for r in self.store.cell_list() if r.cell == n}
+        return Lines(n, recs, peaks)
 
     def measured_cells(self) -> list[int]:
         return sorted({r.cell for r in self.store.cell_list()})
@@ -446,13 +564,7 @@ class Session:
 
     def tensor_totals(self) -> dict[str, int] | None:
         """Bytes of live tensor storages per device, as the latest scan found them; None before a scan."""
-        s = self._last_scan
-        if s is None:
-            return None
-        out = dict(s.totals)
-        for dev, n in self.scanner.graph_totals(s.storages).items():
-            out[dev] = out.get(dev, 0) + n
-        return out
+        return None if self._last_scan is None else dict(self._tensor_bytes(self._last_scan))
 
     # -- cleanup: the one door ------------------------------------------------------------------------
     def _measure(self) -> dict[str, tuple[int | None, int | None]]:
@@ -514,16 +626,23 @@ class Session:
         return self.store.cell_list()
 
 
+def _with_lines(found: tuple[Finding, ...], cur: Scan, replays: dict[str, Replay]) -> tuple[Finding, ...]:
+    """Each holder on a GPU with the cell line that allocated its storage, where the trace had stacks."""
+    if not replays:
+        return found
+    by_id = {f"{h.device}:{h.sid}": h for h in cur.storages.values()}
+    out = []
+    for f in found:
+        h, rp = by_id.get(f.id), replays.get(f.device)
+        line = rp.alloc_line.get(h.addr) if h is not None and rp is not None else None
+        out.append(replace(f, line=line) if line is not None else f)
+    return tuple(out)
+
+
 def _collections() -> int:
     """Collections of the older generations so far: when they ran, new objects left the young ones."""
     stats = gc.get_stats()
     return sum(s.get("collections", 0) for s in stats[1:])
-
-
-def _tensor_bytes(scan: Scan | None, scanner: Scanner, device: str) -> int | None:
-    if scan is None:
-        return None
-    return scan.totals.get(device, 0) + scanner.graph_totals(scan.storages).get(device, 0)
 
 
 def _spans(cells: list[int]) -> str:

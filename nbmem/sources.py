@@ -283,12 +283,69 @@ class TorchSource:
             peak_reserved_bytes=stat("reserved_bytes", "peak"),
         )
 
+    # -- the allocator's event trace (per-cell peaks and lines) ------------------------------------
+    def trace_unsupported(self) -> str | None:
+        """Why this torch cannot record the allocator's events for a cell, or None when it can."""
+        if not self.cuda_initialized():
+            return "CUDA is not initialised"
+        t = self.torch()
+        assert t is not None
+        mem = getattr(t.cuda, "memory", None)
+        if not all(hasattr(mem, f) for f in ("_record_memory_history", "_snapshot")) or not hasattr(
+                t._C, "_cuda_isHistoryEnabled"):
+            return f"torch {t.__version__} has no allocator history"
+        try:
+            if t.cuda.get_allocator_backend() != "native":
+                return "the cudaMallocAsync allocator keeps no history"
+        except Exception:
+            pass
+        return None
+
+    def start_trace(self, *, stacks: bool, max_entries: int) -> Trace | None:
+        """Record the allocator's events from now on (never when CUDA is not up). A recording the user
+        started is left exactly as it is: it is only read."""
+        if max_entries <= 0 or self.trace_unsupported():
+            return None
+        t = self.torch()
+        assert t is not None
+        since = time.time_ns() // 1000
+        if t._C._cuda_isHistoryEnabled():
+            return Trace("user", since, stacks, max_entries)
+        kw: dict[str, Any] = {"context": "all" if stacks else None, "stacks": "python", "max_entries": max_entries,
+                              "clear_history": True, "skip_actions": ["snapshot"]}
+        try:
+            t.cuda.memory._record_memory_history("all", **kw)
+        except TypeError:  # an older torch without skip_actions
+            kw.pop("skip_actions")
+            t.cuda.memory._record_memory_history("all", **kw)
+        return Trace("nbmem", since, stacks, max_entries)
+
+    def finish_trace(self, trace: Trace, *, read: bool) -> list[list[dict[str, Any]]] | None:
+        """The events per device (when ``read``); a recording nbmem started is stopped (which clears it)."""
+        t = self.torch()
+        assert t is not None
+        try:
+            return list(t.cuda.memory._snapshot().get("device_traces", [])) if read else None
+        finally:
+            if trace.owner == "nbmem":
+                t.cuda.memory._record_memory_history(None)
+
     def reset_peak(self, index: int) -> None:
         """Reset the allocator's peak counter: only ever on an explicit ``--reset-peak``."""
         if self.cuda_initialized():
             t = self.torch()
             assert t is not None
             t.cuda.reset_peak_memory_stats(index)
+
+
+@dataclass(frozen=True)
+class Trace:
+    """An allocator recording around one cell: who started it, since when, with stacks or not."""
+
+    owner: str  # "nbmem": started for this cell and stopped after it; "user": yours, only read
+    since_us: int  # wall clock, as the trace's time_us
+    stacks: bool
+    max_entries: int
 
 
 @dataclass

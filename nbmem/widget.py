@@ -149,13 +149,22 @@ def last_cell_row(report: CellReport) -> dict[str, Any]:
     for r in report.records:
         if r.device != "cpu":
             rows.append({"device": r.device, "what": "allocated", "delta": r.delta_allocated_bytes,
-                         "peak": r.peak_allocated_bytes, "peak_note": r.peak_note})
+                         "peak": r.peak_allocated_bytes, "peak_note": r.peak_note,
+                         "peak_line": _line_text(report, r.peak_line)})
             continue
         tensors = r.delta_allocated_bytes is not None
         rows.append({"device": "cpu", "what": "CPU tensors" if tensors else "RSS",
                      "delta": r.delta_allocated_bytes if tensors else r.delta_rss_bytes,
                      "peak": r.peak_rss_bytes, "peak_note": "≤ session peak RSS"})
     return {"cell": report.cell, "duration_s": report.duration_s, "error": report.error, "rows": rows}
+
+
+def _line_text(report: CellReport, line: int | None) -> str:
+    """"line 3: loss = model(x)" where the trace knew the peak's line."""
+    if line is None:
+        return ""
+    src = next((r.source.strip() for r in report.lines if r.line == line), "")
+    return f"line {line}: {src}" if src else f"line {line}"
 
 
 def can_move_to_cpu(f: Finding) -> bool:

@@ -522,7 +522,7 @@ def test_a_cell_report_on_a_gpu_shows_allocated_and_its_peak() -> None:
                      None, None, None, None, None, "")
     row = widget.last_cell_row(CellReport(3, 1.0, (rec,)))["rows"][0]
     assert row == {"device": "cuda:0", "what": "allocated", "delta": GiB, "peak": None,
-                   "peak_note": "≤ 4.00 GiB (below an earlier peak)"}
+                   "peak_note": "≤ 4.00 GiB (below an earlier peak)", "peak_line": ""}
 
 
 def test_the_del_button_says_which_variables_it_deletes(ip: Any, gauge: Gauge) -> None:

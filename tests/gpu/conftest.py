@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import _nvml_gpus
+from tests.conftest import _nvml_gpus, ok
 
 GPUS = _nvml_gpus()
 
@@ -16,3 +16,10 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.gpu)
             if GPUS == 0:
                 item.add_marker(skip)
+
+
+@pytest.fixture
+def gpu(ip):
+    """The monitored shell, with CUDA started (by the test, never by nbmem)."""
+    ok(ip, "import torch\ntorch.cuda.init()\ntorch.cuda.synchronize()")
+    return ip

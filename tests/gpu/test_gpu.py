@@ -9,7 +9,6 @@ import sys
 import textwrap
 import time
 
-import pandas as pd
 import pytest
 
 from tests.conftest import last_cell, ok, run
@@ -62,12 +61,6 @@ def row_of(cell: int, device: str = "cuda:0"):
     return rep.iloc[0]
 
 
-@pytest.fixture
-def gpu(ip):
-    ok(ip, "import torch\ntorch.cuda.init()\ntorch.cuda.synchronize()")
-    return ip
-
-
 def test_sampler_picks_up_the_allocator_once_cuda_starts(gpu):
     import nbmem
 
@@ -89,18 +82,16 @@ def test_a_freed_1gib_temporary_peaks_and_leaves_nothing(gpu):
     assert row["delta_allocated_bytes"] == 0
 
 
-def test_a_smaller_spike_below_an_earlier_peak(gpu):
-
+def test_a_smaller_spike_below_an_earlier_peak_is_exact_without_touching_the_counter(gpu):
     ok(gpu, "%%cudamem\nt = torch.empty(2**30, dtype=torch.uint8, device='cuda')\ndel t")
+    before = gpu.user_ns["torch"].cuda.max_memory_allocated()
     ok(gpu, "%%cudamem\nt = torch.empty(2**28, dtype=torch.uint8, device='cuda')\ndel t")
     row = row_of(last_cell(gpu))
-    assert pd.isna(row["peak_allocated_bytes"])  # not exact, and said so
-    assert "below an earlier peak" in row["peak_note"]
-    before = gpu.user_ns["torch"].cuda.max_memory_allocated()
+    assert row["peak_allocated_bytes"] == row["allocated_before_bytes"] + 2**28, row.to_dict()
+    assert gpu.user_ns["torch"].cuda.max_memory_allocated() == before >= GiB, "the user's counter is untouched"
     ok(gpu, "%%cudamem --reset-peak\nt = torch.empty(2**28, dtype=torch.uint8, device='cuda')\ndel t")
     row = row_of(last_cell(gpu))
     assert row["peak_allocated_bytes"] == row["allocated_before_bytes"] + 2**28
-    assert before >= GiB  # nbmem did not touch the counter until asked
 
 
 def test_a_kept_256mib_tensor_is_exactly_256mib(gpu):

@@ -1,0 +1,205 @@
+"""Which line: a cell's allocations and frees, replayed from the CUDA caching allocator's event trace.
+
+Pure analysis over the entries of ``torch.cuda.memory._snapshot()["device_traces"][i]`` (dicts with
+``action``, ``addr``, ``size``, ``time_us`` and, when stacks were recorded, ``frames``), recorded only
+while one cell ran. Replaying them from the allocated bytes at the cell's start gives the cell's exact
+peak without the allocator's global peak counter, and, with stacks, the line of the cell each event
+came from: what each line left allocated, its peak, and the user frame that allocated the largest
+blocks live at that peak.
+
+Trace sizes are the bytes asked for; ``memory_allocated()`` counts blocks. ``block_bytes`` rounds as
+the allocator does by default (512-byte blocks); the replay is called exact only when it ends where
+the allocator's own counter does, so a block the allocator did not split (or a rounding setting this
+module does not model) shows as "≈" with the difference, never as a wrong exact number.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .records import LineRecord
+
+BLOCK = 512
+_LIBRARY_PARTS = ("site-packages", "dist-packages", "/torch/", "/lib/python", "<frozen ")
+
+
+def block_bytes(size: int) -> int:
+    """The allocator's block for a request of ``size`` bytes (default settings: 512-byte granularity)."""
+    return BLOCK if size < BLOCK else -(-size // BLOCK) * BLOCK
+
+
+@dataclass(frozen=True, slots=True)
+class Oom:
+    """A CUDA out-of-memory inside the cell: where, and what was live then, by line."""
+
+    line: int | None
+    requested_bytes: int
+    device_free_bytes: int | None
+    stack: tuple[str, ...]  # innermost first, "file:line in function"
+    live_by_line: tuple[tuple[int | None, int], ...]  # (cell line, live bytes), largest first
+
+
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """One device's events of one cell, replayed."""
+
+    device: str
+    peak_bytes: int
+    exact: bool
+    difference_bytes: int  # where the replay ended minus the allocator's counter (0 when exact)
+    events: int
+    peak_line: int | None
+    lines: tuple[LineRecord, ...]
+    alloc_line: Mapping[int, int]  # address -> the cell line that last allocated there
+    oom: Oom | None
+
+    def note(self) -> str:
+        if self.exact:
+            return ""
+        return f"≈ from the allocator's trace ({self.difference_bytes:+,} bytes unaccounted)"
+
+
+def _frame_text(f: Mapping[str, Any], names: Mapping[str, str] | None = None) -> str:
+    file = str(f.get("filename", "?"))
+    return f"{(names or {}).get(file, file)}:{f.get('line', '?')} in {f.get('name', '?')}"
+
+
+def _is_user(f: Mapping[str, Any]) -> bool:
+    """Python code of the user's: a cell (``<ipython-input-…>``, ``/tmp/ipykernel_…/….py``) or a file outside
+    the libraries; never a C++ frame (``??``, ``.cpp``) of a recording with C++ stacks."""
+    name = str(f.get("filename", ""))
+    python = name.endswith(".py") or name.startswith("<ipython-input")
+    return python and not any(p in name for p in _LIBRARY_PARTS)
+
+
+def cell_line(frames: Sequence[Mapping[str, Any]], cell_files: frozenset[str]) -> int | None:
+    """The line of the cell's own code in a stack (innermost first).
+
+    The innermost module-level frame of the cell: a ``%%cudamem`` cell's outer frame (the magic call,
+    line 1) is compiled under the same cell number, further out.
+    """
+    for f in frames:
+        if f.get("filename") in cell_files and f.get("name") == "<module>":
+            return int(f.get("line", 0)) or None
+    return None
+
+
+def deepest_user_frame(frames: Sequence[Mapping[str, Any]], cell_files: frozenset[str] = frozenset(),
+                       names: Mapping[str, str] | None = None) -> str:
+    """The innermost frame of the user's own code, unless it is the cell's line itself (shown anyway)."""
+    for f in frames:
+        if _is_user(f):
+            if f.get("filename") in cell_files and f.get("name") == "<module>":
+                return ""
+            return _frame_text(f, names)
+    return ""
+
+
+@dataclass
+class _Line:
+    delta: int = 0
+    peak: int = 0
+    events: int = 0
+    top_frame: str = ""
+    top_block: int = 0
+
+
+def replay(entries: Iterable[Mapping[str, Any]], *, device: str, cell: int, start_allocated: int,
+           end_allocated: int, cell_files: frozenset[str] = frozenset(), since_us: int | None = None,
+           sources: Mapping[int, str] | None = None, names: Mapping[str, str] | None = None) -> Replay:
+    """Replay one device's trace entries of one cell from its allocated bytes at the start.
+
+    ``since_us`` drops entries older than the cell (a trace the user was recording anyway). Events
+    without a cell frame (autograd's backward threads, other threads) belong to the line that ran last.
+    ``names`` shows cells' file names as people know them (``In[3]``).
+    """
+    level = start_allocated
+    peak = level
+    peak_line: int | None = None
+    live: dict[int, tuple[int, int | None, str]] = {}  # addr -> (block bytes, line, deepest user frame)
+    heaps: dict[int | None, list[tuple[int, int]]] = {}  # line -> max-heap of (-bytes, addr) allocated there
+    per: dict[int | None, _Line] = {}
+    alloc_line: dict[int, int] = {}
+    current: int | None = None
+    n = 0
+    oom: Oom | None = None
+    for e in entries:
+        if since_us is not None and int(e.get("time_us", since_us)) < since_us:
+            continue
+        action = e.get("action")
+        frames = e.get("frames") or ()
+        if frames:
+            current = cell_line(frames, cell_files) or current
+        stat = per.setdefault(current, _Line())
+        if action == "alloc":
+            b = block_bytes(int(e.get("size", 0)))
+            addr = int(e.get("addr", 0))
+            level += b
+            live[addr] = (b, current, deepest_user_frame(frames, cell_files, names))
+            heapq.heappush(heaps.setdefault(current, []), (-b, addr))
+            if current is not None:
+                alloc_line[addr] = current
+            stat.delta += b
+        elif action == "free_requested":
+            addr = int(e.get("addr", 0))
+            b = live.pop(addr, (block_bytes(int(e.get("size", 0))), None, ""))[0]
+            level -= b
+            stat.delta -= b
+        elif action == "oom":
+            oom = _oom(e, frames, cell_files, live, level, names)
+            continue
+        else:  # segment and completion events change reserved memory, not allocated
+            continue
+        n += 1
+        stat.events += 1
+        if level > stat.peak:
+            stat.peak = level
+            top = _largest_live(heaps.get(current, []), live, current)
+            if top is not None:
+                stat.top_block, stat.top_frame = top
+        if level > peak:
+            peak, peak_line = level, current
+    diff = level - end_allocated
+    lines = tuple(LineRecord(cell, device, ln, (sources or {}).get(ln, ""), s.delta, s.peak, s.events, s.top_frame)
+                  for ln, s in sorted(per.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))
+                  if ln is not None and s.events)
+    return Replay(device, peak, diff == 0, diff, n, peak_line, lines, alloc_line, oom)
+
+
+def _largest_live(heap: list[tuple[int, int]], live: Mapping[int, tuple[int, int | None, str]],
+                  line: int | None) -> tuple[int, str] | None:
+    while heap:
+        neg, addr = heap[0]
+        got = live.get(addr)
+        if got is not None and got[0] == -neg and got[1] == line:
+            return got[0], got[2]
+        heapq.heappop(heap)  # freed (or reused by another line) since: drop lazily
+    return None
+
+
+def _oom(e: Mapping[str, Any], frames: Sequence[Mapping[str, Any]], cell_files: frozenset[str],
+         live: Mapping[int, tuple[int, int | None, str]], level: int, names: Mapping[str, str] | None) -> Oom:
+    """What was live when the allocation failed, by the cell line that allocated it (None: before the cell)."""
+    by_line: dict[int | None, int] = {}
+    for b, ln, _f in live.values():
+        by_line[ln] = by_line.get(ln, 0) + b
+    by_line[None] = by_line.get(None, 0) + level - sum(b for b, _l, _f in live.values())
+    free = e.get("device_free")
+    return Oom(cell_line(frames, cell_files), int(e.get("size", 0)), None if free is None else int(free),
+               tuple(_frame_text(f, names) for f in frames),
+               tuple(sorted(by_line.items(), key=lambda kv: -kv[1])))
+
+
+def line_of_exception(exc: BaseException, cell_files: frozenset[str]) -> tuple[int | None, tuple[str, ...]]:
+    """The cell line an exception came from, and its stack as "file:line in function" (innermost first)."""
+    frames = []
+    tb = exc.__traceback__
+    while tb is not None:
+        code = tb.tb_frame.f_code
+        frames.append({"filename": code.co_filename, "line": tb.tb_lineno, "name": code.co_name})
+        tb = tb.tb_next
+    frames.reverse()
+    return cell_line(frames, cell_files), tuple(_frame_text(f) for f in frames)

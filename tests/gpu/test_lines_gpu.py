@@ -1,0 +1,80 @@
+"""On a real GPU: exact peaks and per-line memory from the allocator's trace (issue 13)."""
+
+from __future__ import annotations
+
+import nbmem
+from nbmem.magics import session_of
+from tests.conftest import last_cell, ok, run
+from tests.gpu.test_gpu import row_of
+
+MiB, GiB = 2**20, 2**30
+
+SPIKES = """%%cudamem --lines
+a = torch.empty(64 * 2**20, dtype=torch.uint8, device='cuda')
+b = a[:1].clone()
+del a
+c = torch.empty(128 * 2**20, dtype=torch.uint8, device='cuda')
+del c
+keep = torch.empty(8 * 2**20, dtype=torch.uint8, device='cuda')"""
+
+
+def test_sub_ms_spikes_below_an_earlier_peak_get_the_exact_peak_and_the_right_lines(gpu):
+    ok(gpu, "big = torch.empty(2**30, dtype=torch.uint8, device='cuda')\ndel big")  # an earlier, higher peak
+    counter = gpu.user_ns["torch"].cuda.max_memory_allocated()
+    ok(gpu, SPIKES)
+    n = last_cell(gpu)
+    row = row_of(n)
+    start = row["allocated_before_bytes"]
+    assert row["peak_allocated_bytes"] == start + 512 + 128 * MiB, row.to_dict()
+    assert row["peak_line"] == 4
+    lines = nbmem.lines().set_index("line")
+    assert lines.loc[1, "delta_allocated_bytes"] == 64 * MiB and lines.loc[3, "delta_allocated_bytes"] == -64 * MiB
+    assert lines.loc[4, "peak_allocated_bytes"] == start + 512 + 128 * MiB
+    assert lines.loc[6, "delta_allocated_bytes"] == 8 * MiB
+    assert lines.loc[4, "source"].startswith("c = torch.empty")
+    assert gpu.user_ns["torch"].cuda.max_memory_allocated() == counter, "the user's peak counter is untouched"
+    from nbmem.widget import last_cell_row
+
+    assert last_cell_row(session_of(gpu).last_report)["rows"][0]["peak_line"].startswith("line 4: c = torch.empty")
+
+
+def test_every_monitored_cell_gets_an_exact_peak_without_lines(gpu):
+    ok(gpu, "big = torch.empty(2**30, dtype=torch.uint8, device='cuda')\ndel big")
+    ok(gpu, "x = torch.empty(64 * 2**20, dtype=torch.uint8, device='cuda')\ny = x * 2\ndel x, y")
+    row = row_of(last_cell(gpu))
+    assert row["peak_allocated_bytes"] == row["allocated_before_bytes"] + 128 * MiB and row["peak_note"] == ""
+
+
+def test_a_holder_gets_the_line_that_allocated_it(gpu):
+    ok(gpu, SPIKES)
+    f = nbmem.leaks(cell=last_cell(gpu)).set_index("name")
+    assert f.loc["keep", "line"] == 6
+
+
+def test_an_out_of_memory_names_the_line_and_what_each_line_had_live(gpu, capsys):
+    r = run(gpu, "%%cudamem --lines\nsmall = torch.empty(8 * 2**20, device='cuda')\n"
+                 "huge = torch.empty(10 * 2**40, dtype=torch.uint8, device='cuda')")
+    assert not r.success
+    advice = " ".join(session_of(gpu).last_report.advice)
+    assert "line 2: huge = torch.empty" in advice, advice
+    assert "line 1: 32.0 MiB" in advice, advice
+    r = run(gpu, "huge = torch.empty(10 * 2**40, dtype=torch.uint8, device='cuda')")
+    advice = " ".join(session_of(gpu).last_report.advice)
+    assert "line 1: huge = torch.empty" in advice and "--lines" in advice
+
+
+def test_a_users_own_history_recording_is_read_and_left_as_it_was(gpu):
+    torch = gpu.user_ns["torch"]
+    torch.cuda.memory._record_memory_history(max_entries=100_000)  # with stacks, the user's settings
+    try:
+        ok(gpu, "mine = torch.empty(2**20, device='cuda')")
+        ok(gpu, SPIKES)
+        assert torch._C._cuda_isHistoryEnabled(), "nbmem turned the user's recording off"
+        ok(gpu, "after = torch.empty(2**20, device='cuda')")
+        trace = torch.cuda.memory._snapshot()["device_traces"][0]
+        allocs = [e for e in trace if e["action"] == "alloc"]
+        assert any(e.get("frames") for e in allocs[:3]), "the user's stacks are still recorded"
+        assert len(allocs) >= 5, "the user's trace was not cleared by nbmem"
+        assert nbmem.lines().set_index("line").loc[6, "delta_allocated_bytes"] == 8 * MiB
+    finally:
+        torch.cuda.memory._record_memory_history(None)

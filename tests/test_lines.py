@@ -1,0 +1,158 @@
+"""Per-line memory: the replay of allocator events (its logic, on made-up traces), and --lines on a CPU.
+
+The real allocator's traces are checked on a GPU in tests/gpu/test_lines_gpu.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from IPython.core.error import UsageError
+
+import nbmem
+from nbmem.cells import with_trace
+from nbmem.linetrace import block_bytes, cell_line, line_of_exception, replay
+from nbmem.records import CellRecord
+from tests.conftest import last_cell, ok, run
+
+MiB = 2**20
+CELL = "<ipython-input-7-abc>"
+FILES = frozenset({CELL})
+
+
+def at(line: int, *inner: tuple[str, int, str]) -> list[dict]:
+    """A stack, innermost first: library frames, then the cell's own line."""
+    return [{"filename": f, "line": n, "name": fn} for f, n, fn in inner] + [
+        {"filename": CELL, "line": line, "name": "<module>"}]
+
+
+def alloc(addr: int, size: int, frames=None, t: int = 10) -> dict:
+    return {"action": "alloc", "addr": addr, "size": size, "time_us": t, **({"frames": frames} if frames else {})}
+
+
+def free(addr: int, size: int, frames=None, t: int = 10) -> dict:
+    return {"action": "free_requested", "addr": addr, "size": size, "time_us": t,
+            **({"frames": frames} if frames else {})}
+
+
+def test_blocks_are_what_the_allocator_counts():
+    assert [block_bytes(n) for n in (1, 511, 512, 513, 10 * MiB + 1)] == [512, 512, 512, 1024, 10 * MiB + 512]
+
+
+def test_a_spike_below_an_earlier_peak_is_exact_and_on_its_line():
+    start = 100 * MiB
+    events = [alloc(1, 64 * MiB, at(2)), free(1, 64 * MiB, at(2)), alloc(2, 8 * MiB, at(3)),
+              alloc(3, 32 * MiB, at(4)), free(3, 32 * MiB, at(4)), {"action": "segment_alloc", "size": 2**30},
+              {"action": "free_completed", "addr": 3, "size": 32 * MiB}]
+    rp = replay(events, device="cuda:0", cell=7, start_allocated=start, end_allocated=start + 8 * MiB,
+                cell_files=FILES, sources={2: "a = x.clone()", 3: "kept = ...", 4: "b = y * 2"})
+    assert rp.exact and rp.peak_bytes == start + 64 * MiB and rp.peak_line == 2
+    by = {r.line: r for r in rp.lines}
+    assert by[2].delta_allocated_bytes == 0 and by[2].peak_allocated_bytes == start + 64 * MiB
+    assert by[3].delta_allocated_bytes == 8 * MiB and by[4].peak_allocated_bytes == start + 8 * MiB + 32 * MiB
+    assert by[2].source == "a = x.clone()" and rp.alloc_line[2] == 3
+
+
+def test_events_without_a_cell_frame_belong_to_the_line_that_ran_last():
+    # loss.backward() allocates on autograd's threads: no Python frames, but line 5 is the one waiting
+    events = [alloc(1, MiB, at(5)), alloc(2, 4 * MiB), alloc(3, 4 * MiB), free(2, 4 * MiB)]
+    rp = replay(events, device="cuda:0", cell=1, start_allocated=0, end_allocated=5 * MiB, cell_files=FILES)
+    assert [(r.line, r.delta_allocated_bytes, r.events) for r in rp.lines] == [(5, 5 * MiB, 4)]
+
+
+def test_the_deepest_user_frame_of_the_largest_block_at_the_lines_peak():
+    model_py = ("/home/me/model.py", 42, "forward")
+    torch_py = ("/x/site-packages/torch/nn/modules/linear.py", 125, "forward")
+    events = [alloc(1, MiB, at(3, torch_py, model_py)), alloc(2, 64 * MiB, at(3, torch_py, model_py)),
+              alloc(3, 2 * MiB, at(3, torch_py))]
+    rp = replay(events, device="cuda:0", cell=1, start_allocated=0, end_allocated=67 * MiB, cell_files=FILES)
+    (line,) = rp.lines
+    assert line.top_frame == "/home/me/model.py:42 in forward"
+
+
+def test_a_replay_that_ends_elsewhere_than_the_allocator_is_not_called_exact():
+    events = [alloc(1, 10 * MiB), free(1, 10 * MiB)]
+    rp = replay(events, device="cuda:0", cell=1, start_allocated=0, end_allocated=512 * 1024, cell_files=FILES)
+    assert not rp.exact and rp.difference_bytes == -512 * 1024 and rp.note().startswith("≈")
+
+
+def test_a_recording_the_user_started_is_read_from_the_cells_start_only():
+    events = [alloc(1, 100 * MiB, t=5), alloc(2, MiB, t=20)]
+    rp = replay(events, device="cuda:0", cell=1, start_allocated=100 * MiB, end_allocated=101 * MiB,
+                cell_files=FILES, since_us=10)
+    assert rp.exact and rp.events == 1 and rp.peak_bytes == 101 * MiB
+
+
+def test_an_oom_lists_what_was_live_by_line():
+    events = [alloc(1, 8 * MiB, at(2)), alloc(2, 16 * MiB, at(3)),
+              {"action": "oom", "size": 80 * 2**30, "device_free": 3 * 2**30, "frames": at(4)}]
+    rp = replay(events, device="cuda:0", cell=1, start_allocated=MiB, end_allocated=25 * MiB, cell_files=FILES)
+    assert rp.oom is not None and rp.oom.line == 4 and rp.oom.requested_bytes == 80 * 2**30
+    assert rp.oom.live_by_line == ((3, 16 * MiB), (2, 8 * MiB), (None, MiB))
+
+
+def test_the_counter_stays_where_it_knows_and_the_trace_fills_in_where_it_does_not():
+    def rec(peak):
+        return CellRecord(1, 0.0, 1.0, "cuda:0", 0, 0, 0, 0, peak, "" if peak else "≤ 1.00 GiB", None, None, None,
+                          None, None, "")
+
+    exact = replay([alloc(1, MiB, at(2)), free(1, MiB)], device="cuda:0", cell=1, start_allocated=0,
+                   end_allocated=0, cell_files=FILES)
+    off = replay([alloc(1, MiB)], device="cuda:0", cell=1, start_allocated=0, end_allocated=0, cell_files=FILES)
+    (a,) = with_trace([rec(None)], {"cuda:0": exact})
+    assert (a.peak_allocated_bytes, a.peak_note, a.peak_line) == (MiB, "", 2)
+    (b,) = with_trace([rec(5 * MiB)], {"cuda:0": exact})
+    assert b.peak_allocated_bytes == 5 * MiB, "the counter's exact value is not replaced"
+    (c,) = with_trace([rec(None)], {"cuda:0": off})
+    assert c.peak_allocated_bytes is None and c.peak_note.startswith("≈ 1.00 MiB")
+
+
+def test_the_line_of_an_exception_in_a_cell():
+    code = compile("x = 1\ndef f():\n    raise ValueError\nf()\n", CELL, "exec")
+    try:
+        exec(code, {})
+    except ValueError as e:
+        line, stack = line_of_exception(e, FILES)
+    assert line == 4 and stack[0].endswith("in f") and cell_line([{"filename": "other", "line": 1}], FILES) is None
+
+
+# -- in the shell, on a CPU --------------------------------------------------------------------------------
+def test_lines_on_a_cpu_runs_the_cell_and_says_why_there_are_no_lines(ip):
+    r = run(ip, "%%cudamem --lines\nx = torch.ones(1000)")
+    assert r.success and ip.user_ns["x"].numel() == 1000
+    report = nbmem.magics.session_of(ip).last_report
+    assert report.notes == ("per-line figures need a CUDA device: this cell ran on the CPU only",)
+    assert nbmem.lines().empty
+    with pytest.raises(UsageError, match="not measured with lines"):
+        ip.run_line_magic("cudamem", f"lines --cell {last_cell(ip) - 1}")
+
+
+def test_no_lines_yet_is_a_clear_error(ip):
+    with pytest.raises(LookupError, match="no cell was measured with lines yet"):
+        nbmem.lines()
+
+
+def test_asking_for_a_trace_never_starts_cuda(ip):
+    sess = nbmem.magics.session_of(ip)
+    assert sess.probe.torch.start_trace(stacks=True, max_entries=10) is None
+    assert sess.probe.torch.trace_unsupported() == "CUDA is not initialised"
+    ok(ip, "%%cudamem --lines\ny = torch.ones(10)")
+    assert not torch.cuda.is_initialized()
+
+
+def test_a_cudamem_body_is_the_innermost_cell_frame_and_cpp_frames_are_not_user_frames():
+    outer = {"filename": "<ipython-input-7-outer>", "line": 1, "name": "<module>"}  # the magic call
+    files = FILES | {outer["filename"]}
+    cpp = {"filename": "??", "line": 0, "name": "torch::unwind::unwind()"}
+    frames = [cpp, {"filename": "/x/site-packages/torch/functional.py", "line": 9, "name": "f"},
+              {"filename": CELL, "line": 4, "name": "<module>"},
+              {"filename": "/x/site-packages/IPython/core/interactiveshell.py", "line": 1, "name": "run_code"},
+              outer]
+    assert cell_line(frames, files) == 4
+    rp = replay([alloc(1, MiB, frames)], device="cuda:0", cell=7, start_allocated=0, end_allocated=MiB,
+                cell_files=files, names={CELL: "In[7]"})
+    assert [(r.line, r.top_frame) for r in rp.lines] == [(4, "")], "the cell's own line, no C++ frame"
+    helper = {"filename": "<ipython-input-3-def>", "line": 2, "name": "step"}
+    rp = replay([alloc(1, MiB, [cpp, helper, *frames[2:]])], device="cuda:0", cell=7, start_allocated=0,
+                end_allocated=MiB, cell_files=files, names={"<ipython-input-3-def>": "In[3]"})
+    assert rp.lines[0].top_frame == "In[3]:2 in step"
