@@ -1,0 +1,355 @@
+"""What the holder scan costs per cell on realistic notebook namespaces (issue 11), side by side in one run.
+
+    python benchmarks/bench_scan.py --device cuda          # the figures for RESULTS.md (~8 min on a fast host)
+    python benchmarks/bench_scan.py --device cpu --quick   # a smoke run anywhere (shapes 10x smaller)
+
+For each namespace shape, a fresh IPython shell is filled, then the same cells run interleaved, first
+without nbmem and then after ``%load_ext nbmem`` + ``%cudamem on``: a memory-moving cell (keeps 4 MiB
+more) and an empty cell. A per-cell overhead is the difference of the two medians. Also: whether the
+scan was truncated, what it found, the first cell after ``%cudamem on``, and full ``nbmem.leaks()``.
+Timings are printed, never asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import re
+import statistics
+import sys
+import textwrap
+import time
+from dataclasses import dataclass
+from string import Template
+
+from IPython.core.interactiveshell import InteractiveShell
+from traitlets.config import Config
+
+SUMMARY: list[str] = []
+T0 = time.perf_counter()
+
+MOVE = "bag.append(torch.empty(2**20, device=DEV))"  # keeps 4 MiB more
+EMPTY = "pass"
+KINDS = {"memory-moving cell": MOVE, "empty cell": EMPTY}
+
+
+def line(name: str, value: str) -> None:
+    SUMMARY.append(f"{name}: {value}")
+    print(f"  {name}: {value}", flush=True)
+
+
+def progress(msg: str) -> None:
+    print(f"[{time.perf_counter() - T0:6.1f} s] {msg}", file=sys.stderr, flush=True)
+
+
+def new_shell() -> InteractiveShell:
+    InteractiveShell.clear_instance()
+    cfg = Config()
+    cfg.HistoryManager.hist_file = ":memory:"
+    cfg.Nbmem.gauge = "none"
+    cfg.Nbmem.show = "never"
+    return InteractiveShell.instance(config=cfg)
+
+
+def cell(sh: InteractiveShell, src: str, *, fails: bool = False) -> float:
+    t = time.perf_counter()
+    r = sh.run_cell(src, store_history=True)
+    dt = time.perf_counter() - t
+    if r.success == fails:
+        why = "succeeded, but should fail" if fails else repr(r.error_in_exec or r.error_before_exec)
+        raise RuntimeError(f"{src[:60]!r}: {why}")
+    return dt
+
+
+class Quiet:
+    """Silence the cells' output (greetings, Out[] reprs, tracebacks) while timing."""
+
+    def __enter__(self):
+        self.out, sys.stdout = sys.stdout, open(os.devnull, "w")
+
+    def __exit__(self, *a):
+        sys.stdout.close()
+        sys.stdout = self.out
+
+
+# -- the namespaces ---------------------------------------------------------------------------------
+PRELUDE = """
+import torch
+DEV = $dev
+model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.ReLU(), torch.nn.Linear(256, 10)).to(DEV)
+bag = []
+"""
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One namespace: a label and setup cell with ``$n`` (the size, 10x smaller with --quick), then extra cells."""
+
+    key: str
+    label: str
+    n: int
+    setup: str
+    after: tuple[tuple[str, bool], ...] = ()  # (source, whether it fails): expression and failing cells
+    scales: bool = True  # --quick divides n by 10
+
+    def size(self, quick: bool) -> int:
+        return max(1, self.n // 10) if quick and self.scales else self.n
+
+    def cells(self, dev: str, quick: bool) -> list[tuple[str, bool]]:
+        fill = Template(PRELUDE + textwrap.dedent(self.setup)).substitute(dev=repr(dev), n=self.size(quick))
+        return [(fill, False), *((textwrap.dedent(s), f) for s, f in self.after)]
+
+
+SHAPES = [
+    Shape("tokens", "tokenized dataset, {n:,} lists of 256 ints", 40_000, """
+        import numpy as np
+        input_ids = np.random.default_rng(0).integers(0, 50257, ($n, 256)).tolist()
+    """),
+    Shape("dicts", "{n:,} small dicts with lists", 333_000, """
+        records = [{"i": i, "v": [i, float(i)]} for i in range($n)]
+    """),
+    Shape("vocab", "vocabulary dict, {n:,} str -> int", 500_000, """
+        vocab = {f"tok{i}": i for i in range($n)}
+    """),
+    Shape("strings", "{n:,} strings in a list", 1_000_000, """
+        lines = [f"line {i}: the quick brown fox jumps over the lazy dog" for i in range($n)]
+    """),
+    Shape("encoder", "{n}-layer TransformerEncoder (d_model 512) + AdamW state", 48, """
+        encoder = torch.nn.TransformerEncoder(
+            torch.nn.TransformerEncoderLayer(512, 8, batch_first=True), $n, enable_nested_tensor=False).to(DEV)
+        opt = torch.optim.AdamW(encoder.parameters(), lr=1e-4)
+        encoder(torch.randn(2, 16, 512, device=DEV)).square().mean().backward()
+        opt.step()
+    """),
+    Shape("dataframe", "{n:,}-row DataFrame", 1_000_000, """
+        import numpy as np
+        import pandas as pd
+        rng = np.random.default_rng(0)
+        df = pd.DataFrame({"id": np.arange($n), "x": rng.random($n), "label": rng.integers(0, 10, $n)})
+    """),
+    Shape("graphs", "kept graphs as in the tutorial case ({n} outputs and losses, Out[], a failed cell)", 200, """
+        cnn = torch.nn.Sequential(
+            torch.nn.Conv2d(1, 8, 3), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+            torch.nn.Conv2d(8, 16, 3), torch.nn.ReLU(), torch.nn.MaxPool2d(2),
+            torch.nn.Flatten(), torch.nn.Linear(16 * 5 * 5, 64), torch.nn.ReLU(), torch.nn.Linear(64, 10)).to(DEV)
+        loss_fn = torch.nn.CrossEntropyLoss()
+        test_data = [(torch.randn(64, 1, 28, 28), torch.randint(0, 10, (64,))) for _ in range($n)]
+        val_outputs, val_losses = [], []
+        for X, y in test_data:  # an evaluation loop without torch.no_grad(): every output keeps its graph
+            X, y = X.to(DEV), y.to(DEV)
+            pred = cnn(X)
+            loss = loss_fn(pred, y)
+            val_outputs.append(pred)
+            val_losses.append(loss)
+    """, after=(
+        ("cnn(test_data[0][0].to(DEV)).softmax(1)", False),  # a tensor with a graph left in Out[]
+        ("""
+        def evaluate_big(batch_size):
+            X = torch.randn(batch_size, 1, 28, 28, device=DEV)
+            y = torch.randint(0, 10, (batch_size,), device=DEV)
+            return loss_fn(cnn(X), y[:-1])  # wrong target length: raises, the frames keep X and the graph
+
+        evaluate_big(2048)
+        """, True),
+    )),
+    Shape("small", "small realistic namespace (~{n:,} objects: Adam, DataLoader, dicts, 1,000 tensors)", 10_000, """
+        opt = torch.optim.Adam(model.parameters())
+        model(torch.randn(4, 256, device=DEV)).sum().backward(); opt.step()
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(512, 256)), batch_size=32)
+        objs = [{"i": i, "v": [i, float(i)]} for i in range($n // 3)]
+        tensors = [torch.empty(256, device=DEV) for _ in range(1000)]
+    """, scales=False),
+    Shape("gpt2", "GPT-2-small-shaped model ({n} layers, d_model 768, tied 50257 vocab) + AdamW state", 12, """
+        class GPT(torch.nn.Module):
+            def __init__(self, layers, vocab=50257, ctx=1024, d=768, heads=12):
+                super().__init__()
+                self.wte = torch.nn.Embedding(vocab, d)
+                self.wpe = torch.nn.Embedding(ctx, d)
+                block = torch.nn.TransformerEncoderLayer(d, heads, 4 * d, activation="gelu", batch_first=True,
+                                                         norm_first=True)
+                self.blocks = torch.nn.TransformerEncoder(block, layers, enable_nested_tensor=False)
+                self.ln_f = torch.nn.LayerNorm(d)
+                self.head = torch.nn.Linear(d, vocab, bias=False)
+                self.head.weight = self.wte.weight
+
+            def forward(self, idx):
+                t = idx.shape[1]
+                x = self.wte(idx) + self.wpe(torch.arange(t, device=idx.device))
+                mask = torch.nn.Transformer.generate_square_subsequent_mask(t, device=idx.device)
+                return self.head(self.ln_f(self.blocks(x, mask=mask, is_causal=True)))
+
+        gpt = GPT($n).to(DEV)
+        opt_gpt = torch.optim.AdamW(gpt.parameters(), lr=3e-4)
+        idx = torch.randint(0, 50257, (2, 64), device=DEV)
+        logits = gpt(idx)
+        loss = torch.nn.functional.cross_entropy(logits.view(-1, logits.size(-1)), idx.view(-1))
+        loss.backward()
+        opt_gpt.step()
+        opt_gpt.zero_grad()
+    """),
+]
+BY_KEY = {s.key: s for s in SHAPES}
+LEAKS_AT = ("dicts", "tokens")  # where full nbmem.leaks() is timed
+
+
+# -- one shape --------------------------------------------------------------------------------------
+@dataclass
+class Seen:
+    """What nbmem said about the monitored cells of one kind."""
+
+    cells: int = 0
+    truncated: int = 0
+    with_bag: int = 0  # memory-moving cells whose findings name `bag`
+    others: tuple[str, ...] = ()  # any other finding names (false ones for these cells)
+    errors: tuple[str, ...] = ()
+
+
+def observe(sh: InteractiveShell, seen: Seen) -> None:
+    from nbmem.magics import session_of
+
+    rep = session_of(sh).last_report
+    seen.cells += 1
+    if rep is None or rep.cell != sh.execution_count - 1:
+        seen.errors += (f"no report for cell {sh.execution_count - 1}",)
+        return
+    seen.truncated += any("scan_budget" in n for n in rep.notes)
+    names = [f.name for f in rep.findings]
+    seen.with_bag += any(n.startswith("bag") for n in names)
+    seen.others += tuple(n for n in names if not n.startswith("bag") and n not in seen.others)
+    if rep.error:
+        seen.errors += (rep.error,)
+
+
+def scan_status(sh: InteractiveShell) -> str:
+    import nbmem
+
+    lines = str(nbmem.status()).splitlines()
+    return "; ".join(ln.removeprefix("scan: ") for ln in lines if ln.startswith("scan: ")) or "no scan yet"
+
+
+def bench_shape(shape: Shape, dev: str, quick: bool, reps: int) -> None:
+    label = shape.label.format(n=shape.size(quick))
+    progress(f"{shape.key}: filling ({label})")
+    sh = new_shell()
+    times: dict[tuple[str, bool], list[float]] = {(k, on): [] for k in KINDS for on in (False, True)}
+    seen = {k: Seen() for k in KINDS}
+    with Quiet():
+        t = time.perf_counter()
+        for src, fails in shape.cells(dev, quick):
+            cell(sh, src, fails=fails)
+        fill_s = time.perf_counter() - t
+        for src in KINDS.values():  # warm-up: first-call costs that are not nbmem's
+            cell(sh, src)
+    progress(f"{shape.key}: filled in {fill_s:.1f} s; {reps} cells of each kind without nbmem")
+    with Quiet():
+        gc.collect()
+        for _ in range(reps):
+            for k, src in KINDS.items():
+                times[k, False].append(cell(sh, src))
+        gc.collect()
+        cell(sh, "%load_ext nbmem")
+        on_s = cell(sh, "%cudamem on")
+        first_s = cell(sh, MOVE)
+        first = Seen()
+        observe(sh, first)
+    progress(f"{shape.key}: `%cudamem on` {on_s * 1e3:.0f} ms, first cell {first_s * 1e3:.0f} ms; {reps} cells with")
+    with Quiet():
+        for _ in range(reps):
+            for k, src in KINDS.items():
+                times[k, True].append(cell(sh, src))
+                observe(sh, seen[k])
+    status = scan_status(sh)
+    for k in KINDS:
+        on, off = statistics.median(times[k, True]), statistics.median(times[k, False])
+        line(f"per-cell overhead, {k}, {label}", f"{(on - off) * 1e3:.2f} ms (median with {on * 1e3:.2f}, "
+             f"without {off * 1e3:.2f}, max with {max(times[k, True]) * 1e3:.2f}, n={reps})")
+    base = statistics.median(times["memory-moving cell", False])
+    line(f"first cell after %cudamem on, {label}",
+         f"{(first_s - base) * 1e3:.2f} ms (the `%cudamem on` cell itself: {on_s * 1e3:.2f} ms"
+         f"{'; scan truncated' if first.truncated else ''}{'' if first.with_bag else '; `bag` not found'})")
+    for k, s in seen.items():
+        what = f"truncated in {s.truncated} of {s.cells} {k}s"
+        if k == "memory-moving cell":
+            what += f"; `bag` found in {s.with_bag} of {s.cells}"
+        if s.others:
+            what += f"; other findings: {', '.join(s.others[:5])}"
+        if s.errors:
+            what += f"; problems: {', '.join(dict.fromkeys(s.errors))}"
+        line(f"scan, {k}s, {label}", what)
+    line(f"scan status after the last cell, {label}", status)
+    if shape.key in LEAKS_AT:
+        bench_leaks(sh, label)
+    with Quiet():
+        cell(sh, "%unload_ext nbmem")
+    drop(sh)
+
+
+def bench_leaks(sh: InteractiveShell, label: str, runs: int = 3) -> None:
+    import nbmem
+
+    xs, rows = [], 0
+    with Quiet():
+        for _ in range(runs):
+            t = time.perf_counter()
+            rows = len(nbmem.leaks())
+            xs.append(time.perf_counter() - t)
+    status = scan_status(sh)
+    m = re.search(r"last holder scan: ([\d,]+) objects", status)
+    objects = f", {m.group(1)} objects" if m else ""
+    line(f"full nbmem.leaks(), {label}", f"{statistics.median(xs) * 1e3:.0f} ms (min {min(xs) * 1e3:.0f}, "
+         f"max {max(xs) * 1e3:.0f}, n={runs}; {rows} rows{objects})")
+
+
+def drop(sh: InteractiveShell) -> None:
+    """Free the shape's memory before the next one: its namespace, outputs, and the failed cell's frames."""
+    sh.reset(new_session=False)
+    for name in ("last_type", "last_value", "last_traceback", "last_exc"):
+        if hasattr(sys, name):
+            setattr(sys, name, None)
+    InteractiveShell.clear_instance()
+    gc.collect()
+    if "torch" in sys.modules:
+        import torch
+
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--quick", action="store_true", help="shapes 10x smaller and fewer cells, for a smoke run")
+    ap.add_argument("--only", default="", help="comma list of shapes: " + ",".join(BY_KEY))
+    ap.add_argument("--reps", type=int, default=0, help="cells of each kind, with and without (default 7; 3 quick)")
+    a = ap.parse_args()
+    keys = [k for k in a.only.split(",") if k] or list(BY_KEY)
+    unknown = [k for k in keys if k not in BY_KEY]
+    if unknown:
+        ap.error(f"unknown shape(s) {', '.join(unknown)}; choose from {', '.join(BY_KEY)}")
+    reps = a.reps or (3 if a.quick else 7)
+
+    import IPython
+    import torch
+
+    import nbmem
+
+    if a.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda, but torch sees no GPU; use --device cpu")
+    env = {"python": sys.version.split()[0], "torch": torch.__version__, "ipython": IPython.__version__,
+           "nbmem": nbmem.__version__, "device": a.device, "cpus": os.cpu_count(), "quick": a.quick, "reps": reps,
+           "gpu": torch.cuda.get_device_name(0) if a.device == "cuda" else None}
+    print(json.dumps(env), flush=True)
+    print("holder scan cost per cell (with minus without nbmem, medians of interleaved cells)")
+    for k in keys:
+        bench_shape(BY_KEY[k], a.device, a.quick, reps)
+    line("benchmark wall time", f"{time.perf_counter() - T0:.0f} s")
+    print("\n=== summary ===")
+    for s in SUMMARY:
+        print(s)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
