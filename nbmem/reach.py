@@ -21,7 +21,7 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from itertools import compress, islice
+from itertools import islice
 from typing import Any
 
 _mro: Callable[[type], tuple[type, ...]] = type.__dict__["__mro__"].__get__
@@ -171,32 +171,32 @@ def any_tracked(items: Any) -> bool:
 
 
 _STEP = 65536  # children per C call: a few milliseconds, so a deadline is checked often
+_DEPTH = 64  # plain containers nested deeper than this (or in a cycle) are left to the ordinary walk
 
 
 def _children(level: list[Any]) -> Iterator[list[Any]]:
-    """The children of plain containers, in lists of about ``_STEP``; a huge container is sliced."""
+    """The children of plain containers, about ``_STEP`` at a time; a huge container is sliced."""
+    lens = list(map(len, level))  # exact built-in types only: C lengths, no user code
+    if not lens:
+        return
+    if max(lens) <= _STEP:
+        per = max(1, sum(lens) // len(lens))
+        k = max(1, _STEP // per)
+        for i in range(0, len(level), k):
+            yield referents(*level[i:i + k])
+        return
     batch: list[Any] = []
-    size = 0
-    for c in level:
-        n = len(c)  # exact built-in types only: C lengths
+    for c, n in zip(level, lens):
         if n <= _STEP:
             batch.append(c)
-            size += n
-            if size >= _STEP:
-                yield referents(*batch)
-                batch, size = [], 0
             continue
-        if type(c) is dict:
-            for part in (dict.keys(c), dict.values(c)):
-                it = iter(part)
-                while chunk := list(islice(it, _STEP)):
-                    yield chunk
-        else:
-            it = iter(c)
+        parts = (dict.keys(c), dict.values(c)) if type(c) is dict else (c,)
+        for part in parts:
+            it = iter(part)
             while chunk := list(islice(it, _STEP)):
                 yield chunk
     if batch:
-        yield referents(*batch)
+        yield from _children(batch)
 
 
 def plain_subtree_is_inert(root: Any, *, max_objects: int, deadline: Callable[[], bool]) -> tuple[bool, int]:
@@ -205,28 +205,26 @@ def plain_subtree_is_inert(root: Any, *, max_objects: int, deadline: Callable[[]
     A breadth-first descent at C speed: each step is one ``gc.get_referents`` call (or one slice of a
     huge container) of about 64k children, filtered to GC-tracked objects, so the caller's deadline is
     checked every few milliseconds. Returns (inert, objects looked at); not inert as soon as any other
-    kind of object appears, the subtree is larger than ``max_objects``, or time runs out.
+    kind of object appears, the subtree is larger than ``max_objects`` or deeper than ``_DEPTH``
+    (a cycle), or time runs out. Shared objects are counted each time they are met.
     """
-    seen: set[int] = {id(root)}
     level = [root]
     count = 0
-    while level:
+    for _ in range(_DEPTH):
         nxt: list[Any] = []
         for children in _children(level):
             count += len(children)
             if count > max_objects or deadline():
                 return False, count
             tracked = list(filter(is_tracked, children))
-            if not tracked:
-                continue
-            if not set(map(id, map(type, tracked))) <= _PLAIN_IDS:
-                return False, count
-            ids = list(map(id, tracked))
-            fresh = set(ids) - seen
-            seen |= fresh
-            nxt.extend(compress(tracked, map(fresh.__contains__, ids)))
+            if tracked:
+                if not set(map(id, map(type, tracked))) <= _PLAIN_IDS:
+                    return False, count
+                nxt += tracked
+        if not nxt:
+            return True, count
         level = nxt
-    return True, count
+    return False, count
 
 
 # -- labels ---------------------------------------------------------------------------------------------
