@@ -66,9 +66,9 @@ class Quiet:
 
 
 # -- what is compared -------------------------------------------------------------------------------
-def nbmem_on(sh: InteractiveShell, gauge: bool) -> None:
+def nbmem_on(sh: InteractiveShell, gauge: bool, lines: bool = False) -> None:
     cell(sh, "%load_ext nbmem")
-    cell(sh, "%cudamem on")
+    cell(sh, "%cudamem on" + (" --lines" if lines else ""))
     if gauge:  # no front end here: make the gauge directly; it publishes to a comm all the same
         cell(sh, "from nbmem.magics import _ACTIVE as _A\nfrom nbmem.widget import Gauge as _G\n"
                  "_gauge = _G(_A[get_ipython()].session, shell=get_ipython())")
@@ -118,7 +118,9 @@ def bench_training(dev: str, pairs: int, quick: bool, have_ipyx: bool, have_gaug
         cell(sh, TRAIN_SETUP.format(dev=dev, **MODELS[kind]))
         step = TRAIN_STEP.format(steps=steps)
         cell(sh, step)  # warm-up: kernels, allocator, autograd
-        contenders = [("nbmem", lambda sh=sh: nbmem_on(sh, have_gauge), lambda sh=sh: nbmem_off(sh))]
+        off = lambda sh=sh: nbmem_off(sh)  # noqa: E731
+        contenders = [("nbmem", lambda sh=sh: nbmem_on(sh, have_gauge), off),
+                      ("nbmem --lines", lambda sh=sh: nbmem_on(sh, have_gauge, lines=True), off)]
         if have_ipyx and dev == "cuda":
             contenders.append(("ipyexperiments", lambda sh=sh: ipyx_on(sh), lambda sh=sh: ipyx_off(sh)))
         for name, on, off in contenders:
@@ -130,8 +132,8 @@ def bench_training(dev: str, pairs: int, quick: bool, have_ipyx: bool, have_gaug
                     with_ = cell(sh, step)
                     off()
                     ratios.append(base / with_)
-            line(f"training {kind} throughput ratio {name}" + (" (+gauge)" if name == "nbmem" and have_gauge else ""),
-                 spread(ratios))
+            line(f"training {kind} throughput ratio {name}" + (" (+gauge)" if name.startswith("nbmem") and have_gauge
+                                                               else ""), spread(ratios))
 
 
 def fill_namespace(sh: InteractiveShell, n: int, dev: str) -> None:
@@ -174,6 +176,7 @@ def bench_per_cell(dev: str, quick: bool) -> None:
 
 
 def bench_peaks(dev: str) -> None:
+    """Sub-millisecond spikes, some below an earlier peak: exact from the allocator's trace, counter untouched."""
     if dev != "cuda":
         line("peak exactness", "skipped (needs CUDA)")
         return
@@ -182,19 +185,53 @@ def bench_peaks(dev: str) -> None:
     sh = new_shell()
     with Quiet():
         nbmem_on(sh, gauge=False)
-        cell(sh, "import torch")
-        exact = total = 0
-        for mib in (64, 256, 1024, 128, 512):
-            cell(sh, f"%%cudamem --reset-peak\nt = torch.empty({mib} * 2**20, dtype=torch.uint8, device='cuda')\n"
+        cell(sh, "import torch\ntorch.cuda.init()")
+        exact = total = below = 0
+        for mib in (64, 256, 1024, 128, 512, 32):
+            before = sh.user_ns["torch"].cuda.max_memory_allocated()
+            cell(sh, f"t = torch.empty({mib} * 2**20, dtype=torch.uint8, device='cuda')\n"
                      f"u = t[:1].clone()\ndel t, u")  # a spike of well under a millisecond
             rep = nbmem.report()
             row = rep[rep["device"] == "cuda:0"].iloc[-1]
             truth = row["allocated_before_bytes"] + mib * 2**20 + 512
             total += 1
+            below += int(truth <= before)
             exact += int(row["peak_allocated_bytes"] == truth)
             print(f"    spike {mib} MiB: reported {row['peak_allocated_bytes']}, truth {truth}", file=sys.stderr)
+        untouched = sh.user_ns["torch"].cuda.max_memory_allocated() >= 1024 * 2**20
         nbmem_off(sh)
-    line("peak exactness (sub-ms spikes, --reset-peak)", f"{exact}/{total} exact")
+    line("peak exactness (sub-ms spikes, no reset)", f"{exact}/{total} exact ({below} below an earlier peak); "
+         f"the user's peak counter {'untouched' if untouched else 'RESET'}")
+
+
+def bench_trace_memory(dev: str) -> None:
+    """Host memory the allocator's trace takes for a full ring of events, without and with Python stacks."""
+    if dev != "cuda":
+        line("trace memory", "skipped (needs CUDA)")
+        return
+    import torch
+
+    from nbmem.sources import HostSource, TorchSource
+
+    torch.cuda.init()
+    src, host = TorchSource(), HostSource()
+    n = 100_000
+    for stacks in (False, True):
+        gc.collect()
+        before = host.rss_bytes() or 0
+        tr = src.start_trace(stacks=stacks, max_entries=n)
+        assert tr is not None
+        for _ in range(n // 2):  # an alloc and a free each
+            torch.empty(1024, device="cuda")
+        torch.cuda.synchronize()
+        grown = (host.rss_bytes() or 0) - before
+        t = time.perf_counter()
+        events = src.finish_trace(tr, read=True)
+        read_s = time.perf_counter() - t
+        got = sum(len(x) for x in events or ())
+        line(f"trace memory, {n:,} events, {'Python stacks' if stacks else 'no stacks'}",
+             f"{grown / 2**20:.1f} MiB of host RSS while recording ({got:,} events kept), "
+             f"read in {read_s * 1e3:.0f} ms")
 
 
 def bench_footprint(quick: bool) -> None:
@@ -285,7 +322,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--pairs", type=int, default=7)
     ap.add_argument("--quick", action="store_true", help="smaller sizes, for a smoke run")
-    ap.add_argument("--only", default="", help="comma list: training,cell,peaks,footprint,widget,load")
+    ap.add_argument("--only", default="", help="comma list: training,cell,peaks,trace,footprint,widget,load")
     ap.add_argument("--sizes", default="", help="comma list of namespace sizes for the per-cell figures")
     a = ap.parse_args()
     only = set(filter(None, a.only.split(",")))
@@ -311,6 +348,7 @@ def main() -> int:
     print(json.dumps(env))
     steps = [("training", lambda: bench_training(a.device, a.pairs, a.quick, have_ipyx, have_gauge)),
              ("cell", lambda: bench_per_cell(a.device, a.quick)), ("peaks", lambda: bench_peaks(a.device)),
+             ("trace", lambda: bench_trace_memory(a.device)),
              ("footprint", lambda: bench_footprint(a.quick)), ("widget", lambda: bench_widget(a.quick)),
              ("load", bench_load)]
     for name, fn in steps:
