@@ -66,8 +66,10 @@ class Quiet:
 
 
 # -- what is compared -------------------------------------------------------------------------------
-def nbmem_on(sh: InteractiveShell, gauge: bool, lines: bool = False) -> None:
+def nbmem_on(sh: InteractiveShell, gauge: bool, lines: bool = False, trace: bool = False) -> None:
     cell(sh, "%load_ext nbmem")
+    if trace:
+        cell(sh, "%config Nbmem.trace = True")
     cell(sh, "%cudamem on" + (" --lines" if lines else ""))
     if gauge:  # no front end here: make the gauge directly; it publishes to a comm all the same
         cell(sh, "from nbmem.magics import _ACTIVE as _A\nfrom nbmem.widget import Gauge as _G\n"
@@ -120,6 +122,7 @@ def bench_training(dev: str, pairs: int, quick: bool, have_ipyx: bool, have_gaug
         cell(sh, step)  # warm-up: kernels, allocator, autograd
         off = lambda sh=sh: nbmem_off(sh)  # noqa: E731
         contenders = [("nbmem", lambda sh=sh: nbmem_on(sh, have_gauge), off),
+                      ("nbmem with Nbmem.trace", lambda sh=sh: nbmem_on(sh, have_gauge, trace=True), off),
                       ("nbmem --lines", lambda sh=sh: nbmem_on(sh, have_gauge, lines=True), off)]
         if have_ipyx and dev == "cuda":
             contenders.append(("ipyexperiments", lambda sh=sh: ipyx_on(sh), lambda sh=sh: ipyx_off(sh)))
@@ -189,7 +192,7 @@ def bench_peaks(dev: str) -> None:
         exact = total = below = 0
         for mib in (64, 256, 1024, 128, 512, 32):
             before = sh.user_ns["torch"].cuda.max_memory_allocated()
-            cell(sh, f"t = torch.empty({mib} * 2**20, dtype=torch.uint8, device='cuda')\n"
+            cell(sh, f"%%cudamem\nt = torch.empty({mib} * 2**20, dtype=torch.uint8, device='cuda')\n"
                      f"u = t[:1].clone()\ndel t, u")  # a spike of well under a millisecond
             rep = nbmem.report()
             row = rep[rep["device"] == "cuda:0"].iloc[-1]
@@ -200,7 +203,8 @@ def bench_peaks(dev: str) -> None:
             print(f"    spike {mib} MiB: reported {row['peak_allocated_bytes']}, truth {truth}", file=sys.stderr)
         untouched = sh.user_ns["torch"].cuda.max_memory_allocated() >= 1024 * 2**20
         nbmem_off(sh)
-    line("peak exactness (sub-ms spikes, no reset)", f"{exact}/{total} exact ({below} below an earlier peak); "
+    line("peak exactness (%%cudamem, sub-ms spikes, no reset)",
+         f"{exact}/{total} exact ({below} below an earlier peak); "
          f"the user's peak counter {'untouched' if untouched else 'RESET'}")
 
 

@@ -11,11 +11,13 @@ from .records import Boundary, CellRecord
 
 
 def cell_peak(before: Boundary, after: Boundary, device: str, *, was_reset: bool) -> tuple[int | None, str]:
-    """The exact peak allocated during the cell, from the allocator's own high-water counter.
+    """The exact peak allocated during the cell, from the allocator's own counters, never reset by nbmem.
 
-    The counter is global (pytorch#16266), and nbmem does not reset it unless asked, so the
-    cell's peak is known exactly only when the cell raised it (or it was reset for this cell).
-    Otherwise the peak is unknown but bounded by the earlier high-water mark, and we say so.
+    The peak is at least what the cell started and ended with. It is at most the global high-water
+    mark (pytorch#16266: one counter for everyone), and at most what it started with plus every byte
+    the cell allocated (the cumulative counter). When the bounds meet, or the cell raised the
+    high-water mark, the peak is exact; otherwise it is NA with the tighter bound, and the
+    allocator's event trace (``%%cudamem``, ``Nbmem.trace``) gives it exactly.
     """
     a0 = before.allocator.get(device)
     a1 = after.allocator.get(device)
@@ -27,11 +29,11 @@ def cell_peak(before: Boundary, after: Boundary, device: str, *, was_reset: bool
         return a1.peak_allocated_bytes, ""
     if a1.peak_allocated_bytes < a0.peak_allocated_bytes:
         return None, "peak counter was reset inside the cell"
-    if a1.peak_allocated_bytes == max(a0.allocated_bytes, a1.allocated_bytes):
-        # The cell's peak is at least what it started and ended with, and at most the old high-water
-        # mark; when those meet, it is known exactly.
-        return a1.peak_allocated_bytes, ""
-    return None, f"≤ {fmt_bytes(a0.peak_allocated_bytes)} (below an earlier peak; %%cudamem --reset-peak for exact)"
+    low = max(a0.allocated_bytes, a1.allocated_bytes)
+    high = min(a1.peak_allocated_bytes, a0.allocated_bytes + a1.allocated_total_bytes - a0.allocated_total_bytes)
+    if high <= low:
+        return low, ""
+    return None, f"≤ {fmt_bytes(high)} (the cell freed some of what it allocated; %%cudamem gives the exact peak)"
 
 
 def _rss_peak(before: Boundary, after: Boundary) -> int | None:

@@ -41,11 +41,14 @@ Cleanup removes exactly what you name, and checks the whole request before it ch
   problem listed, and nothing at all is removed.
 
 Peaks: the allocator keeps one global peak counter per device (pytorch#16266). nbmem never resets
-it, so your own ``torch.cuda.max_memory_allocated()`` keeps its meaning. Instead, while a measured
-cell runs, nbmem records the allocator's own event trace (addresses and sizes, no stacks;
-``Nbmem.trace_entries`` bounds it) and replays it: every measured cell gets its exact peak, also
-below an earlier one. A recording you started yourself (``torch.cuda.memory._record_memory_history``)
-is read, never changed. ``--reset-peak`` still resets the counter for those who want that.
+it, so your own ``torch.cuda.max_memory_allocated()`` keeps its meaning. A cell's peak is exact when
+the cell raised that counter, or when the allocator's cumulative counters pin it (no allocation, or
+nothing the cell allocated was freed in it); otherwise the report gives "≤ X". For those cells the
+allocator's own event trace gives the exact peak: ``%%cudamem`` records it for its cell, and
+``%config Nbmem.trace = True`` for every monitored cell (about 3 µs per allocation while a cell
+runs: 20% of a launch-bound training loop on an H100). A recording you started yourself
+(``torch.cuda.memory._record_memory_history``) is read, never changed. ``--reset-peak`` resets the
+counter for those who want that.
 
 Lines: ``%%cudamem --lines`` also records each allocation's Python stack and reports, per line of
 the cell, what it left allocated (Δ), the peak while it ran and the user frame that allocated the
@@ -282,10 +285,11 @@ class NbmemMagics(Magics):
           lines [--cell N]    memory per line of the last cell measured with --lines (= nbmem.lines())
           plot                memory over time, measured cells shaded (= nbmem.plot())
 
-        Peaks are exact for every measured cell on a GPU, from the allocator's event trace, without
-        ever resetting your peak counter. --lines adds memory per line of the cell.
+        %%cudamem gives the cell's exact peak from the allocator's event trace, without ever resetting
+        your peak counter (%config Nbmem.trace = True does so for every monitored cell, at a cost);
+        --lines adds memory per line of the cell.
         Options: %config Nbmem (interval, history, threshold, scan, scan_budget, show, reset_peak,
-        lines, trace_entries, gauge).
+        trace, lines, trace_entries, gauge).
         """
         try:
             args = parse_argstring(self.cudamem, line)
@@ -328,7 +332,7 @@ class NbmemMagics(Magics):
             s.end_cell()
         number = sh.execution_count - 1
         s.begin_cell(number, source=body, reset_peak=args.reset_peak or None, scan=False if args.no_scan else None,
-                     lines=args.lines or None)
+                     lines=args.lines or None, trace=True)  # one cell, measured on purpose: its exact peak
         outer = getattr(sh.displayhook, "exec_result", None)  # this cell's result, which IPython fills in
         self._nested = True
         result = None

@@ -83,6 +83,8 @@ class AllocatorReading:
     inactive_split_bytes: int
     peak_allocated_bytes: int
     peak_reserved_bytes: int
+    allocated_total_bytes: int = 0  # every byte ever allocated (cumulative; never reset by nbmem)
+    allocations: int = 0  # every allocation ever made (cumulative)
 
 
 @dataclass(frozen=True, slots=True)

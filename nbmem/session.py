@@ -103,10 +103,11 @@ class Session:
         self._gaps: dict[str, int] = {}  # allocated bytes no name reached, per device, after the last scan
         self._findings: dict[int, tuple[Finding, ...]] = {}
         self._lines: dict[int, tuple[LineRecord, ...]] = {}
-        self._totals_cache: tuple[Scan, dict[str, int]] | None = None
+        self._totals_cache: list[tuple[Scan, dict[str, int]]] = []
         self._finding_cache: dict[int, Any] = {}
         self._finding_cells: deque[int] = deque()
         self._current: tuple[Finding, ...] = ()
+        self._current_of: Scan | None = None  # the scan _current was computed from
         self.last_report: CellReport | None = None
         self._listeners: list[Listener] = []
         self._lock = threading.Lock()
@@ -234,7 +235,7 @@ class Session:
 
     # -- cells -----------------------------------------------------------------------------------------
     def begin_cell(self, cell: int, *, source: str = "", reset_peak: bool | None = None,
-                   scan: bool | None = None, lines: bool | None = None) -> None:
+                   scan: bool | None = None, lines: bool | None = None, trace: bool | None = None) -> None:
         reset = self.settings.reset_peak if reset_peak is None else reset_peak
         do_scan = self.settings.scan if scan is None else scan
         want_lines = self.settings.lines if lines is None else lines
@@ -246,13 +247,14 @@ class Session:
                 self.probe.torch.reset_peak(i)
         mentioned = frozenset(self.adapter.mentioned(source)) if do_scan and source else frozenset()
         before = self.probe.boundary()
-        trace = None
-        try:  # after the boundary: the trace's events start from its allocated bytes
-            trace = self.probe.torch.start_trace(stacks=want_lines, max_entries=self.settings.trace_entries)
-        except Exception as e:
-            self.fault("the allocator trace", e)
+        recording = None
+        if want_lines or (self.settings.trace if trace is None else trace):
+            try:  # after the boundary: the trace's events start from its allocated bytes
+                recording = self.probe.torch.start_trace(stacks=want_lines, max_entries=self.settings.trace_entries)
+            except Exception as e:
+                self.fault("the allocator trace", e)
         self._open = _Open(cell, before, reset, do_scan, self._last_scan, mentioned, _collections(),
-                           heap_bytes() if heap_bytes else None, trace, want_lines, source)
+                           heap_bytes() if heap_bytes else None, recording, want_lines, source)
 
     @property
     def in_cell(self) -> bool:
@@ -291,7 +293,7 @@ class Session:
                 found = tuple(holders.findings(cur, prev, o.cell, threshold_bytes=self.settings.threshold_bytes,
                                                graphs=graphs))
                 found = _with_lines(found, cur, replays)
-                self._current = self._current_findings(cur)
+                self._current_of = None  # everything held now: computed when someone looks
             self._remember(o.cell, found)
             # The CPU has no allocator counters: its "allocated" is the live CPU tensor storages the scan found.
             records = [replace(r, allocated_before_bytes=self._tensor_bytes(prev).get("cpu", 0) if prev else None,
@@ -316,8 +318,8 @@ class Session:
                             lines=line_records, notes=tuple(notes))
         self.last_report = report
         self._publish(report)
-        if changed:
-            self._publish(Holders(self._current))
+        if changed and self.subscribers:
+            self._publish(Holders(self.findings()))
         return report
 
     def _scan_after_cell(self, o: _Open, after: Boundary) -> Scan:
@@ -349,12 +351,11 @@ class Session:
         """
         t = self.settings.threshold_bytes
         self.scanner.graphs(holders.graph_candidates(cur, prev), exclude=cur.storages)
-        graph = self.scanner.graph_totals(cur.storages)
-        graph0 = self.scanner.graph_totals(prev.storages) if prev is not None else {}
+        now = self._tensor_bytes(cur)
+        then = self._tensor_bytes(prev) if prev is not None else {}
 
         def found(dev: str) -> int:
-            before = prev.totals.get(dev, 0) + graph0.get(dev, 0) if prev is not None else 0
-            return cur.totals.get(dev, 0) + graph.get(dev, 0) - before
+            return now.get(dev, 0) - then.get(dev, 0)
 
         for dev, a1 in after.allocator.items():
             a0 = o.before.allocator.get(dev)
@@ -370,11 +371,11 @@ class Session:
     def _unattributed(self, records: Sequence[CellRecord], cur: Scan) -> list[tuple[str, int]]:
         """Allocated bytes no name reaches (cuBLAS workspaces, C++-held buffers), when this cell made them grow."""
         out = []
-        graph = self.scanner.graph_totals(cur.storages) if any(r.device != "cpu" for r in records) else {}
+        tensors = self._tensor_bytes(cur)
         for r in records:
             if r.device == "cpu" or r.allocated_after_bytes is None:
                 continue
-            gap = r.allocated_after_bytes - cur.totals.get(r.device, 0) - graph.get(r.device, 0)
+            gap = r.allocated_after_bytes - tensors.get(r.device, 0)
             if gap - self._gaps.get(r.device, 0) >= self.settings.threshold_bytes:
                 out.append((r.device, gap))
             self._gaps[r.device] = gap
@@ -488,21 +489,23 @@ class Session:
                                      cache=self._finding_cache))
 
     def _refresh_current(self) -> None:
-        cur = self._last_scan
-        if cur is None:
-            return
-        self._current = self._current_findings(cur)
-        self._publish(Holders(self._current))
+        self._current_of = None
+        if self._last_scan is not None and self.subscribers:
+            self._publish(Holders(self.findings()))
 
     def _tensor_bytes(self, scan: Scan) -> dict[str, int]:
-        """Bytes per device of the storages a scan found, and of the walked graphs they keep (once per scan)."""
-        hit = self._totals_cache
-        if hit is not None and hit[0] is scan:
-            return hit[1]
+        """Bytes per device of the storages a scan found, and of the walked graphs they keep.
+
+        Kept for the last two scans (a cell's baseline and its closing scan); graphs walked later for
+        the same scan are not added, which only matters within one cell's accounting.
+        """
+        for s, totals in self._totals_cache:
+            if s is scan:
+                return totals
         out = dict(scan.totals)
         for dev, n in self.scanner.graph_totals(scan.storages).items():
             out[dev] = out.get(dev, 0) + n
-        self._totals_cache = (scan, out)
+        self._totals_cache = [*self._totals_cache[-1:], (scan, out)]
         return out
 
     def _remember(self, cell: int, found: tuple[Finding, ...]) -> None:
@@ -548,7 +551,7 @@ class Session:
             return list(self._findings.get(cell, ()))
         self._rescan(cell=0, walk="all")
         self._refresh_current()
-        return list(self._current)
+        return list(self.findings())
 
     def leaks(self, cell: int | None = None) -> Any:
         return records_frame(self.leak_list(cell), columns=FINDING_COLUMNS)
@@ -560,6 +563,12 @@ class Session:
 
     def findings(self) -> tuple[Finding, ...]:
         """The holders above the threshold as of the latest scan (what the gauge lists)."""
+        cur = self._last_scan
+        if cur is None:
+            return ()
+        if self._current_of is not cur:
+            self._current = self._current_findings(cur)
+            self._current_of = cur
         return self._current
 
     def tensor_totals(self) -> dict[str, int] | None:

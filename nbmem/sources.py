@@ -57,7 +57,23 @@ def parse_visible_devices(value: str | None, uuids: list[str]) -> tuple[list[int
     return out, None
 
 
+_NAMES: dict[int, tuple[float, str]] = {}
+_NAME_TTL_S = 60.0  # psutil costs milliseconds per process; a PID keeps its name for a while
+
+
 def _process_name(pid: int) -> str:
+    now = time.monotonic()
+    hit = _NAMES.get(pid)
+    if hit is not None and now - hit[0] < _NAME_TTL_S:
+        return hit[1]
+    if len(_NAMES) > 4096:
+        _NAMES.clear()
+    name = _read_process_name(pid)
+    _NAMES[pid] = (now, name)
+    return name
+
+
+def _read_process_name(pid: int) -> str:
     try:
         import psutil
 
@@ -281,6 +297,8 @@ class TorchSource:
             inactive_split_bytes=stat("inactive_split_bytes"),
             peak_allocated_bytes=stat("allocated_bytes", "peak"),
             peak_reserved_bytes=stat("reserved_bytes", "peak"),
+            allocated_total_bytes=stat("allocated_bytes", "allocated"),
+            allocations=stat("allocation", "allocated"),
         )
 
     # -- the allocator's event trace (per-cell peaks and lines) ------------------------------------

@@ -8,8 +8,8 @@ from nbmem.records import AllocatorReading, Boundary
 MiB = 2**20
 
 
-def b(alloc, peak, reserved=None, t=0.0, rss=100, maxrss=200):
-    a = {"cuda:0": AllocatorReading(alloc, reserved or max(alloc, peak), alloc, 0, peak, reserved or peak)}
+def b(alloc, peak, reserved=None, t=0.0, rss=100, maxrss=200, total=0):
+    a = {"cuda:0": AllocatorReading(alloc, reserved or max(alloc, peak), alloc, 0, peak, reserved or peak, total)}
     return Boundary(t, t, rss, maxrss, a if alloc is not None else {}, {})
 
 
@@ -17,9 +17,16 @@ def test_a_cell_that_raises_the_high_water_mark_has_an_exact_peak():
     assert cell_peak(b(10, 50), b(10, 80), "cuda:0", was_reset=False) == (80, "")
 
 
-def test_below_an_earlier_peak_the_peak_is_unknown_and_said_so():
-    peak, note = cell_peak(b(10, 80), b(10, 80), "cuda:0", was_reset=False)
-    assert peak is None and "below an earlier peak" in note
+def test_below_an_earlier_peak_the_cumulative_counter_bounds_it_and_says_so():
+    # 50 bytes allocated and freed inside the cell, below an earlier high-water mark of 80
+    peak, note = cell_peak(b(10, 80, total=100), b(10, 80, total=150), "cuda:0", was_reset=False)
+    assert peak is None and note.startswith("≤ 60 B") and "%%cudamem" in note
+
+
+def test_the_cumulative_counters_pin_the_peak_when_nothing_allocated_was_freed():
+    assert cell_peak(b(10, 80, total=100), b(10, 80, total=100), "cuda:0", was_reset=False) == (10, "")
+    assert cell_peak(b(10, 80, total=100), b(30, 80, total=120), "cuda:0", was_reset=False) == (30, "")
+    assert cell_peak(b(30, 80, total=100), b(10, 80, total=100), "cuda:0", was_reset=False) == (30, "")
 
 
 def test_when_the_bounds_meet_the_peak_is_exact():

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pandas as pd
+
 import nbmem
 from nbmem.magics import session_of
 from tests.conftest import last_cell, ok, run
@@ -38,8 +40,15 @@ def test_sub_ms_spikes_below_an_earlier_peak_get_the_exact_peak_and_the_right_li
     assert last_cell_row(session_of(gpu).last_report)["rows"][0]["peak_line"].startswith("line 4: c = torch.empty")
 
 
-def test_every_monitored_cell_gets_an_exact_peak_without_lines(gpu):
+def test_monitored_cells_get_exact_peaks_from_counters_and_with_nbmem_trace_from_the_events(gpu):
     ok(gpu, "big = torch.empty(2**30, dtype=torch.uint8, device='cuda')\ndel big")
+    ok(gpu, "kept = torch.empty(64 * 2**20, dtype=torch.uint8, device='cuda')")  # nothing freed: counters pin it
+    row = row_of(last_cell(gpu))
+    assert row["peak_allocated_bytes"] == row["allocated_after_bytes"] and row["peak_note"] == ""
+    ok(gpu, "x = torch.empty(64 * 2**20, dtype=torch.uint8, device='cuda')\ny = x * 2\ndel x, y")
+    row = row_of(last_cell(gpu))
+    assert pd.isna(row["peak_allocated_bytes"]) and row["peak_note"].startswith("≤ "), row.to_dict()
+    ok(gpu, "%config Nbmem.trace = True")
     ok(gpu, "x = torch.empty(64 * 2**20, dtype=torch.uint8, device='cuda')\ny = x * 2\ndel x, y")
     row = row_of(last_cell(gpu))
     assert row["peak_allocated_bytes"] == row["allocated_before_bytes"] + 128 * MiB and row["peak_note"] == ""
