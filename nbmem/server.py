@@ -1,0 +1,378 @@
+"""GPU memory of every notebook on a Jupyter server: ``GET /api/nbmem/gpu`` and metrics in ``/metrics``.
+
+A jupyter-server extension, enabled on install by ``etc/jupyter/jupyter_server_config.d/nbmem.json`` and
+turned off with ``jupyter server extension disable nbmem``. It reads NVML in the server process (never
+CUDA: no context is made) for every GPU of the machine, whatever the server's ``CUDA_VISIBLE_DEVICES``,
+and names each GPU process by this server's kernels: a process counts for a kernel when it is the
+kernel's process or one of its descendants (DataLoader workers, a subprocess), and the kernel's session
+names the notebook. A number nbmem cannot know is ``None`` (JSON null, no Prometheus sample), never 0,
+and ``reason`` says why in words.
+
+One reading, at most ``MAX_AGE_S`` old, serves both the endpoint and the metrics. Only jupyter_server
+imports this module, so ``import nbmem`` stays light.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+from jupyter_client.provisioning import LocalProvisioner
+from jupyter_server.auth.decorator import authorized
+from jupyter_server.base.handlers import APIHandler
+from jupyter_server.extension.application import ExtensionApp
+from prometheus_client.core import REGISTRY, GaugeMetricFamily, Metric
+from tornado import web
+from traitlets import Unicode
+from traitlets.utils.importstring import import_item
+
+from .records import GpuDevice, GpuProcess
+from .sources import NvmlSource
+
+#: How long one reading serves every request and scrape: NVML's process list takes the driver's lock
+#: and costs milliseconds, so it is asked at most once per this many seconds.
+MAX_AGE_S = 1.0
+#: Where the JSON is served, under the server's base URL.
+ENDPOINT = "/api/nbmem/gpu"
+
+
+def _jupyter_server_extension_points() -> list[dict[str, Any]]:
+    """What jupyter_server loads; ``nbmem._jupyter_server_extension_points`` hands this on."""
+    return [{"module": "nbmem.server", "app": NbmemServer}]
+
+
+# -- records ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class Kernel:
+    """One of this server's kernels: its notebook (None without a session) and its process here
+    (None when it has none on this machine: a remote provisioner, a gateway)."""
+
+    kernel_id: str
+    notebook: str | None
+    pid: int | None
+
+
+@dataclass(frozen=True, slots=True)
+class KernelUse:
+    """What one kernel's processes hold on one GPU; ``pids`` and ``used_bytes`` are None where unknown."""
+
+    kernel_id: str
+    notebook: str | None
+    pids: tuple[int, ...] | None
+    used_bytes: int | None
+
+    def to_json(self) -> dict[str, Any]:
+        pids = None if self.pids is None else list(self.pids)
+        return {"kernel_id": self.kernel_id, "notebook": self.notebook, "pids": pids, "bytes": self.used_bytes}
+
+
+@dataclass(frozen=True, slots=True)
+class GpuUse:
+    """One GPU by NVML index: its totals, the kernels of this server on it, and every other process."""
+
+    index: int
+    uuid: str
+    name: str
+    total_bytes: int | None
+    used_bytes: int | None
+    kernels: tuple[KernelUse, ...]
+    other_processes: tuple[GpuProcess, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"index": self.index, "uuid": self.uuid, "name": self.name, "total_bytes": self.total_bytes,
+                "used_bytes": self.used_bytes, "kernels": [k.to_json() for k in self.kernels],
+                "other_processes": [{"pid": p.pid, "name": p.name, "bytes": p.used_bytes}
+                                    for p in self.other_processes]}
+
+
+@dataclass(frozen=True, slots=True)
+class Reading:
+    """Every GPU at one moment; ``reason`` says what is not known, None when everything is."""
+
+    gpus: tuple[GpuUse, ...]
+    reason: str | None
+    t_monotonic: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {"gpus": [g.to_json() for g in self.gpus], "reason": self.reason}
+
+
+# -- attribution (pure) ----------------------------------------------------------------------------------
+def _sum_or_none(procs: Iterable[GpuProcess]) -> int | None:
+    sizes = [p.used_bytes for p in procs]
+    return None if any(s is None for s in sizes) else sum(s or 0 for s in sizes)
+
+
+def _unknown(kernels: Sequence[Kernel]) -> tuple[KernelUse, ...]:
+    return tuple(KernelUse(k.kernel_id, k.notebook, None, None) for k in kernels)
+
+
+def attribute(gpu: GpuDevice, used_bytes: int | None, total_bytes: int | None,
+              procs: tuple[GpuProcess, ...] | None, kernels: Sequence[Kernel],
+              lineage: Mapping[int, tuple[int, ...] | None]) -> tuple[GpuUse, list[str]]:
+    """Name one GPU's processes by kernel, and say what could not be known.
+
+    ``procs`` is NVML's list (None when NVML could not give one: the caller says why); ``lineage`` maps each
+    listed PID to itself and its ancestors, nearest first, or to None when no such PID exists here.
+    """
+    def use(kernel_uses: Iterable[KernelUse], others: Iterable[GpuProcess]) -> GpuUse:
+        return GpuUse(gpu.nvml_index, gpu.uuid, gpu.model, total_bytes, used_bytes,
+                      tuple(sorted(kernel_uses, key=lambda k: k.kernel_id)), tuple(sorted(others, key=lambda p: p.pid)))
+
+    if procs is None:
+        return use(_unknown(kernels), ()), []
+    foreign = [p.pid for p in procs if lineage.get(p.pid) is None]
+    if foreign:
+        # The driver reports host PIDs; in a container without the host's PID namespace they name nothing
+        # here (a process that just exited looks the same, for one reading).
+        return use(_unknown(kernels), procs), [
+            f"GPU {gpu.nvml_index}: NVML lists {len(foreign)} process(es) whose PID does not exist here (a "
+            "container without the host PID namespace), so which kernel holds what is unknown"]
+    by_pid = {k.pid: k for k in kernels if k.pid is not None}
+    owned: dict[str, list[GpuProcess]] = {}
+    others: list[GpuProcess] = []
+    for p in procs:
+        owner = next((by_pid[a] for a in lineage[p.pid] or () if a in by_pid), None)
+        if owner is None:
+            others.append(p)
+        else:
+            owned.setdefault(owner.kernel_id, []).append(p)
+    uses = [KernelUse(k.kernel_id, k.notebook, tuple(sorted(q.pid for q in owned[k.kernel_id])),
+                      _sum_or_none(owned[k.kernel_id])) for k in kernels if k.kernel_id in owned]
+    remote = [k for k in kernels if k.pid is None]
+    reasons = [f"kernel {k.kernel_id} has no process on this machine: its GPU memory is unknown" for k in remote]
+    blank = sum(p.used_bytes is None for p in procs)
+    if blank:
+        reasons.append(f"GPU {gpu.nvml_index}: NVML gives no memory figure for {blank} process(es) (as under MIG "
+                       "or WDDM)")
+    return use([*uses, *_unknown(remote)], others), reasons
+
+
+# -- what the server knows ---------------------------------------------------------------------------------
+def exists_here(pid: int) -> bool:
+    """Whether the PID names a process in this PID namespace, even one that /proc hides (``hidepid``)."""
+    if os.name != "posix":
+        return bool(psutil.pid_exists(pid))
+    try:
+        os.kill(pid, 0)  # signal 0 sends nothing: it only asks whether the process exists
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        return True
+    return True
+
+
+def lineage_of(pid: int) -> tuple[int, ...] | None:
+    """The PID and its ancestors, nearest first; None when no such process exists in this PID namespace."""
+    if pid <= 0:  # not a process (psutil would count the kernel's swapper, PID 0, as one)
+        return None
+    try:
+        return (pid, *(a.pid for a in psutil.Process(pid).parents()))
+    except psutil.NoSuchProcess:
+        # Another user's process under hidepid looks gone to /proc: it exists, and is none of our kernels'.
+        return (pid,) if exists_here(pid) else None
+    except psutil.Error:  # it exists, but its parents cannot be read
+        return (pid,)
+
+
+def kernel_pid(kernel_manager: Any, kernel_id: str) -> int | None:
+    """The kernel's process on this machine, or None.
+
+    Only a local provisioner's PID is a process here: remote provisioners may keep a ``pid`` that belongs
+    to another host (or to a launcher), and a gateway's kernels have no provisioner at all.
+    """
+    try:
+        provisioner = kernel_manager.get_kernel(kernel_id).provisioner
+    except (KeyError, AttributeError):  # shut down meanwhile, or a kernel manager without provisioners
+        return None
+    if not isinstance(provisioner, LocalProvisioner):
+        return None
+    pid = provisioner.pid
+    return pid if isinstance(pid, int) and pid > 0 else None
+
+
+def notebooks_by_kernel(session_manager: Any) -> tuple[dict[str, str], str | None]:
+    """Kernel id to notebook path, from the session table, and why not when it cannot be read.
+
+    Read synchronously: ``/metrics`` calls collectors on the event loop, where the session manager's
+    coroutines cannot be awaited. ``list_sessions`` runs this same query; its awaits only drop rows whose
+    kernel died, and rows are joined with the live kernels here anyway. A fresh cursor, so the session
+    manager's own is never disturbed.
+    """
+    try:
+        rows = session_manager.cursor.connection.execute("SELECT kernel_id, path FROM session").fetchall()
+    except Exception as e:  # a session manager without the table, or a call from another thread
+        return {}, f"the server's sessions could not be read ({e}): notebooks are unknown"
+    return {str(kid): str(path) for kid, path in rows if kid and path}, None
+
+
+class ServerMonitor:
+    """NVML and this server's kernels, read together at most once per ``max_age_s``; thread-safe."""
+
+    def __init__(self, source: NvmlSource, kernel_manager: Any, session_manager: Any, *,
+                 clock: Callable[[], float] = time.monotonic, max_age_s: float = MAX_AGE_S) -> None:
+        self._source = source
+        self._kernel_manager = kernel_manager
+        self._session_manager = session_manager
+        self._clock = clock
+        self._max_age_s = max_age_s
+        self._lock = threading.Lock()
+        self._last: Reading | None = None
+
+    def start(self) -> str | None:
+        """Initialise NVML; returns why it sees nothing, when it does not."""
+        self._source.start()
+        return self._source.reason
+
+    def reading(self) -> Reading:
+        with self._lock:
+            now = self._clock()
+            if self._last is None or now - self._last.t_monotonic >= self._max_age_s:
+                self._last = self._read(now)
+            return self._last
+
+    def close(self) -> None:
+        self._source.close()
+
+    def _kernels(self) -> tuple[tuple[Kernel, ...], str | None]:
+        notebooks, why = notebooks_by_kernel(self._session_manager)
+        kernels = tuple(Kernel(str(kid), notebooks.get(str(kid)), kernel_pid(self._kernel_manager, kid))
+                        for kid in self._kernel_manager.list_kernel_ids())
+        return kernels, why
+
+    def _read(self, now: float) -> Reading:
+        self._source.start()
+        reasons = [self._source.reason]
+        kernels, why = self._kernels()
+        reasons.append(why)
+        listed = {d.name: (self._source.memory(d.name), self._source.processes(d.name, max_age_s=0.0))
+                  for d in self._source.devices}
+        lineage = {p.pid: lineage_of(p.pid) for _, procs in listed.values() for p in procs or ()}
+        gpus = []
+        for d in self._source.devices:
+            (used, total), procs = listed[d.name]
+            if procs is None:
+                reasons.append(self._source.process_reason)
+            gpu, why_not = attribute(d, used, total, procs, kernels, lineage)
+            gpus.append(gpu)
+            reasons += why_not
+        known = [r for r in dict.fromkeys(reasons) if r]  # in order, once each (a remote kernel, every GPU)
+        return Reading(tuple(gpus), "; ".join(known) or None, now)
+
+
+# -- Prometheus --------------------------------------------------------------------------------------------
+def metric_families(reading: Reading | None) -> list[Metric]:
+    """The three families; samples only for known numbers, and only for the kernels alive in ``reading``."""
+    used = GaugeMetricFamily("nbmem_gpu_memory_used_bytes", "GPU memory in use (NVML); gpu is the NVML index",
+                             labels=["gpu"])
+    total = GaugeMetricFamily("nbmem_gpu_memory_total_bytes", "GPU memory in all (NVML); gpu is the NVML index",
+                              labels=["gpu"])
+    kernel = GaugeMetricFamily("nbmem_kernel_gpu_memory_bytes",
+                               "GPU memory held by a kernel and its child processes (NVML); notebook is empty "
+                               "for a kernel without a session", labels=["gpu", "kernel_id", "notebook"])
+    for g in reading.gpus if reading else ():
+        gpu = str(g.index)
+        if g.used_bytes is not None:
+            used.add_metric([gpu], g.used_bytes)
+        if g.total_bytes is not None:
+            total.add_metric([gpu], g.total_bytes)
+        for k in g.kernels:
+            if k.used_bytes is not None:
+                kernel.add_metric([gpu, k.kernel_id, k.notebook or ""], k.used_bytes)
+    return [used, total, kernel]
+
+
+class GpuCollector:
+    """A prometheus_client collector over the monitor's reading.
+
+    It keeps no series between scrapes, so a kernel that is gone has no series: cardinality is bounded by
+    the kernels alive now.
+    """
+
+    def __init__(self, reading: Callable[[], Reading], log: Any) -> None:
+        self._reading = reading
+        self._log = log
+
+    def describe(self) -> list[Metric]:
+        # Names without samples: registering the collector must not read NVML.
+        return metric_families(None)
+
+    def collect(self) -> list[Metric]:
+        try:
+            reading = self._reading()
+        except Exception:  # one failure here would fail all of the server's metrics
+            self._log.exception("nbmem: reading GPU memory for /metrics failed")
+            return metric_families(None)
+        return metric_families(reading)
+
+
+# -- the extension -----------------------------------------------------------------------------------------
+class GpuHandler(APIHandler):
+    """``GET /api/nbmem/gpu``: the reading as JSON."""
+
+    # It shows the server's kernels and their notebooks: whoever may read kernels may read this.
+    auth_resource = "kernels"
+
+    @web.authenticated
+    @authorized
+    def get(self) -> None:
+        monitor: ServerMonitor = self.settings["nbmem_monitor"]
+        self.set_header("Content-Type", "application/json")
+        self.finish(json.dumps(monitor.reading().to_json()))
+
+
+def _nvml_binding(name: str) -> Any | None:
+    """The configured NVML module; None lets NvmlSource import pynvml itself and say so when it is missing."""
+    return None if name == "pynvml" else import_item(name)
+
+
+class NbmemServer(ExtensionApp):
+    """nbmem's server extension: GPU memory per kernel and notebook, as JSON and Prometheus metrics.
+
+    An ExtensionApp rather than a bare module, because only extension apps are told when the server stops
+    (``stop_extension``): that is where the collector leaves the process-wide registry.
+    """
+
+    name = "nbmem"
+
+    nvml_module = Unicode(
+        "pynvml",
+        help="""The NVML binding to read, as an import string ("module" or "module.attribute").
+        The default is NVIDIA's nvidia-ml-py (pynvml); tests name a fake here (e.g. "tests.fake_nvml").""",
+    ).tag(config=True)
+
+    monitor: ServerMonitor
+    _collector: GpuCollector | None = None
+
+    def initialize_settings(self) -> None:
+        assert self.serverapp is not None
+        # environ={}: the server sees every GPU, whatever CUDA_VISIBLE_DEVICES it was started with.
+        source = NvmlSource(nvml=_nvml_binding(self.nvml_module), environ={})
+        self.monitor = ServerMonitor(source, self.serverapp.kernel_manager, self.serverapp.session_manager)
+        # NVML's first init can take a while on a large machine: at startup, not in someone's request.
+        why = self.monitor.start()
+        if why:
+            self.log.warning("nbmem: %s; %s answers with this reason and no GPU numbers", why, ENDPOINT)
+        self.settings["nbmem_monitor"] = self.monitor
+        collector = GpuCollector(self.monitor.reading, self.log)
+        try:
+            REGISTRY.register(collector)
+        except ValueError as e:  # another server in this process registered the families and is still up
+            self.log.warning("nbmem: no GPU metrics in /metrics: %s", e)
+        else:
+            self._collector = collector
+
+    def initialize_handlers(self) -> None:
+        self.handlers.append((ENDPOINT, GpuHandler))
+
+    async def stop_extension(self) -> None:
+        if self._collector is not None:
+            REGISTRY.unregister(self._collector)
+            self._collector = None
+        self.monitor.close()
