@@ -36,6 +36,13 @@ def unload_ipython_extension(shell: Any) -> None:
     unload(shell)
 
 
+def _jupyter_server_extension_points() -> list[dict[str, Any]]:
+    """Where jupyter_server finds nbmem's server extension (only the server imports it)."""
+    from .server import _jupyter_server_extension_points as points
+
+    return points()
+
+
 def _session() -> Any:
     from .magics import session_of
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from .notebooks import notebook_of_pids
 from .records import AllocatorReading, Boundary, GpuDevice, GpuProcess, GpuReading, Sample
 
 #: How often the NVML process list may be asked for: it takes the driver's lock and can cost
@@ -196,12 +197,16 @@ class NvmlSource:
             self.process_reason = f"NVML cannot list processes on {device} ({e})"
             return None
         not_available = getattr(self._nv, "NVML_VALUE_NOT_AVAILABLE", None)
+        # Where this kernel's Jupyter server has nbmem's extension, it names every kernel by notebook.
+        notebooks = notebook_of_pids(int(p.pid) for p in raw)
         procs = []
         for p in raw:
+            pid = int(p.pid)
             used = getattr(p, "usedGpuMemory", None)
             if used is None or used == not_available:
                 used = None  # WDDM and MIG report no per-process memory
-            procs.append(GpuProcess(int(p.pid), None if used is None else int(used), _process_name(int(p.pid))))
+            name = f"notebook {notebooks[pid]}" if pid in notebooks else _process_name(pid)
+            procs.append(GpuProcess(pid, None if used is None else int(used), name))
         result = tuple(procs)
         self._proc_cache[device] = (now, result)
         return result

@@ -195,3 +195,14 @@ def test_a_device_this_process_does_not_use_is_not_blamed_on_containers():
     s = started(FakeNvml(procs=[SimpleNamespace(pid=4242, usedGpuMemory=700)]))
     g = s.read("cuda:1", cuda_in_use=False)
     assert g.process_used_bytes == 0 and s.process_reason is None
+
+
+def test_other_processes_are_named_by_notebook_where_the_jupyter_server_knows(monkeypatch):
+    import nbmem.sources as sources
+
+    monkeypatch.setattr(sources, "notebook_of_pids", lambda pids: {4242: "team/train.ipynb"})
+    procs = [SimpleNamespace(pid=pid, usedGpuMemory=b) for pid, b in ((os.getpid(), 100), (4242, 300), (5151, 200))]
+    src = NvmlSource(nvml=FakeNvml(procs=procs), environ={})
+    src.start()
+    names = {p.pid: p.name for p in src.processes("cuda:0")}
+    assert names[4242] == "notebook team/train.ipynb" and not names[5151].startswith("notebook")
