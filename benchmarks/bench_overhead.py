@@ -240,7 +240,7 @@ def bench_trace_memory(dev: str) -> None:
 
 def bench_footprint(quick: bool) -> None:
     from nbmem.magics import _ACTIVE
-    from nbmem.sources import Sample
+    from nbmem.records import Sample
 
     sh = new_shell()
     cells = 1_000 if quick else 10_000
@@ -254,10 +254,10 @@ def bench_footprint(quick: bool) -> None:
         t0 = time.time()
         for k in range(n_ticks):  # 24 h of samples on a simulated clock: cpu + 1 GPU a tick
             t = t0 + k * sess.settings.interval_s
-            sess.store.add_samples([Sample(t, "cpu", None, None, None, None, None, None, None, None, 10**9 + k),
-                                    Sample(t, "cuda:0", k, k, k, 0, k, 8 * 10**10, k, 0, 10**9 + k)])
-        ours = deep_size([sess.store, sess._findings, sess._first_seen, sess._last_scan, sess.faults,
-                          sess._finding_cells])
+            sess.store.add_tick([Sample(t, "cpu", None, None, None, None, None, None, None, None, 10**9 + k),
+                                 Sample(t, "cuda:0", k, k, k, 0, k, 8 * 10**10, k, 0, 10**9 + k)])
+        ours = deep_size([sess.store, sess._findings, sess.scanner, sess._last_scan, sess.faults,
+                          sess._finding_cells, sess._lines])
         kept = len(sess.store.sample_list())
         threads = [t.name for t in threading.enumerate() if t.name.startswith("nbmem")]
         cbs = sum(len(v) for v in sh.events.callbacks.values())

@@ -50,11 +50,11 @@ def main() -> int:
     sh = InteractiveShell.instance(config=cfg)
     sh.run_line_magic("load_ext", "nbmem")
     from nbmem.magics import _ACTIVE
-    from nbmem.sources import Sample
+    from nbmem.records import Sample, Tick
     from nbmem.widget import Gauge
 
     session = _ACTIVE[sh].session
-    gauge = Gauge(session, shell=sh)
+    gauge = Gauge(session)
     try:
         rate, sizes = measure(gauge, seconds)
         devices = len(session.probe.gpu_names())
@@ -67,8 +67,8 @@ def main() -> int:
             batch = [Sample(t, "cpu", None, None, None, None, None, None, None, None, 2**33 + k, 2**37, 2**36)]
             batch += [Sample(t, f"cuda:{i}", 2**34 + k * 2**20, 2**35, 2**34, 0, 2**36, 141 * 2**30, 2**35 + 2**29,
                              2**33, 2**33 + k) for i in range(8)]
-            session.store.add_samples(batch)
-            gauge._on_samples(batch)
+            session.store.add_tick(batch)
+            gauge._on_event(Tick(tuple(batch)))
 
         rate8, sizes8 = measure(gauge, seconds, feed=feed, interval_s=session.settings.interval_s)
         print(f"widget traffic, 8 GPUs (synthetic samples): {rate8:.2f} msg/s, median "

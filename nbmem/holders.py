@@ -1143,10 +1143,11 @@ def _mark_shared(out: list[Finding], members: Mapping[int, Held], graphs: Mappin
 
 def findings(cur: Scan, prev: Scan | None, cell: int, *, threshold_bytes: int,
              graphs: Mapping[int, Graph]) -> list[Finding]:
-    """What ``cell`` added: new storages, storages with new holders, and names gone while memory stays.
+    """What ``cell`` added: new storages, and memory whose variable was deleted while something else keeps it.
 
     A new storage that took the place of a freed one under the same path, no larger (a rebinding to a
-    same-size tensor, a gradient re-created by the next step), is not news.
+    same-size tensor, a gradient re-created by the next step), is not news; nor is a new name for memory
+    that was already there (a loop variable bound to the last batch): it adds nothing.
     """
     prev_storages = prev.storages if prev is not None else {}
     prev_at: dict[str, Held] = {}
@@ -1164,12 +1165,10 @@ def findings(cur: Scan, prev: Scan | None, cell: int, *, threshold_bytes: int,
             if not any(r.sid not in cur.storages and r.nbytes >= h.nbytes for r in replaced):
                 candidates.append(h)
             continue
-        new = h.roots - before.roots - set(ROTATING_OUTPUTS) - {"<last result>"}
         lost = sorted(r for r in set(deletable(before)) - h.roots)
-        if new or lost:
+        if lost:
             candidates.append(h)
-            if lost:
-                lost_by[sid] = lost
+            lost_by[sid] = lost
     return _with_groups(candidates, lambda _hs: cell, threshold_bytes, graphs, lost_by)
 
 

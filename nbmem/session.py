@@ -72,6 +72,7 @@ class _Open:
     reset: bool
     scan: bool
     baseline: Scan | None  # what the cell's findings are compared with
+    baseline_bytes: dict[str, int] | None  # its bytes per device, taken while its storages' graphs were alive
     mentioned: frozenset[str]
     gen_collections: int
     heap_bytes: int | None
@@ -99,6 +100,7 @@ class Session:
         self._told: set[str] = set()
         self._open: _Open | None = None
         self._last_scan: Scan | None = None
+        self._closed_scan: Scan | None = None  # the last scan a measured cell closed with
         self._scan_mark: tuple[Any, ...] | None = None
         self._gaps: dict[str, int] = {}  # allocated bytes no name reached, per device, after the last scan
         self._findings: dict[int, tuple[Finding, ...]] = {}
@@ -239,9 +241,10 @@ class Session:
         reset = self.settings.reset_peak if reset_peak is None else reset_peak
         do_scan = self.settings.scan if scan is None else scan
         want_lines = self.settings.lines if lines is None else lines
-        if do_scan and (self._last_scan is None or not self.monitoring):
-            # With monitoring on, the previous cell's closing scan is this cell's baseline.
-            self._rescan(cell=0, walk="all")
+        if do_scan and not self._baseline_fresh:
+            # The previous cell's closing scan is this cell's baseline; without one (monitoring began
+            # inside the previous cell, or it was not measured), what changed since is walked now.
+            self._rescan(cell=0, walk="changed")
         if reset:
             for i in range(self.probe.torch.device_count()):
                 self.probe.torch.reset_peak(i)
@@ -253,7 +256,9 @@ class Session:
                 recording = self.probe.torch.start_trace(stacks=want_lines, max_entries=self.settings.trace_entries)
             except Exception as e:
                 self.fault("the allocator trace", e)
-        self._open = _Open(cell, before, reset, do_scan, self._last_scan, mentioned, _collections(),
+        base = self._last_scan
+        base_bytes = self._tensor_bytes(base) if do_scan and base is not None else None
+        self._open = _Open(cell, before, reset, do_scan, base, base_bytes, mentioned, _collections(),
                            heap_bytes() if heap_bytes else None, recording, want_lines, source)
 
     @property
@@ -285,6 +290,7 @@ class Session:
         changed = False
         if o.scan:
             cur = self._scan_after_cell(o, after)
+            self._closed_scan = cur
             prev = o.baseline
             changed = cur is not prev  # the same scan object: nothing could have changed, nothing to redo
             if changed:
@@ -296,7 +302,8 @@ class Session:
                 self._current_of = None  # everything held now: computed when someone looks
             self._remember(o.cell, found)
             # The CPU has no allocator counters: its "allocated" is the live CPU tensor storages the scan found.
-            records = [replace(r, allocated_before_bytes=self._tensor_bytes(prev).get("cpu", 0) if prev else None,
+            records = [replace(r, allocated_before_bytes=o.baseline_bytes.get("cpu", 0) if o.baseline_bytes is not None
+                               else None,
                                allocated_after_bytes=self._tensor_bytes(cur).get("cpu", 0))
                        if r.device == "cpu" else r for r in records]
             unattributed = self._unattributed(records, cur)
@@ -321,6 +328,11 @@ class Session:
         if changed and self.subscribers:
             self._publish(Holders(self.findings()))
         return report
+
+    @property
+    def _baseline_fresh(self) -> bool:
+        """Whether the latest scan was a measured cell's closing scan, with monitoring still on."""
+        return self._closed_scan is not None and self._closed_scan is self._last_scan and self.monitoring
 
     def _scan_after_cell(self, o: _Open, after: Boundary) -> Scan:
         """The cell's closing scan: changed roots first; everything else only if memory moved unexplained."""
@@ -352,7 +364,7 @@ class Session:
         t = self.settings.threshold_bytes
         self.scanner.graphs(holders.graph_candidates(cur, prev), exclude=cur.storages)
         now = self._tensor_bytes(cur)
-        then = self._tensor_bytes(prev) if prev is not None else {}
+        then = o.baseline_bytes or {}
 
         def found(dev: str) -> int:
             return now.get(dev, 0) - then.get(dev, 0)
@@ -496,8 +508,8 @@ class Session:
     def _tensor_bytes(self, scan: Scan) -> dict[str, int]:
         """Bytes per device of the storages a scan found, and of the walked graphs they keep.
 
-        Kept for the last two scans (a cell's baseline and its closing scan); graphs walked later for
-        the same scan are not added, which only matters within one cell's accounting.
+        Kept for the last two scans. A scan's graphs are read from the live tensors, so a scan whose
+        storages have since died reads smaller: a cell keeps its baseline's figure from when it opened.
         """
         for s, totals in self._totals_cache:
             if s is scan:

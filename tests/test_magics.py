@@ -393,3 +393,11 @@ def test_a_cell_that_allocates_then_calls_leaks_still_reports_what_it_added(ip):
     ok(ip, "import nbmem as _nb\n_nb.leaks();")  # warm: pandas' first frame allocates a lot
     ok(ip, "x = torch.empty(2**20)\n_nb.leaks();")
     assert list(nbmem.leaks(cell=last_cell(ip))["name"]) == ["x"]
+
+
+def test_a_new_name_for_memory_already_there_is_not_news_but_a_moved_holder_is(ip):
+    ok(ip, "batches = [torch.ones(2**20) for _ in range(3)]")
+    ok(ip, "for b in batches: pass")  # the loop variable now also holds the last batch: nothing was added
+    assert nbmem.leaks(cell=last_cell(ip)).empty
+    ok(ip, "del batches")  # the last batch lives on in `b`: the report names what keeps it
+    assert list(nbmem.leaks(cell=last_cell(ip))["name"]) == ["b"]

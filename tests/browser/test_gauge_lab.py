@@ -209,9 +209,7 @@ window.mount = (state) => {
 
 def _gpu_state() -> dict[str, Any]:
     """What the publisher would send for a CPU and two GPUs, built by the real column builders."""
-    from nbmem.cells import CellRecord, CellReport
-    from nbmem.holders import Finding
-    from nbmem.sources import Sample
+    from nbmem.records import CellRecord, CellReport, Finding, HolderKind, Sample
     from nbmem.widget import cell_spans, history_columns, holder_rows, last_cell_row, snapshot_columns
 
     now = 1_800_000_000.0
@@ -227,11 +225,12 @@ def _gpu_state() -> dict[str, Any]:
                             peaks={"cpu": 4 * GiB, "cuda:0": 8 * GiB, "cuda:1": GiB}, cpu_tensors_bytes=GiB)
     rec = CellRecord(7, now - 30, 12.5, "cuda:0", 2 * GiB, 6 * GiB, 8 * GiB, 10 * GiB, 8 * GiB, "", 9 * GiB,
                      11 * GiB, 3 * GiB, 3 * GiB, None, "")
+    ns, out = HolderKind.NAMESPACE, HolderKind.OUTPUT
     findings = [
-        Finding(7, "model", ("model",), "namespace", "cuda:0", 3 * GiB, False, "", 0, ("model",), "cuda:0:a1"),
-        Finding(7, "loss", ("loss", "losses[3]"), "namespace", "cuda:0", 900 * MiB, True, "graph", 800 * MiB,
-                ("loss", "losses"), "cuda:0:b2"),
-        Finding(6, "_", ("_", "Out[6]"), "output", "cuda:0", 512 * MiB, False, "", 0, (), "cuda:0:c3"),
+        Finding(7, "model", ("model",), ns, "cuda:0", 3 * GiB, roots=("model",), id="cuda:0:a1"),
+        Finding(7, "loss", ("loss", "losses[3]"), ns, "cuda:0", 100 * MiB, 800 * MiB, True, hint="graph",
+                roots=("loss", "losses"), id="cuda:0:b2"),
+        Finding(6, "_", ("_", "Out[6]"), out, "cuda:0", 512 * MiB, id="cuda:0:c3"),
     ]
     return {"snapshot": snap, "history": history_columns(samples, now), "cells": cell_spans([rec], now),
             "processes": {"cuda:0": [{"pid": 4242, "name": "Jupyter kernel (python3)", "bytes": 12 * GiB},
@@ -278,6 +277,15 @@ def test_gpu_layout_from_fake_samples(page: Any, artifacts: Path) -> None:
     loss = gauge.locator("[data-role=holder][data-id='cuda:0:b2']")
     expect(loss.locator("[data-role=graph]")).to_be_visible()
     assert gauge.locator("[data-role=holder][data-id='cuda:0:c3'] [data-action=del]").is_disabled()
+    # The del button says which variables it deletes, before and while it asks to confirm.
+    del_loss = loss.locator("[data-action=del]")
+    expect(del_loss).to_have_text("del loss, losses")
+    del_loss.click()
+    expect(del_loss).to_have_text("del loss, losses?")
+    page.mouse.move(0, 0)
+    page.wait_for_timeout(4200)  # the confirmation lapses without a second click
+    expect(del_loss).to_have_text("del loss, losses")
+    assert page.evaluate("window.sent") == []
 
     # "to CPU" asks twice, then sends exactly one request naming the finding, and shows it pending.
     to_cpu = gauge.locator("[data-role=holder][data-id='cuda:0:a1'] [data-action=to_cpu]")
