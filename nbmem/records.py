@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -314,6 +314,16 @@ def finding_cells(f: Finding) -> list[str]:
 LEAK_TABLE = (Column("cell", numeric=True), *FINDING_TABLE)
 
 
+def finding_table(columns: tuple[Column, ...], findings: Sequence[Finding],
+                  rows: list[list[str]]) -> tuple[tuple[Column, ...], list[list[str]]]:
+    """The columns and rows to show: the line column only when some finding has a line (a --lines cell)."""
+    if any(f.line is not None for f in findings):
+        return columns, rows
+    keep = [c.title != "line" for c in columns]
+    return (tuple(c for c, k in zip(columns, keep) if k),
+            [[v for v, k in zip(row, keep) if k] for row in rows])
+
+
 @dataclass(frozen=True)
 class Leaks:
     """``%cudamem leaks``: findings as a table that fits the notebook (the DataFrame is ``nbmem.leaks()``)."""
@@ -321,21 +331,13 @@ class Leaks:
     findings: tuple[Finding, ...]
     title: str
 
-    def _rows(self) -> list[list[str]]:
-        return [[str(f.cell), *finding_cells(f)] for f in self.findings]
-
-    def _columns(self) -> tuple[Column, ...]:
-        has_line = any(f.line is not None for f in self.findings)
-        return tuple(c for c in LEAK_TABLE if has_line or c.title != "line")
-
-    def _keep(self, row: list[str]) -> list[str]:
-        has_line = any(f.line is not None for f in self.findings)
-        return [v for c, v in zip(LEAK_TABLE, row) if has_line or c.title != "line"]
+    def _table(self) -> tuple[tuple[Column, ...], list[list[str]]]:
+        return finding_table(LEAK_TABLE, self.findings, [[str(f.cell), *finding_cells(f)] for f in self.findings])
 
     def __str__(self) -> str:
         if not self.findings:
             return f"{self.title}: nothing above the threshold"
-        return self.title + "\n" + text_table(self._columns(), [self._keep(r) for r in self._rows()])
+        return self.title + "\n" + text_table(*self._table())
 
     def __repr__(self) -> str:
         return str(self)
@@ -346,8 +348,7 @@ class Leaks:
     def _repr_html_(self) -> str:
         if not self.findings:
             return f"<div class='nbmem-report'>{esc(self.title)}: nothing above the threshold</div>"
-        return ("<div class='nbmem-report'>" + html_table(self._columns(), [self._keep(r) for r in self._rows()],
-                                                           caption=self.title) + "</div>")
+        return "<div class='nbmem-report'>" + html_table(*self._table(), caption=self.title) + "</div>"
 
 
 # -- the report under a cell -------------------------------------------------------------------------------
@@ -442,6 +443,9 @@ class CellReport:
         err = f" · error: {self.error}" if self.error else ""
         return f"nbmem [{self.cell}] · {fmt_seconds(self.duration_s)}{err}"
 
+    def _finding_table(self) -> tuple[tuple[Column, ...], list[list[str]]]:
+        return finding_table(FINDING_TABLE, self.findings, [finding_cells(f) for f in self.findings])
+
     def _clean_line(self) -> str:
         c = self.last_report_cleanup()
         return f"`%cudamem clean --last-report` would run: {cleanup_text(c)[len('%cudamem clean '):]}" if c else ""
@@ -452,7 +456,7 @@ class CellReport:
             parts += [f"lines ({dev}):", text_table(LINE_TABLE, rows)]
         if self.findings:
             parts += ["holders of memory this cell added:",
-                      text_table(FINDING_TABLE, [finding_cells(f) for f in self.findings])]
+                      text_table(*self._finding_table())]
             if self._clean_line():
                 parts.append(self._clean_line())
         for dev, b in self.unattributed:
@@ -472,8 +476,7 @@ class CellReport:
         for dev, rows in self._line_tables():
             parts.append(html_table(LINE_TABLE, rows, caption=f"lines ({dev})"))
         if self.findings:
-            parts.append(html_table(FINDING_TABLE, [finding_cells(f) for f in self.findings],
-                                    caption="holders of memory this cell added"))
+            parts.append(html_table(*self._finding_table(), caption="holders of memory this cell added"))
             if self._clean_line():
                 parts.append(f"<div>{esc(self._clean_line())}</div>")
         for dev, b in self.unattributed:

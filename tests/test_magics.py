@@ -401,3 +401,13 @@ def test_a_new_name_for_memory_already_there_is_not_news_but_a_moved_holder_is(i
     assert nbmem.leaks(cell=last_cell(ip)).empty
     ok(ip, "del batches")  # the last batch lives on in `b`: the report names what keeps it
     assert list(nbmem.leaks(cell=last_cell(ip))["name"]) == ["b"]
+
+
+def test_the_line_column_shows_only_when_a_finding_has_a_line():
+    from nbmem.records import CellReport, Finding, HolderKind, Leaks
+
+    plain = Finding(3, "x", ("x",), HolderKind.NAMESPACE, "cpu", 4 * MiB, roots=("x",))
+    lined = Finding(3, "y", ("y",), HolderKind.NAMESPACE, "cuda:0", 4 * MiB, roots=("y",), line=2)
+    for record in (lambda fs: CellReport(3, 0.1, (), fs), lambda fs: Leaks(fs, "held now")):
+        assert " line " not in str(record((plain,))) and ">line<" not in record((plain,))._repr_html_()
+        assert " line " in str(record((plain, lined))) and ">line<" in record((plain, lined))._repr_html_()
