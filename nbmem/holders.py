@@ -18,6 +18,7 @@ Nothing here knows IPython, and a scan keeps no strong reference once it returns
 from __future__ import annotations
 
 import gc
+import re
 import sys
 import time
 import types
@@ -52,6 +53,8 @@ _SPARSE_LABELS = frozenset({".indices()", ".values()", ".crow_indices()", ".col_
 _CELL_CONTENTS: Any = vars(types.CellType)["cell_contents"]
 # Roles of a tensor, for hints.
 ROLE_GRAD, ROLE_PARAM, ROLE_OPTIM = "grad", "param", "optimizer state"
+# An optimizer's own paths to a parameter: a name for it only when no module reaches it any more.
+_OPTIMIZER_STEP = re.compile(r"\.param_groups\[")
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +159,7 @@ class _Walk:
     def __init__(self, torch: Any, types_: reach.TypeCache, deadline: float | None) -> None:
         self.torch = torch
         self.TB = getattr(torch._C, "TensorBase", None) or torch._C._TensorBase
+        self.Param = torch.nn.Parameter
         self.types = types_
         self.deadline = deadline
         self._sys_modules: set[int] | None = None
@@ -427,7 +431,9 @@ class _Walk:
             if st is not None and n > 0 and ptr != 0:
                 dev = str(TB.device.__get__(t))
                 ours = self.lk[node] == _L_TEXT  # our own label text; other labels may be user objects
-                role = ROLE_PARAM if self._is_param(node) else ROLE_GRAD if ours and self.lv[node] == ".grad" else ""
+                # A Parameter is one whichever path reached it first (the optimizer's state is keyed by them).
+                is_param = self.Param in type(t).__mro__ or self._is_param(node)
+                role = ROLE_PARAM if is_param else ROLE_GRAD if ours and self.lv[node] == ".grad" else ""
                 if not role and self._under_optimizer_state(node):
                     role = ROLE_OPTIM
                 span = int(TB.nbytes.__get__(t))
@@ -511,7 +517,10 @@ def _render(parts: list[str]) -> str:
 
 
 def _stability(path: str) -> int:
-    """Among output holders, prefer names that do not move: ``Out[n]``, then ``_n``, then ``_``."""
+    """Among output holders, prefer names that do not move: ``Out[n]``, then ``_n``, then ``_``; among
+    traceback frames, the user's own before a library's (``<traceback forward in torch>``)."""
+    if path.startswith("<traceback "):
+        return 1 if " in " in path else 0
     if path.startswith("Out["):
         return 0
     if is_output_name(path) and path not in ROTATING_OUTPUTS:
@@ -519,9 +528,16 @@ def _stability(path: str) -> int:
     return 2 if path in ROTATING_OUTPUTS or path.startswith("<last result>") else 0
 
 
-def _rank(item: tuple[str, HolderKind]) -> tuple[int, int, bool, int, str]:
-    path, kind = item
-    return KIND_RANK[kind], _stability(root_name(path)), ".keys()[" in path, len(path), path
+def _ranker(views: set[str]) -> Callable[[tuple[str, HolderKind]], tuple[int, int, bool, bool, bool, int, str]]:
+    """Holder order: kind, stable names, then whole tensors before small views of them (the dataset's
+    ``tensors[0]``, not ``x = dataset[0][0]``), a module's path before an optimizer's, then the shortest."""
+
+    def rank(item: tuple[str, HolderKind]) -> tuple[int, int, bool, bool, bool, int, str]:
+        path, kind = item
+        return (KIND_RANK[kind], _stability(root_name(path)), path in views, ".keys()[" in path,
+                bool(_OPTIMIZER_STEP.search(path)), len(path), path)
+
+    return rank
 
 
 def _container(path: str) -> str:
@@ -563,6 +579,7 @@ class _StorageState:
     roles: set[str] = field(default_factory=set)
     graph_tensor: weakref.ref[Any] | None = None
     graph: _GraphState | None = None  # walked once, on demand; saved storages are re-checked weakly
+    view_paths: set[str] = field(default_factory=set)  # paths to a tensor spanning less than the storage
 
 
 @dataclass
@@ -791,8 +808,11 @@ class Scanner:
                 r = w.roots[i]
                 fresh[i] = _RootState(now[r.path][1], r.kind, {}, [], n, secs, True)
         sid_of_node: dict[int, int] = {}
+        partial: set[int] = set()  # nodes of tensors that span less than their storage
         for f in w.found:
             n = int(f.storage.nbytes())
+            if f.span < n:
+                partial.add(f.node)
             if f.device.startswith("cuda"):
                 n = -(-n // CUDA_BLOCK) * CUDA_BLOCK
             sid = self._sid(f.storage, f.device, n, cell)
@@ -811,9 +831,9 @@ class Scanner:
             if held is not None and held.holders:  # the name it already has (model.0.weight)
                 return held.holders[0]
             if node is not None:
-                got = w.paths(node, lambda _t: "<tensor>")
+                got = [(_render(parts), w.roots[i].kind) for i, parts in w.paths(node, lambda _t: "<tensor>")]
                 if got:
-                    return _render(got[0][1])
+                    return min(got, key=_ranker(set()))[0]
             return "<tensor>"
 
         for f in w.found:
@@ -828,6 +848,8 @@ class Scanner:
                 path = _render(parts)
                 if path not in ps and len(ps) < MAX_HOLDERS:
                     ps.append(path)
+                views = self._storages[sid].view_paths
+                views.add(path) if f.node in partial else views.discard(path)
                 # Every root that reaches the tensor watches it: a gradient or a new storage appearing
                 # under it (model.weight.grad is also opt's) makes each of them walk again.
                 if watch is not None and i not in watched:
@@ -853,7 +875,7 @@ class Scanner:
                 self._held.pop(sid, None)
                 self._paths.pop(sid, None) if not found else None
                 continue
-            ranked = sorted(found.items(), key=_rank)[:MAX_HOLDERS]
+            ranked = sorted(found.items(), key=_ranker(st.view_paths))[:MAX_HOLDERS]
             self._held[sid] = Held(sid, st.device, st.nbytes, tuple(p for p, _ in ranked),
                                    tuple(k for _, k in ranked), ranked[0][1],
                                    st.graph_tensor is not None and st.graph_tensor() is not None,
@@ -1046,13 +1068,19 @@ def hint_for(h: Held, graph_bytes: int, *, lost: Sequence[str] = (), shared: Seq
         return f"{group:,} small tensors in `{where}`: clear it, or `del {root_name(where)}`"
     if ROLE_GRAD in h.roles and name.endswith(".grad"):
         return "a gradient: opt.zero_grad(set_to_none=True) frees gradients between steps"
+    roots = sorted({root_name(p) for p in h.holders})
+    if ROLE_PARAM in h.roles:
+        if _OPTIMIZER_STEP.search(name):  # no module path reaches it: its model is gone, the optimizer is not
+            return (f"a parameter only `{root_name(name)}` still holds (its model was deleted or rebound): "
+                    f"delete `{root_name(name)}` or make it again for the new model")
+        others = [r for r in roots if r != root_name(name)]
+        also = f", also held by {', '.join(others)}" if others else ""
+        move = f", or `{root_name(name)}.cpu()` moves it" if h.device.startswith("cuda") else ""
+        return f"part of `{root_name(name)}`{also}: deleting {'them' if others else 'it'} frees it{move}"
     if ROLE_OPTIM in h.roles:
         return f"optimizer state: it lives as long as `{root_name(name)}` does"
     if graph_bytes:
         return f"holds its autograd graph ({fmt_bytes(graph_bytes)}): keep `.item()` or `.detach()` instead"
-    if ROLE_PARAM in h.roles:
-        return f"part of `{root_name(name)}`: del it, or move it with `.cpu()`"
-    roots = sorted({root_name(p) for p in h.holders})
     if len(roots) > 1:
         return f"held by {len(roots)} names ({', '.join(roots)}): deleting one frees nothing"
     return f"`del {roots[0]}` frees it" if roots and roots[0].isidentifier() else ""
@@ -1146,8 +1174,11 @@ def findings(cur: Scan, prev: Scan | None, cell: int, *, threshold_bytes: int,
     """What ``cell`` added: new storages, and memory whose variable was deleted while something else keeps it.
 
     A new storage that took the place of a freed one under the same path, no larger (a rebinding to a
-    same-size tensor, a gradient re-created by the next step), is not news; nor is a new name for memory
-    that was already there (a loop variable bound to the last batch): it adds nothing.
+    same-size tensor, a gradient re-created by the next step), is not news, unless it keeps an autograd
+    graph of ``threshold_bytes`` or more (``loss`` of an evaluation run without ``no_grad``); nor is a
+    new name for memory that was already there (a loop variable bound to the last batch): it adds
+    nothing. A variable that reached the memory only through an object another name still holds (an
+    iterator over a dataset still named) kept nothing of its own: losing it is not news either.
     """
     prev_storages = prev.storages if prev is not None else {}
     prev_at: dict[str, Held] = {}
@@ -1162,14 +1193,32 @@ def findings(cur: Scan, prev: Scan | None, cell: int, *, threshold_bytes: int,
             continue  # a storage nobody re-walked: the same record, nothing new
         if before is None:
             replaced = [prev_at[x] for x in h.holders if x in prev_at]
-            if not any(r.sid not in cur.storages and r.nbytes >= h.nbytes for r in replaced):
+            g = graphs.get(sid)
+            if g is not None and g.nbytes >= threshold_bytes:  # `loss` rebound to a loss that keeps its graph
+                candidates.append(h)
+            elif not any(r.sid not in cur.storages and r.nbytes >= h.nbytes for r in replaced):
                 candidates.append(h)
             continue
-        lost = sorted(r for r in set(deletable(before)) - h.roots)
+        lost = [r for r in sorted(set(deletable(before)) - h.roots)
+                if not all(_through_kept(p, h.holders) for p in before.holders if root_name(p) == r)]
         if lost:
             candidates.append(h)
             lost_by[sid] = lost
     return _with_groups(candidates, lambda _hs: cell, threshold_bytes, graphs, lost_by)
+
+
+def _through_kept(lost: str, kept: Sequence[str]) -> bool:
+    """Whether ``lost`` went through an object a kept holder starts from.
+
+    ``dataiter._dataset.tensors[0]`` and ``trainset.tensors[0]``: ``dataiter._dataset`` is ``trainset``
+    (the same steps from there reach the same storage), so deleting ``dataiter`` could never free it.
+    """
+    start = len(root_name(lost))
+    for k in kept:
+        rest = k[len(root_name(k)):]
+        if rest and lost.endswith(rest) and len(lost) - len(rest) > start:
+            return True
+    return False
 
 
 def graph_candidates(cur: Scan, prev: Scan | None) -> list[int]:

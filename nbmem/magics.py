@@ -231,6 +231,7 @@ class NbmemMagics(Magics):
             report = self.session.end_cell(getattr(result, "error_in_exec", None))
             if report is not None and self.session.should_show(report):
                 self._display(report)
+                self.session.shown(report)
         except Exception as e:
             self.session.fault("post_run_cell", e)
 
@@ -346,6 +347,7 @@ class NbmemMagics(Magics):
             report = s.end_cell(error)
         if report is not None and not args.quiet:
             self._display(report)
+            s.shown(report)
         if error is not None:
             # The body's own run already showed the traceback (through any showtraceback you installed)
             # and set sys.last_* for %debug; failing this cell's result stops Run All here.
@@ -413,10 +415,13 @@ class NbmemMagics(Magics):
             req = CleanupRequest.of(args.names, args.to_cpu, args.outputs, args.traceback, not args.no_collect,
                                     not args.no_empty_cache)
             if args.last_report:
-                last = self.session.last_report
+                last = self.session.last_shown_report
                 if last is None:
-                    raise UsageError("%cudamem clean --last-report: no cell has been reported yet.")
+                    raise UsageError("%cudamem clean --last-report: no report has been shown yet. Nothing was removed.")
                 listed = last.last_report_cleanup()
+                if not listed and not req:
+                    raise UsageError(f"%cudamem clean --last-report: the last report shown (cell [{last.cell}]) "
+                                     "listed nothing to remove. Nothing was run.")
                 req = CleanupRequest(tuple(dict.fromkeys(req.names + listed.names)), req.to_cpu,
                                      req.outputs or listed.outputs, req.traceback or listed.traceback,
                                      req.collect, req.empty_cache)

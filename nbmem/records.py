@@ -541,7 +541,8 @@ class CleanupReport:
                 f"{fmt_bytes(self.freed_reserved_bytes)} reserved")
 
     def _held_lines(self) -> list[str]:
-        return [f"{name}: its memory is still held by {', '.join(others)}, which were not removed"
+        return [f"{name}: its memory is still held by {', '.join(others)} "
+                f"({'not named' if len(others) == 1 else 'none of them named'}, so not removed)"
                 for name, others in self.still_held]
 
     def __str__(self) -> str:

@@ -111,6 +111,7 @@ class Session:
         self._current: tuple[Finding, ...] = ()
         self._current_of: Scan | None = None  # the scan _current was computed from
         self.last_report: CellReport | None = None
+        self.last_shown_report: CellReport | None = None  # what `--last-report` cleans: what the user saw
         self._listeners: list[Listener] = []
         self._lock = threading.Lock()
 
@@ -449,6 +450,10 @@ class Session:
                              f"{fmt_bytes(r.reserved_after_bytes)} ({fmt_bytes(cached)} cached but free: "
                              f"fragmentation if large)")
         return (*out, *OOM_ADVICE)
+
+    def shown(self, report: CellReport) -> None:
+        """The adapter displayed ``report``; `%cudamem clean --last-report` now means this one."""
+        self.last_shown_report = report
 
     def should_show(self, report: CellReport) -> bool:
         if self.settings.show == "never":

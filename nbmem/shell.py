@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import sys
+import sysconfig
 import traceback as _tb
 import types
 from collections.abc import Iterator
@@ -21,6 +22,20 @@ from .holders import Root
 from .records import LAST_RESULT, ROTATING_OUTPUTS, HolderKind, is_cache_name, is_output_name
 
 _IPYTHON_MODULE_NAMES = ("__main__", "__mp_main__")
+
+
+_LIBRARY_DIRS = tuple({p for p in (sysconfig.get_paths().get("stdlib"), sysconfig.get_paths().get("purelib"),
+                                   sysconfig.get_paths().get("platlib")) if p})
+
+
+def _library_of(frame: types.FrameType) -> str:
+    """The top-level package of a frame in installed or standard-library code (``torch``), else ""."""
+    f = frame.f_code.co_filename
+    if not (f.startswith(_LIBRARY_DIRS) or "site-packages" in f or "dist-packages" in f):
+        return ""
+    g = frame.f_globals
+    name = dict.get(g, "__name__") if type(g) is dict else None
+    return name.partition(".")[0] if isinstance(name, str) and name else "a library"
 
 
 class ShellAdapter:
@@ -125,8 +140,10 @@ class ShellAdapter:
                 continue  # the cell's own top level: its names are the namespace, already walked
             if "site-packages" in code.co_filename and "IPython" in code.co_filename:
                 continue
+            where = _library_of(frame)  # a library's frame is named as such, and ranks after the user's
             for var, obj in reach.frame_locals(frame):
-                yield Root(f"<traceback {code.co_name}>.{var}", HolderKind.TRACEBACK, obj)
+                yield Root(f"<traceback {code.co_name}{f' in {where}' if where else ''}>.{var}", HolderKind.TRACEBACK,
+                           obj)
         e = getattr(sys, "last_value", None)
         if isinstance(e, BaseException):
             yield Root("<last exception>", HolderKind.TRACEBACK, e)

@@ -43,6 +43,7 @@ def test_deleting_a_name_leaves_other_names_bound_to_the_same_tensor(ip):
     assert shown not in ip.user_ns["Out"] and f"_{shown}" not in ip.user_ns and ip.user_ns["_"] == ""
     assert rep.freed_allocated_bytes == 0, "alias still holds the 16 MiB: nothing was freed"
     assert rep.still_held == (("x", ("alias",)),)
+    assert "x: its memory is still held by alias (not named, so not removed)" in str(rep)
     assert [s.action for s in rep.steps] == ["del", "gc.collect()", "empty_cache()"]
     assert "Out[" in rep.steps[0].note and "_" in rep.steps[0].note
 
@@ -160,6 +161,23 @@ def test_last_report_deletes_the_variables_it_named(ip):
     assert rep.freed_allocated_bytes == 8 * MiB
 
 
+def test_last_report_means_the_last_report_shown_not_a_hidden_one(ip):
+    ok(ip, "a = torch.empty(2**20)")
+    ok(ip, "y = 1")  # changed nothing: its report is recorded but not shown
+    assert _ACTIVE[ip].session.last_report.cell == last_cell(ip)
+    ip.run_line_magic("cudamem", "clean --last-report")
+    assert "a" not in ip.user_ns and "y" in ip.user_ns
+
+
+def test_last_report_that_listed_nothing_says_so_and_runs_nothing(ip, capsys):
+    ok(ip, "a = torch.empty(2**20)")
+    ok(ip, "%config Nbmem.show = 'always'")
+    ok(ip, "y = 1")
+    with pytest.raises(UsageError, match=r"listed nothing to remove\. Nothing was run"):
+        ip.run_line_magic("cudamem", "clean --last-report")
+    assert "a" in ip.user_ns
+
+
 def test_all_flagged_says_it_was_renamed_and_removes_nothing(ip):
     ok(ip, "a = torch.empty(2**20)")
     with pytest.raises(UsageError, match="--last-report"):
@@ -192,6 +210,16 @@ def test_clear_traceback_frees_the_frames_locals(ip):
     assert rep.freed_allocated_bytes == 16 * MiB
     assert "no longer inspect" in rep.steps[0].note
     assert nbmem.leaks().empty
+
+
+def test_a_failed_step_is_named_by_the_users_frame_not_the_librarys(ip):
+    # the batch reaches torch's forward() as `input`; the user knows it as train_step's `big_batch`
+    ok(ip, "model = torch.nn.Linear(1024, 8)\n"
+           "def train_step():\n    big_batch = torch.ones(2048, 1024)\n    return model(big_batch.T)")
+    assert not run(ip, "train_step()").success
+    f = nbmem.leaks(cell=last_cell(ip))
+    assert f["name"].iloc[0] == "<traceback train_step>.big_batch", f
+    assert "<traceback forward in torch>.input" in f["holders"].iloc[0]
 
 
 def test_to_cpu_keeps_the_data_bit_for_bit(ip):

@@ -79,6 +79,18 @@ def test_a_view_counts_its_whole_storage_once_lists_every_holder_and_says_it_is_
     assert only_view.what() == "a 4 B view of a 4.00 MiB storage"
 
 
+def test_a_storage_is_named_by_a_whole_tensor_before_a_short_name_for_a_small_view():
+    from torch.utils.data import TensorDataset
+
+    data = TensorDataset(torch.empty(MB, 2))
+    sc = Scanner(lambda: torch)
+    s = scan({"test_data": data, "x": data[0][0]}, sc)
+    assert by_holder(s, "x").holders[:2] == ("test_data.tensors[0]", "x")
+    # the same name, later bound to the whole tensor, is a whole tensor again
+    s = scan({"test_data": data, "x": data.tensors[0]}, sc)
+    assert by_holder(s, "x").holders[0] == "x"
+
+
 def test_closures_defaults_partials_methods_user_classes_and_hook_closures():
     kept = torch.empty(MB // 4)
 
@@ -513,3 +525,16 @@ def test_outputs_of_one_model_do_not_share_a_graph_but_a_loss_made_from_them_doe
     outs = [lin(torch.randn(512, 1024)) for _ in range(3)]
     by = {f.name: f for f in finds({"lin": lin, "outs": outs})}
     assert all(not by[f"outs[{i}]"].graph_shared_with for i in range(3)), "they meet only at lin's parameters"
+
+
+def test_a_parameter_is_part_of_its_model_whichever_root_was_walked_first():
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024))
+    opt = torch.optim.Adam(model.parameters())
+    model(torch.randn(4, 1024)).sum().backward()
+    opt.step()
+    hints = {f.name: f.hint for f in finds({"opt": opt, "model": model})}  # the optimizer's state keys first
+    assert hints["model.0.weight"] == "part of `model`, also held by opt: deleting them frees it"
+    assert hints["opt.state[model.0.weight]['exp_avg']"] == "optimizer state: it lives as long as `opt` does"
+    # the model deleted: only the optimizer holds the weight, and says so
+    hints = {f.name: f.hint for f in finds({"opt": opt})}
+    assert hints["opt.param_groups[0]['params'][0]"].startswith("a parameter only `opt` still holds")

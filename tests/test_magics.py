@@ -411,3 +411,37 @@ def test_the_line_column_shows_only_when_a_finding_has_a_line():
     for record in (lambda fs: CellReport(3, 0.1, (), fs), lambda fs: Leaks(fs, "held now")):
         assert " line " not in str(record((plain,))) and ">line<" not in record((plain,))._repr_html_()
         assert " line " in str(record((plain, lined))) and ">line<" in record((plain, lined))._repr_html_()
+
+
+def test_losing_a_name_is_news_only_when_it_kept_the_memory_itself(ip):
+    # the CIFAR-10 tutorial: `dataiter` moves from the training loader to the test loader
+    ok(ip, "from torch.utils.data import DataLoader, TensorDataset\n"
+           "trainset, testset = TensorDataset(torch.ones(2**20)), TensorDataset(torch.ones(2**20))\n"
+           "trainloader, testloader = DataLoader(trainset, batch_size=4), DataLoader(testset, batch_size=4)\n"
+           "dataiter = iter(trainloader)")
+    ok(ip, "dataiter = iter(testloader)")  # the old iterator reached the data only through `trainset`
+    assert nbmem.leaks(cell=last_cell(ip)).empty
+    # the transfer-learning tutorial: the scheduler moves from one optimizer to another
+    ok(ip, "model_ft, model_conv = torch.nn.Linear(1024, 1024), torch.nn.Linear(1024, 1024)\n"
+           "opt_ft = torch.optim.SGD(model_ft.parameters(), lr=0.1)\n"
+           "opt_conv = torch.optim.SGD(model_conv.parameters(), lr=0.1)\n"
+           "sched = torch.optim.lr_scheduler.StepLR(opt_ft, 1)")
+    ok(ip, "sched = torch.optim.lr_scheduler.StepLR(opt_conv, 1)")
+    assert nbmem.leaks(cell=last_cell(ip)).empty
+    # the quickstart: `model` reloaded while the optimizer still holds the old weights
+    ok(ip, "model = torch.nn.Linear(1024, 1024)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)")
+    ok(ip, "model = torch.nn.Linear(8, 8)")
+    f = nbmem.leaks(cell=last_cell(ip))
+    assert list(f["name"]) == ["opt.param_groups[0]['params'][0]"], f
+    assert "model was deleted or rebound" in f["hint"].iloc[0]
+
+
+def test_a_scalar_rebound_to_one_that_keeps_its_graph_is_reported(ip):
+    ok(ip, "w = torch.randn(1024, 1024, requires_grad=True)\nx = torch.randn(1024, 1024)\n"
+           "loss = (x @ w).relu().sum()\nloss.backward()")  # the training cell: backward freed the graph
+    ok(ip, "loss = (x @ w).relu().sum()")  # evaluation without no_grad: the same 4 B, a 4 MiB graph
+    f = nbmem.leaks(cell=last_cell(ip))
+    assert list(f["name"]) == ["loss"] and f["graph_bytes"].iloc[0] >= 4 * MiB, f
+    ok(ip, "loss.backward()")
+    ok(ip, "loss = torch.tensor(0.5)")  # a plain scalar in place of a scalar: nothing new
+    assert nbmem.leaks(cell=last_cell(ip)).empty
