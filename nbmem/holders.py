@@ -1073,10 +1073,12 @@ def hint_for(h: Held, graph_bytes: int, *, lost: Sequence[str] = (), shared: Seq
         if _OPTIMIZER_STEP.search(name):  # no module path reaches it: its model is gone, the optimizer is not
             return (f"a parameter only `{root_name(name)}` still holds (its model was deleted or rebound): "
                     f"delete `{root_name(name)}` or make it again for the new model")
-        others = [r for r in roots if r != root_name(name)]
+        others = [r for r in deletable(h) if r != root_name(name)]
         also = f", also held by {', '.join(others)}" if others else ""
+        if HolderKind.TRACEBACK in h.holder_kinds:
+            also += " and the last exception's frames (%cudamem clean --traceback)"
         move = f", or `{root_name(name)}.cpu()` moves it" if h.device.startswith("cuda") else ""
-        return f"part of `{root_name(name)}`{also}: deleting {'them' if others else 'it'} frees it{move}"
+        return f"part of `{root_name(name)}`{also}: deleting {'them' if also else 'it'} frees it{move}"
     if ROLE_OPTIM in h.roles:
         return f"optimizer state: it lives as long as `{root_name(name)}` does"
     if graph_bytes:

@@ -214,12 +214,15 @@ def test_clear_traceback_frees_the_frames_locals(ip):
 
 def test_a_failed_step_is_named_by_the_users_frame_not_the_librarys(ip):
     # the batch reaches torch's forward() as `input`; the user knows it as train_step's `big_batch`
-    ok(ip, "model = torch.nn.Linear(1024, 8)\n"
+    ok(ip, "model = torch.nn.Linear(1024, 1024)\n"
            "def train_step():\n    big_batch = torch.ones(2048, 1024)\n    return model(big_batch.T)")
     assert not run(ip, "train_step()").success
     f = nbmem.leaks(cell=last_cell(ip))
     assert f["name"].iloc[0] == "<traceback train_step>.big_batch", f
     assert "<traceback forward in torch>.input" in f["holders"].iloc[0]
+    hint = nbmem.leaks().set_index("name").loc["model.weight", "hint"]
+    assert hint == ("part of `model` and the last exception's frames (%cudamem clean --traceback): "
+                    "deleting them frees it"), hint
 
 
 def test_to_cpu_keeps_the_data_bit_for_bit(ip):
