@@ -594,6 +594,7 @@ class Scanner:
     def __init__(self, torch: Callable[[], Any]) -> None:
         self._torch = torch
         self._types = reach.TypeCache()
+        self._sig_types = reach.TypeCache()  # per type: how _signature reads an instance's size
         self._roots: dict[str, _RootState] = {}
         self._storages: dict[int, _StorageState] = {}
         self._by_obj: dict[int, int] = {}  # id(storage object) -> sid, checked against the weak reference
@@ -636,13 +637,17 @@ class Scanner:
         t = type(obj)
         size = -1
         try:
-            for base in (dict, list, tuple, deque, set, frozenset):
-                if reach.derives(t, base):
-                    size = base.__len__(obj)
-                    break
-            else:
-                if reach.is_tracked(obj) and not reach.is_atom_type(t):
-                    d = reach.instance_dict(obj, reach.layout(t))
+            how = self._sig_types.get(t)
+            if how is None:  # per type, once: which container length, or where the instance dict is
+                base = next((b for b in (dict, list, tuple, deque, set, frozenset) if reach.derives(t, b)), None)
+                how = (base, None if base is not None or reach.is_atom_type(t) else reach.layout(t))
+                self._sig_types.put(t, how)
+            base, lay = how
+            if base is not None:
+                size = base.__len__(obj)
+            elif lay is not None:
+                if reach.is_tracked(obj):
+                    d = reach.instance_dict(obj, lay)
                     if d is not None:
                         size = len(d)
                         for sub in ("_parameters", "_buffers", "_modules", "state"):

@@ -15,6 +15,7 @@ object's ``__getattr__``, ``__getattribute__``, ``__len__``, ``__iter__``, ``__e
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import types
 import weakref
@@ -314,8 +315,29 @@ def is_user_module(m: types.ModuleType) -> bool:
         return spec is None  # made by hand; a namespace package or frozen module has a spec
     if type(f) is not str:
         return False
-    prefixes = {p for p in (sys.prefix, sys.base_prefix, sys.exec_prefix) if p}
-    return not any(f.startswith(p) for p in prefixes) and "site-packages" not in f and "dist-packages" not in f
+    prefixes = tuple(p for p in (sys.prefix, sys.base_prefix, sys.exec_prefix) if p)
+    return (not f.startswith(prefixes) and "site-packages" not in f and "dist-packages" not in f
+            and not f.startswith(install_dirs()))
+
+
+_install_dirs: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+
+
+def install_dirs() -> tuple[str, ...]:
+    """The ``sys.path`` entries that packages were installed into (``pip install --target``, a
+    ``PYTHONPATH`` library folder): they hold ``*.dist-info`` folders. Looked at again when sys.path changes."""
+    global _install_dirs
+    key = tuple(p for p in sys.path if type(p) is str)
+    if _install_dirs[0] != key:
+        found = []
+        for p in key:
+            try:
+                if p and os.path.isdir(p) and any(e.endswith(".dist-info") for e in os.listdir(p)):
+                    found.append(os.path.join(os.path.abspath(p), ""))
+            except OSError:
+                continue
+        _install_dirs = (key, tuple(found))
+    return _install_dirs[1]
 
 
 def frame_locals(frame: types.FrameType) -> list[tuple[str, Any]]:

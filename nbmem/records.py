@@ -411,6 +411,10 @@ class Lines:
             + "</div>")
 
 
+UNATTRIBUTED = ("allocated, but no name reaches it: memory torch keeps in C++, such as the cuBLAS workspaces the "
+                "first matrix multiply on a device makes, or tensors a C extension holds")
+
+
 @dataclass(frozen=True)
 class CellReport:
     """What one cell did, shown under it: the cell records, findings, lines and advice."""
@@ -460,7 +464,7 @@ class CellReport:
             if self._clean_line():
                 parts.append(self._clean_line())
         for dev, b in self.unattributed:
-            parts.append(f"unattributed on {dev}: {fmt_bytes(b)} (allocated, but no name reaches it)")
+            parts.append(f"unattributed on {dev}: {fmt_bytes(b)} ({UNATTRIBUTED})")
         parts += [f"- {a}" for a in (*self.notes, *self.advice)]
         return "\n".join(parts)
 
@@ -480,8 +484,7 @@ class CellReport:
             if self._clean_line():
                 parts.append(f"<div>{esc(self._clean_line())}</div>")
         for dev, b in self.unattributed:
-            parts.append(f"<div>unattributed on {esc(dev)}: {esc(fmt_bytes(b))} (allocated, but no name reaches "
-                         f"it)</div>")
+            parts.append(f"<div>unattributed on {esc(dev)}: {esc(fmt_bytes(b))} ({esc(UNATTRIBUTED)})</div>")
         items = (*self.notes, *self.advice)
         if items:
             parts.append("<ul style='margin:2px 0'>" + "".join(f"<li>{esc(a)}</li>" for a in items) + "</ul>")

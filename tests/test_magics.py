@@ -445,3 +445,16 @@ def test_a_scalar_rebound_to_one_that_keeps_its_graph_is_reported(ip):
     ok(ip, "loss.backward()")
     ok(ip, "loss = torch.tensor(0.5)")  # a plain scalar in place of a scalar: nothing new
     assert nbmem.leaks(cell=last_cell(ip)).empty
+
+
+def test_a_users_own_module_is_a_holder_but_an_installed_one_is_not(ip, tmp_path, monkeypatch):
+    mine, installed = tmp_path / "mine", tmp_path / "target"
+    for d, name in ((mine, "helpers_mine"), (installed, "helpers_installed")):
+        d.mkdir()
+        (d / f"{name}.py").write_text("CACHE = []\n")
+        monkeypatch.syspath_prepend(str(d))
+    (installed / "helpers_installed-1.0.dist-info").mkdir()  # what `pip install --target` leaves
+    ok(ip, "import helpers_mine, helpers_installed")
+    ok(ip, "helpers_mine.CACHE.append(torch.empty(2**20))\nhelpers_installed.CACHE.append(torch.empty(2**20))")
+    f = nbmem.leaks(cell=last_cell(ip))
+    assert list(f["name"]) == ["helpers_mine.CACHE[0]"] and list(f["kind"]) == ["module"], f
