@@ -9,8 +9,18 @@
 import { fmtBytes, fmtSeconds, isNA } from "./format.js";
 import {
   CONFIRM_MS, agoLabel, cellSpans, peakPercent, press, rows, scaleOf, segments, seriesMax, sparkMax, sparkPath, sparkStart,
-  widths,
+  viewKind, widths,
 } from "./layout.js";
+
+/** The front end's name, as the page's Jupyter config says ("JupyterLab", "Jupyter Notebook"), or "". */
+function appName() {
+  try {
+    const node = document.getElementById("jupyter-config-data");
+    return node ? String(JSON.parse(node.textContent || "{}").appName || "") : "";
+  } catch {
+    return "";
+  }
+}
 
 /**
  * The part of the anywidget model this view uses.
@@ -272,6 +282,14 @@ export default {
    * @returns {() => void} cleanup, run when the view goes away
    */
   render({ model, el }) {
+    const inSidebar = el.closest("#jp-right-stack") !== null;
+    if (viewKind(model.get("placement"), appName(), inSidebar) === "pointer") {
+      const pointer = h("div", "nbmem-pointer", "nbmem: the live memory gauge is in the right sidebar "
+        + "(`%cudamem gauge --inline` puts it here).");
+      pointer.style.cssText = "font: 12px var(--jp-ui-font-family, sans-serif); opacity: .7; padding: 2px 0";
+      el.append(pointer);
+      return () => pointer.remove();
+    }
     const root = h("div", "nbmem-gauge");
     const style = h("style");
     style.textContent = CSS;

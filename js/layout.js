@@ -241,3 +241,17 @@ export function press(armed, key, now) {
   if (armed && armed.key === key && now - armed.at <= CONFIRM_MS) return { armed: null, fire: true };
   return { armed: { key, at: now }, fire: false };
 }
+
+/**
+ * What one view of the gauge shows. With automatic placement the kernel shows the gauge twice, in
+ * JupyterLab's sidebar (through sidecar) and under the cell, because only the page can tell which
+ * front end it is: Notebook 7 has no sidebar for sidecar, so its cell copy is the gauge; in
+ * JupyterLab the sidebar has it and the cell copy becomes one line saying where it went.
+ * @param {string} placement the model's placement: "auto", "sidebar" or "inline"
+ * @param {string} appName the page's `appName` from #jupyter-config-data ("" when there is none)
+ * @param {boolean} inSidebar whether this view sits in JupyterLab's right sidebar
+ * @returns {"gauge" | "pointer"}
+ */
+export function viewKind(placement, appName, inSidebar) {
+  return placement === "auto" && !inSidebar && appName === "JupyterLab" ? "pointer" : "gauge";
+}

@@ -3,7 +3,8 @@ import assert from "node:assert/strict";
 import { test } from "node:test";
 
 import {
-  CONFIRM_MS, agoLabel, cellSpans, diff, peakPercent, press, rows, scaleOf, segments, seriesMax, sparkMax, sparkPath, sparkStart, widths,
+  CONFIRM_MS, agoLabel, cellSpans, diff, peakPercent, press, rows, scaleOf, segments, seriesMax, sparkMax, sparkPath, sparkStart,
+  viewKind, widths,
 } from "./layout.js";
 
 const GiB = 2 ** 30;
@@ -131,4 +132,12 @@ test("a young session's sparkline starts at its first sample, at least 30 s back
   assert.equal(sparkStart([], 0, 300), -30);
   assert.equal(agoLabel(60), "−60 s");
   assert.equal(agoLabel(300), "−5 min");
+});
+
+test("automatic placement: JupyterLab's cell copy points to the sidebar; elsewhere it is the gauge", () => {
+  assert.equal(viewKind("auto", "JupyterLab", false), "pointer");
+  assert.equal(viewKind("auto", "JupyterLab", true), "gauge");
+  assert.equal(viewKind("auto", "Jupyter Notebook", false), "gauge"); // Notebook 7: no sidebar for sidecar
+  assert.equal(viewKind("auto", "", false), "gauge"); // unknown page: better twice than not at all
+  assert.equal(viewKind("inline", "JupyterLab", false), "gauge"); // asked for under the cell
 });

@@ -293,6 +293,7 @@ class Gauge(anywidget.AnyWidget):
     holders: traitlets.List[dict[str, Any]] = traitlets.List().tag(sync=True)
     action: traitlets.Dict[str, Any] = traitlets.Dict().tag(sync=True)
     note = traitlets.Unicode("").tag(sync=True)
+    placement = traitlets.Unicode("inline").tag(sync=True)  # "auto": the page decides (js/layout.js viewKind)
 
     def __init__(self, session: Session, *, start: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -464,7 +465,10 @@ def in_kernel(shell: Any) -> bool:
 
 
 def auto_place(environ: Mapping[str, str] | None = None) -> str:
-    """JupyterLab's sidebar, except where there is no sidebar to put it in (VS Code, Colab)."""
+    """JupyterLab's sidebar, except where there is surely no sidebar to put it in (VS Code, Colab).
+
+    A Jupyter server may be serving JupyterLab or Notebook 7; ``show_gauge`` leaves that to the page.
+    """
     env = os.environ if environ is None else environ
     if "VSCODE_PID" in env or "VSCODE_CWD" in env or "google.colab" in sys.modules:
         return "inline"
@@ -509,10 +513,20 @@ def show_gauge(session: Session, where: str, *, previous: Gauge | None = None, s
             try:
                 from sidecar import Sidecar
             except ImportError as e:
-                raise RuntimeError(f"the sidebar needs the sidecar package (pip install sidecar), or use "
-                                   f"`%cudamem gauge --inline` ({e})") from e
+                if where == "auto":
+                    place = "inline"  # nowhere else to put it: under the cell, as in VS Code
+                else:
+                    raise RuntimeError(f"the sidebar needs the sidecar package (pip install sidecar), or use "
+                                       f"`%cudamem gauge --inline` ({e})") from e
+        gauge.placement = place
+        if place == "sidebar":
             gauge.sidecar = Sidecar(title="nbmem")
             with gauge.sidecar:
+                display(gauge)
+            if where == "auto":
+                # The kernel cannot tell JupyterLab from Notebook 7, whose shell has no sidebar for
+                # sidecar: a second view under the cell is the gauge there, and a one-line pointer in Lab.
+                gauge.placement = "auto"
                 display(gauge)
         else:
             display(gauge)

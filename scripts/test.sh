@@ -99,7 +99,7 @@ else
   skip chromium "~0 s" "/usr/bin/chromium is missing and only root can apt-get it: the browser tests will skip"
 fi
 
-stage ruff "~1 s" .venv/bin/ruff check nbmem tests benchmarks
+stage ruff "~1 s" .venv/bin/ruff check nbmem tests benchmarks scripts
 stage mypy "~10 s" .venv/bin/mypy
 
 if command -v node >/dev/null 2>&1; then

@@ -475,6 +475,20 @@ def test_sidebar_then_inline_then_unload(ip: Any, kernel_like: list[Any]) -> Non
     assert not [t for t in threading.enumerate() if t.name == widget.THREAD_NAME]
 
 
+def test_auto_in_a_jupyter_server_shows_the_sidebar_and_a_copy_the_page_decides_on(ip: Any,
+                                                                                     kernel_like: list[Any]) -> None:
+    # JupyterLab shows the sidebar and turns the copy into a pointer; Notebook 7 has no sidebar for
+    # sidecar, so the copy is its gauge (js/layout.js viewKind; the browser tests see both pages).
+    gauge = show_gauge(_magics(ip).session, "auto", shell=ip)
+    assert gauge is not None and gauge.sidecar is not None
+    assert kernel_like == [gauge, gauge] and gauge.placement == "auto"
+    gauge.close()
+    kernel_like.clear()
+    gauge = show_gauge(_magics(ip).session, "sidebar", shell=ip)
+    assert gauge is not None and kernel_like == [gauge] and gauge.placement == "sidebar"
+    gauge.close()
+
+
 def test_auto_is_the_sidebar_except_in_vs_code_and_colab(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delitem(sys.modules, "google.colab", raising=False)
     assert widget.auto_place({}) == "sidebar"

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import re
 import time
 from pathlib import Path
@@ -11,6 +10,8 @@ from typing import Any
 
 import nbformat
 import pytest
+
+from tests.browser.conftest import Cells
 
 expect = pytest.importorskip("playwright.sync_api").expect
 
@@ -29,16 +30,10 @@ CELLS = [
     "%unload_ext nbmem",
 ]
 LOAD, KEPT, OUT, HOSTILE_CELL, GROW, CHECK, UNLOAD = range(len(CELLS))
-PROMPT_DONE = re.compile(r"^\[\d+\]:$")
-# NBMEM_DOCS_IMG=1 also writes the README's pictures (docs/img); by default only artifacts/ is written.
-DOCS_IMG = Path(__file__).resolve().parents[2] / "docs" / "img"
 
 
 def _save(locator: Any, artifacts: Path, name: str) -> None:
-    locator.screenshot(path=str(artifacts / name))
-    if os.environ.get("NBMEM_DOCS_IMG") == "1":
-        DOCS_IMG.mkdir(parents=True, exist_ok=True)
-        locator.screenshot(path=str(DOCS_IMG / name))
+    locator.screenshot(path=str(artifacts / name))  # the README's pictures: scripts/readme_pictures.py
 
 
 def _notebook(path: Path) -> None:
@@ -47,50 +42,7 @@ def _notebook(path: Path) -> None:
     nbformat.write(nb, path)
 
 
-class Notebook:
-    """The open notebook: run one cell like a user (click it, Shift+Enter) and read its output."""
-
-    def __init__(self, page: Any) -> None:
-        self.page = page
-        self.cells = page.locator(".jp-NotebookPanel .jp-Notebook .jp-Cell")
-
-    def prompt(self, i: int) -> str:
-        return str(self.cells.nth(i).locator(".jp-InputPrompt").inner_text()).strip()
-
-    def start(self, i: int) -> str:
-        """Run cell i without waiting for it; returns its prompt from before."""
-        expect(self.cells.nth(i).locator(".jp-InputPrompt")).to_have_text(re.compile(r"^\[[ \d]+\]:$"))
-        before = self.prompt(i)
-        for _ in range(20):
-            self.cells.nth(i).locator(".jp-InputArea-editor").click()
-            self.page.keyboard.press("Shift+Enter")
-            # A run asked for while the kernel is still connecting is dropped (the prompt stays
-            # "[ ]:"); once accepted it turns "[*]:" at once, so asking again is safe.
-            deadline = time.monotonic() + 1.5
-            while time.monotonic() < deadline:
-                p = self.prompt(i)
-                if p == "[*]:" or (p != before and PROMPT_DONE.match(p)):
-                    return before
-                time.sleep(0.05)
-        raise AssertionError(f"cell {i} never started")
-
-    def wait(self, i: int, before: str, timeout_s: float = 30) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            p = self.prompt(i)
-            if p != before and PROMPT_DONE.match(p):
-                return
-            assert time.monotonic() < deadline, f"cell {i} did not finish (prompt {p!r})"
-            time.sleep(0.05)
-
-    def run(self, i: int) -> None:
-        self.wait(i, self.start(i))
-
-    def output(self, i: int) -> str:
-        return str(self.cells.nth(i).locator(".jp-OutputArea").inner_text())
-
-
-def _leaks(nb: Notebook) -> dict[str, list[str]]:
+def _leaks(nb: Cells) -> dict[str, list[str]]:
     nb.run(CHECK)
     m = re.search(r"LEAKS (\{.*\})", nb.output(CHECK))
     assert m, nb.output(CHECK)
@@ -116,16 +68,19 @@ def test_gauge_in_jupyterlab(lab: Any, page: Any, artifacts: Path) -> None:
 
     page.goto(lab.url("/lab/tree/gauge.ipynb?reset"))  # ?reset: no restored workspace tabs
     page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for()
-    nb = Notebook(page)
+    nb = Cells(page)
     for i in (LOAD, KEPT, OUT, HOSTILE_CELL):
         nb.run(i)
 
-    # It renders in the right sidebar (sidecar), not in the notebook, with the CPU-only layout.
+    # It renders in the right sidebar (sidecar), not in the notebook, with the CPU-only layout; the copy
+    # "auto" also shows under the cell (Notebook 7's gauge) is one line here, saying where the gauge is.
     gauge = page.locator("#jp-right-stack .nbmem-gauge")
     expect(gauge).to_have_count(1)
+    expect(page.locator(".nbmem-gauge")).to_have_count(1)
+    expect(nb.cells.nth(LOAD).locator(".nbmem-pointer")).to_contain_text("in the right sidebar")
     expect(page.get_by_role("tab", name="nbmem")).to_have_count(1)
     assert gauge.evaluate("el => !el.closest('#jp-main-dock-panel')")
-    expect(gauge.locator("[data-role=note]")).to_contain_text("no GPU seen: NVML")
+    expect(gauge.locator("[data-role=note]")).to_contain_text("no GPU seen: no NVIDIA driver on this machine")
     cpu = gauge.locator("section[data-device=cpu]")
     expect(cpu.locator("li[data-seg=tensors] [data-role=value]")).not_to_have_text("NA")
     expect(cpu.locator("[data-role=sparkline] svg path").first).to_be_attached()
