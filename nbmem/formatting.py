@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 import math
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -53,21 +54,30 @@ def esc(text: object) -> str:
     return html.escape(str(text), quote=True)
 
 
+_TICKS = re.compile(r"`([^`]+)`")
+
+
+def prose(text: object) -> str:
+    """Escaped like ``esc``; then the `code` in backticks a hint or note carries is set as code."""
+    return _TICKS.sub(r"<code>\1</code>", esc(text))
+
+
 @dataclass(frozen=True)
 class Column:
     """How a table column reads: numbers right-aligned and never wrapped, text left-aligned."""
 
     title: str
     numeric: bool = False
-    code: bool = False  # names and paths: monospace, may break anywhere rather than widen the table
-    wide: bool = False  # prose (hints): takes the remaining width and wraps between words
+    code: bool = False  # names and paths: monospace, kept whole unless one alone is wider than the table
+    wide: bool = False  # prose (hints): takes the remaining width, wraps between words, `code` set as code
 
 
 def _cell_style(c: Column) -> str:
     if c.numeric:
         return "text-align:right;white-space:nowrap;font-variant-numeric:tabular-nums"
     if c.code:
-        return "text-align:left;font-family:var(--jp-code-font-family,monospace);overflow-wrap:anywhere;min-width:6em"
+        # A name breaks only when it alone is wider than the table; the hint column gives way first.
+        return "text-align:left;font-family:var(--jp-code-font-family,monospace);overflow-wrap:break-word"
     if c.wide:
         return "text-align:left;min-width:16em"
     return "text-align:left;white-space:nowrap"
@@ -77,8 +87,8 @@ def html_table(columns: Sequence[Column], rows: Sequence[Sequence[str]], *, capt
     """A table as wide as the notebook at most; cells are escaped here so callers pass plain text."""
     pad = "padding:2px 8px;vertical-align:top"
     head = "".join(f"<th style='{pad};{_cell_style(c)}'>{esc(c.title)}</th>" for c in columns)
-    body = "".join("<tr>" + "".join(f"<td style='{pad};{_cell_style(c)}'>{esc(v)}</td>" for c, v in zip(columns, r))
-                   + "</tr>" for r in rows)
+    body = "".join("<tr>" + "".join(f"<td style='{pad};{_cell_style(c)}'>{prose(v) if c.wide else esc(v)}</td>"
+                                    for c, v in zip(columns, r)) + "</tr>" for r in rows)
     cap = f"<caption style='text-align:left;font-weight:600'>{esc(caption)}</caption>" if caption else ""
     return (f"<table class='nbmem-table' style='max-width:100%;table-layout:auto;border-collapse:collapse'>{cap}"
             f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from .formatting import Column, esc, fmt_bytes, fmt_seconds, html_table, is_na, text_table
+from .formatting import Column, esc, fmt_bytes, fmt_seconds, html_table, is_na, prose, text_table
 
 
 class HolderKind(StrEnum):
@@ -239,8 +239,11 @@ class Finding:
         return self.storage_bytes + self.graph_bytes
 
     def what(self) -> str:
-        """The size, as a person reads it: views, groups and graphs said in words."""
+        """The size, as a person reads it: views, groups and graphs said in words ("tensor" when it is
+        just one tensor's storage: the bytes column says how big)."""
         parts = [fmt_bytes(self.storage_bytes)]
+        if self.tensors == 1 and self.view_bytes is None and not self.graph_bytes:
+            return "tensor"
         if self.tensors > 1:
             parts = [f"{self.tensors:,} tensors, {fmt_bytes(self.storage_bytes)}"]
         if self.view_bytes is not None:
@@ -482,12 +485,12 @@ class CellReport:
         if self.findings:
             parts.append(html_table(*self._finding_table(), caption="holders of memory this cell added"))
             if self._clean_line():
-                parts.append(f"<div>{esc(self._clean_line())}</div>")
+                parts.append(f"<div>{prose(self._clean_line())}</div>")
         for dev, b in self.unattributed:
             parts.append(f"<div>unattributed on {esc(dev)}: {esc(fmt_bytes(b))} ({esc(UNATTRIBUTED)})</div>")
         items = (*self.notes, *self.advice)
         if items:
-            parts.append("<ul style='margin:2px 0'>" + "".join(f"<li>{esc(a)}</li>" for a in items) + "</ul>")
+            parts.append("<ul style='margin:2px 0'>" + "".join(f"<li>{prose(a)}</li>" for a in items) + "</ul>")
         parts.append("</div>")
         return "".join(parts)
 

@@ -204,7 +204,7 @@ class Session:
             return (RESTART_ADVICE,)
         out = []
         if not nv.devices:
-            out.append(f"no GPU seen: {nv.reason or 'no GPU found'}")
+            out.append(f"no GPU seen: {nv.reason or 'no GPU found'}; showing this machine's memory")
         elif nv.process_reason:
             out.append(f"per-process numbers unknown: {nv.process_reason}")
         return tuple(out)
@@ -234,7 +234,7 @@ class Session:
         if gpus:
             return "nbmem: watching " + "; ".join(gpus) + ". %cudamem? for help."
         why = self.probe.nvml.reason or "no GPU found"
-        return f"nbmem: no GPU seen ({why}); tracking CPU tensors and RSS. %cudamem? for help."
+        return f"nbmem: no GPU seen: {why}. Tracking CPU tensors and RSS; %cudamem? for help."
 
     # -- cells -----------------------------------------------------------------------------------------
     def begin_cell(self, cell: int, *, source: str = "", reset_peak: bool | None = None,

@@ -132,7 +132,7 @@ class NvmlSource:
         try:
             self._call("nvmlInit")
         except NvmlFailure as e:
-            self.reason = f"NVML is not available ({e}): no NVIDIA driver, or no GPU on this machine"
+            self.reason = _nvml_init_reason(str(e))
             self._nv = None
             return
         try:
@@ -507,3 +507,15 @@ class Probe:
             nv[name] = self.nvml.read(name, cuda_in_use=used,
                                       max_age_s=BOUNDARY_MAX_AGE_S if used else PROCESS_LIST_MIN_INTERVAL_S)
         return Boundary(self._wall(), self._mono(), self.host.rss_bytes(), self.host.max_rss_bytes(), alloc, nv)
+
+
+def _nvml_init_reason(error: str) -> str:
+    """Why NVML did not start, as a user reads it (the gauge shows it): the cause first, NVML's words after."""
+    low = error.lower()
+    if "library not found" in low:
+        return "no NVIDIA driver on this machine (NVML's library is missing)"
+    if "driver not loaded" in low:
+        return "the NVIDIA driver is installed but not loaded (NVML: Driver Not Loaded)"
+    if "insufficient permissions" in low or "no permission" in low:
+        return "no permission to read the GPU (NVML: Insufficient Permissions)"
+    return f"NVML did not start ({error}): no NVIDIA driver, or no GPU on this machine"

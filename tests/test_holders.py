@@ -77,6 +77,8 @@ def test_a_view_counts_its_whole_storage_once_lists_every_holder_and_says_it_is_
     (only_view,) = finds({"dataset": torch.empty(MB)[:1]})
     assert only_view.view_bytes == 4 and only_view.storage_bytes == 4 * MB
     assert only_view.what() == "a 4 B view of a 4.00 MiB storage"
+    (whole,) = finds({"big": big})
+    assert whole.what() == "tensor", "the bytes column already says 4.00 MiB"
 
 
 def test_a_storage_is_named_by_a_whole_tensor_before_a_short_name_for_a_small_view():
