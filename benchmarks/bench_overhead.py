@@ -21,49 +21,14 @@ import threading
 import time
 import types
 
+from harness import Quiet, cell, line, new_shell, print_summary  # benchmarks/ is on sys.path when run as a script
 from IPython.core.interactiveshell import InteractiveShell
-from traitlets.config import Config
 
-SUMMARY: list[str] = []
 SIZES: list[int] = []  # --sizes: namespace sizes for the per-cell figures
-
-
-def line(name: str, value: str) -> None:
-    SUMMARY.append(f"{name}: {value}")
-    print(f"  {name}: {value}", flush=True)
 
 
 def spread(xs: list[float]) -> str:
     return f"median {statistics.median(xs):.3f} (min {min(xs):.3f}, max {max(xs):.3f}, n={len(xs)})"
-
-
-def new_shell(gauge: str = "none") -> InteractiveShell:
-    InteractiveShell.clear_instance()
-    cfg = Config()
-    cfg.HistoryManager.hist_file = ":memory:"
-    cfg.Nbmem.gauge = gauge
-    cfg.Nbmem.show = "never"
-    return InteractiveShell.instance(config=cfg)
-
-
-def cell(sh: InteractiveShell, src: str) -> float:
-    t = time.perf_counter()
-    r = sh.run_cell(src, store_history=True)
-    dt = time.perf_counter() - t
-    if not r.success:
-        raise RuntimeError(f"{src[:60]!r}: {r.error_in_exec or r.error_before_exec!r}")
-    return dt
-
-
-class Quiet:
-    """Silence the cell output (reports, ipyexperiments' tables) while timing."""
-
-    def __enter__(self):
-        self.out, sys.stdout = sys.stdout, open(os.devnull, "w")
-
-    def __exit__(self, *a):
-        sys.stdout.close()
-        sys.stdout = self.out
 
 
 # -- what is compared -------------------------------------------------------------------------------
@@ -367,10 +332,7 @@ def main() -> int:
     for name, fn in steps:
         if not only or name in only:
             fn()
-    print("\n=== summary ===")
-    for s in SUMMARY:
-        print(s)
-    return 0
+    return print_summary()
 
 
 if __name__ == "__main__":

@@ -24,10 +24,9 @@ import time
 from dataclasses import dataclass
 from string import Template
 
+from harness import Quiet, cell, line, new_shell, print_summary  # benchmarks/ is on sys.path when run as a script
 from IPython.core.interactiveshell import InteractiveShell
-from traitlets.config import Config
 
-SUMMARY: list[str] = []
 T0 = time.perf_counter()
 
 MOVE = "bag.append(torch.empty(2**20, device=DEV))"  # keeps 4 MiB more
@@ -35,43 +34,8 @@ EMPTY = "pass"
 KINDS = {"memory-moving cell": MOVE, "empty cell": EMPTY}
 
 
-def line(name: str, value: str) -> None:
-    SUMMARY.append(f"{name}: {value}")
-    print(f"  {name}: {value}", flush=True)
-
-
 def progress(msg: str) -> None:
     print(f"[{time.perf_counter() - T0:6.1f} s] {msg}", file=sys.stderr, flush=True)
-
-
-def new_shell() -> InteractiveShell:
-    InteractiveShell.clear_instance()
-    cfg = Config()
-    cfg.HistoryManager.hist_file = ":memory:"
-    cfg.Nbmem.gauge = "none"
-    cfg.Nbmem.show = "never"
-    return InteractiveShell.instance(config=cfg)
-
-
-def cell(sh: InteractiveShell, src: str, *, fails: bool = False) -> float:
-    t = time.perf_counter()
-    r = sh.run_cell(src, store_history=True)
-    dt = time.perf_counter() - t
-    if r.success == fails:
-        why = "succeeded, but should fail" if fails else repr(r.error_in_exec or r.error_before_exec)
-        raise RuntimeError(f"{src[:60]!r}: {why}")
-    return dt
-
-
-class Quiet:
-    """Silence the cells' output (greetings, Out[] reprs, tracebacks) while timing."""
-
-    def __enter__(self):
-        self.out, sys.stdout = sys.stdout, open(os.devnull, "w")
-
-    def __exit__(self, *a):
-        sys.stdout.close()
-        sys.stdout = self.out
 
 
 # -- the namespaces ---------------------------------------------------------------------------------
@@ -345,10 +309,7 @@ def main() -> int:
     for k in keys:
         bench_shape(BY_KEY[k], a.device, a.quick, reps)
     line("benchmark wall time", f"{time.perf_counter() - T0:.0f} s")
-    print("\n=== summary ===")
-    for s in SUMMARY:
-        print(s)
-    return 0
+    return print_summary()
 
 
 if __name__ == "__main__":

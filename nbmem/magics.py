@@ -152,48 +152,42 @@ Nbmem = type("Nbmem", (_Options,), {"__doc__": "nbmem's options (%config Nbmem l
 
 # -- the adapter -----------------------------------------------------------------------------------------
 @contextlib.contextmanager
-def _compiled_as(shell: Any, number: int) -> Iterator[None]:
+def _instance_attr(obj: Any, name: str, value: Any) -> Iterator[None]:
+    """Set ``obj.name`` on the instance for the block; then restore what was there, unless someone replaced it."""
+    had, previous = name in vars(obj), vars(obj).get(name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        if vars(obj).get(name) is value:
+            if had:
+                setattr(obj, name, previous)
+            else:
+                delattr(obj, name)
+
+
+def _compiled_as(shell: Any, number: int) -> contextlib.AbstractContextManager[None]:
     """Compile cells run inside as cell ``number``, so their tracebacks say ``In[number]``.
 
     ``shell.run_cell`` names a cell by the execution count, which has already moved on to the next
     cell while this one runs.
     """
-    comp = shell.compile
-    had = "cache" in vars(comp)
-    original = comp.cache
+    original = shell.compile.cache
 
     def cache(transformed_code: str, number_: int = 0, raw_code: str | None = None) -> str:
         return original(transformed_code, number, raw_code=raw_code)
 
-    comp.cache = cache
-    try:
-        yield
-    finally:
-        if vars(comp).get("cache") is cache:
-            if had:
-                comp.cache = original
-            else:
-                del comp.cache
+    return _instance_attr(shell.compile, "cache", cache)
 
 
-@contextlib.contextmanager
-def _semicolon_of(shell: Any, body: str) -> Iterator[None]:
+def _semicolon_of(shell: Any, body: str) -> contextlib.AbstractContextManager[None]:
     """IPython decides "ends with ;" from the outer cell (the magic call): ask about the body instead."""
     dh = shell.displayhook
-    had, previous = "quiet" in vars(dh), vars(dh).get("quiet")
 
     def quiet() -> bool:
         return bool(dh.semicolon_at_end_of_expression(body))
 
-    dh.quiet = quiet
-    try:
-        yield
-    finally:
-        if vars(dh).get("quiet") is quiet:
-            if had:
-                dh.quiet = previous
-            else:
-                del dh.quiet
+    return _instance_attr(dh, "quiet", quiet)
 
 
 @magics_class

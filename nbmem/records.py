@@ -327,8 +327,18 @@ def finding_table(columns: tuple[Column, ...], findings: Sequence[Finding],
             [[v for v, k in zip(row, keep) if k] for row in rows])
 
 
-@dataclass(frozen=True)
-class Leaks:
+class Shown:
+    """A record a person reads: the shell and ``repr`` print its text (``__str__``); notebooks use its HTML."""
+
+    def __repr__(self) -> str:
+        return str(self)
+
+    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
+        p.text(str(self))
+
+
+@dataclass(frozen=True, repr=False)
+class Leaks(Shown):
     """``%cudamem leaks``: findings as a table that fits the notebook (the DataFrame is ``nbmem.leaks()``)."""
 
     findings: tuple[Finding, ...]
@@ -341,12 +351,6 @@ class Leaks:
         if not self.findings:
             return f"{self.title}: nothing above the threshold"
         return self.title + "\n" + text_table(*self._table())
-
-    def __repr__(self) -> str:
-        return str(self)
-
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
-        p.text(str(self))
 
     def _repr_html_(self) -> str:
         if not self.findings:
@@ -384,8 +388,8 @@ def line_cells(r: LineRecord, peak_line: int | None) -> list[str]:
             fmt_bytes(r.peak_allocated_bytes) + mark, r.top_frame]
 
 
-@dataclass(frozen=True)
-class Lines:
+@dataclass(frozen=True, repr=False)
+class Lines(Shown):
     """``%cudamem lines``: a cell's lines (the DataFrame is ``nbmem.lines()``)."""
 
     cell: int
@@ -402,12 +406,6 @@ class Lines:
             parts += [f"{dev}:", text_table(LINE_TABLE, rows)]
         return "\n".join(parts)
 
-    def __repr__(self) -> str:
-        return str(self)
-
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
-        p.text(str(self))
-
     def _repr_html_(self) -> str:
         return ("<div class='nbmem-report'>" + "".join(
             html_table(LINE_TABLE, rows, caption=f"nbmem [{self.cell}] lines ({dev})") for dev, rows in self._tables())
@@ -418,8 +416,8 @@ UNATTRIBUTED = ("allocated, but no name reaches it: memory torch keeps in C++, s
                 "first matrix multiply on a device makes, or tensors a C extension holds")
 
 
-@dataclass(frozen=True)
-class CellReport:
+@dataclass(frozen=True, repr=False)
+class CellReport(Shown):
     """What one cell did, shown under it: the cell records, findings, lines and advice."""
 
     cell: int
@@ -471,12 +469,6 @@ class CellReport:
         parts += [f"- {a}" for a in (*self.notes, *self.advice)]
         return "\n".join(parts)
 
-    def __repr__(self) -> str:
-        return str(self)
-
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
-        p.text(str(self))
-
     def _repr_html_(self) -> str:
         parts = [f"<div class='nbmem-report'><div style='font-weight:600'>{esc(self._head())}</div>",
                  html_table(SUMMARY_COLUMNS, [r.summary_cells() for r in self.records])]
@@ -518,8 +510,8 @@ CLEANUP_COLUMNS = (Column("step"), Column("target", code=True), Column("freed al
                    Column("freed reserved", numeric=True), Column("note", wide=True))
 
 
-@dataclass(frozen=True)
-class CleanupReport:
+@dataclass(frozen=True, repr=False)
+class CleanupReport(Shown):
     """What a cleanup removed, step by step, and the bytes each step gave back."""
 
     steps: tuple[CleanupStep, ...]
@@ -553,12 +545,6 @@ class CleanupReport:
 
     def __str__(self) -> str:
         return "\n".join([self._head(), text_table(CLEANUP_COLUMNS, self._rows()), *self._held_lines()])
-
-    def __repr__(self) -> str:
-        return str(self)
-
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
-        p.text(str(self))
 
     def _repr_html_(self) -> str:
         held = "".join(f"<div>{esc(x)}</div>" for x in self._held_lines())
@@ -594,8 +580,8 @@ class Fault:
     count: int
 
 
-@dataclass(frozen=True)
-class Status:
+@dataclass(frozen=True, repr=False)
+class Status(Shown):
     """What nbmem can and cannot see, and why; shown by ``%cudamem status``."""
 
     devices: tuple[str, ...]
@@ -615,8 +601,3 @@ class Status:
         lines += [f"fault in {f.where} (x{f.count}): {f.error}" for f in self.faults]
         return "\n".join(lines)
 
-    def __repr__(self) -> str:
-        return str(self)
-
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
-        p.text(str(self))

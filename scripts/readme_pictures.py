@@ -13,12 +13,8 @@ pop-up), in the light theme, at 100 % zoom. Look at the pictures before committi
 from __future__ import annotations
 
 import json
-import os
 import re
-import secrets
 import shutil
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,16 +28,15 @@ from playwright.sync_api import TimeoutError as PlaywrightTimeout
 from playwright.sync_api import ViewportSize, sync_playwright
 
 ROOT = Path(__file__).resolve().parents[1]
-CHROMIUM = "/usr/bin/chromium"
-FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync"]
+sys.path.insert(0, str(ROOT))
+from tests.browser.jupyter import ANNOUNCEMENTS, CHROMIUM, FLAGS, LAB, serve  # noqa: E402  (the tests' server)
+
 WINDOW: ViewportSize = {"width": 1400, "height": 900}
-#: The leak report's table needs about 1300 px to keep each holder's name on one line (nbmem lets a name
-#: break anywhere rather than widen the table); the picture is cropped to the cell anyway.
+#: A wide window keeps the leak report's hint column from wrapping; the picture is cropped to the cell anyway.
 WIDE_WINDOW: ViewportSize = {"width": 1500, "height": 900}
 #: Front-end plugins that would put something in the picture that is not nbmem: the news pop-up, and the
 #: "open in Notebook" button that the notebook package adds to JupyterLab's toolbar.
-DISABLED = ["@jupyterlab/apputils-extension:announcements", "@jupyter-notebook/lab-extension"]
+DISABLED = (ANNOUNCEMENTS, "@jupyter-notebook/lab-extension")
 SIDEBAR_PX = 460  # the gauge's sidebar in the training picture
 PAUSE_S = 5.0  # between the training notebook's cells
 PROMPT_DONE = re.compile(r"^\[\d+\]:$")
@@ -52,45 +47,10 @@ def jupyterlab(notebooks: list[Path]) -> Iterator[tuple[str, str]]:
     """A JupyterLab server on a free port with copies of ``notebooks``; yields its base URL and token."""
     with tempfile.TemporaryDirectory(prefix="nbmem-pictures-") as tmp:
         d = Path(tmp)
-        for sub in ("cfg/labconfig", "rt", "ipy", "data"):
-            (d / sub).mkdir(parents=True)
-        page_config = {"disabledExtensions": dict.fromkeys(DISABLED, True)}
-        (d / "cfg/labconfig/page_config.json").write_text(json.dumps(page_config))
         for nb in notebooks:
             shutil.copy(nb, d / nb.name)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        token = secrets.token_hex(16)
-        env = {**os.environ, "JUPYTER_CONFIG_DIR": str(d / "cfg"), "JUPYTER_RUNTIME_DIR": str(d / "rt"),
-               "IPYTHONDIR": str(d / "ipy"), "JUPYTER_DATA_DIR": str(d / "data")}
-        env.pop("VSCODE_PID", None)  # the gauge would go inline instead of into the sidebar
-        env.pop("VSCODE_CWD", None)
-        with (d / "server.log").open("wb") as log:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "jupyterlab", "--no-browser", "--ip=127.0.0.1", f"--port={port}", "--allow-root",
-                 f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={d}", "--KernelManager.transport=ipc",
-                 "--LabApp.news_url=None", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"],
-                env=env, cwd=d, stdout=log, stderr=subprocess.STDOUT)
-            base = f"http://127.0.0.1:{port}"
-            try:
-                deadline = time.monotonic() + 60
-                while True:
-                    try:
-                        with urllib.request.urlopen(f"{base}/api/status?token={token}", timeout=1):
-                            break
-                    except OSError:
-                        if proc.poll() is not None or time.monotonic() > deadline:
-                            raise RuntimeError("JupyterLab did not start:\n"
-                                               + (d / "server.log").read_text()[-3000:]) from None
-                        time.sleep(0.2)
-                yield base, token
-            finally:
-                proc.terminate()  # it shuts its kernels down too
-                try:
-                    proc.wait(15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
+        with serve(d, LAB, disabled=DISABLED) as server:
+            yield server.base, server.token
 
 
 def accept_kernel_dialog(page: Any) -> None:

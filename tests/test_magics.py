@@ -454,7 +454,11 @@ def test_a_users_own_module_is_a_holder_but_an_installed_one_is_not(ip, tmp_path
         (d / f"{name}.py").write_text("CACHE = []\n")
         monkeypatch.syspath_prepend(str(d))
     (installed / "helpers_installed-1.0.dist-info").mkdir()  # what `pip install --target` leaves
-    ok(ip, "import helpers_mine, helpers_installed")
-    ok(ip, "helpers_mine.CACHE.append(torch.empty(2**20))\nhelpers_installed.CACHE.append(torch.empty(2**20))")
-    f = nbmem.leaks(cell=last_cell(ip))
-    assert list(f["name"]) == ["helpers_mine.CACHE[0]"] and list(f["kind"]) == ["module"], f
+    try:
+        ok(ip, "import helpers_mine, helpers_installed")
+        ok(ip, "helpers_mine.CACHE.append(torch.empty(2**20))\nhelpers_installed.CACHE.append(torch.empty(2**20))")
+        f = nbmem.leaks(cell=last_cell(ip))
+        assert list(f["name"]) == ["helpers_mine.CACHE[0]"] and list(f["kind"]) == ["module"], f
+    finally:  # modules outlive the shell: later tests must not find their tensors
+        for name in ("helpers_mine", "helpers_installed"):
+            sys.modules.pop(name, None)

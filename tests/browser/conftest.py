@@ -1,92 +1,32 @@
-"""A real JupyterLab on a free loopback port and headless Chromium, as research/browser-recipe.md found works."""
+"""Fixtures for the browser tests: a Jupyter server (tests/browser/jupyter.py), a Chromium page, a cell driver."""
 
 from __future__ import annotations
 
-import json
-import os
 import re
-import secrets
 import shutil
-import socket
-import subprocess
-import sys
 import time
-import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import pytest
 
-CHROMIUM = "/usr/bin/chromium"
-FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
-         "--disable-component-update", "--disable-sync"]
+from tests.browser.jupyter import CHROMIUM, FLAGS, LAB, NOTEBOOK7, Server, serve
+
 ARTIFACTS = Path(__file__).resolve().parents[2] / "artifacts"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-class Server:
-    """A running Jupyter server (JupyterLab or Notebook 7): its base URL, token and root folder."""
-
-    def __init__(self, root: Path, port: int, token: str, proc: subprocess.Popen[bytes]) -> None:
-        self.root = root
-        self.base = f"http://127.0.0.1:{port}"
-        self.token = token
-        self.proc = proc
-
-    def url(self, path: str) -> str:
-        return f"{self.base}/{path.lstrip('/')}{'&' if '?' in path else '?'}token={self.token}"
-
-
 def _serve(d: Path, app: list[str]) -> Iterator[Server]:
-    """``python -m <app...>`` isolated in ``d`` (its own config, runtime, IPython and data dirs), stopped after."""
     if not shutil.which(CHROMIUM):
         pytest.skip(f"{CHROMIUM} is missing: bash scripts/test.sh installs it when run as root, "
                     f"or apt-get install chromium")
-    for sub in ("cfg/labconfig", "rt", "ipy", "data"):
-        (d / sub).mkdir(parents=True)
-    # The announcements toast ("get notified about news?") would cover the notebook.
-    (d / "cfg/labconfig/page_config.json").write_text(
-        json.dumps({"disabledExtensions": {"@jupyterlab/apputils-extension:announcements": True}}))
-    port, token = _free_port(), secrets.token_hex(16)
-    env = {**os.environ, "JUPYTER_CONFIG_DIR": str(d / "cfg"), "JUPYTER_RUNTIME_DIR": str(d / "rt"),
-           "IPYTHONDIR": str(d / "ipy"), "JUPYTER_DATA_DIR": str(d / "data")}
-    env.pop("VSCODE_PID", None)  # the gauge would go inline instead of into the sidebar
-    env.pop("VSCODE_CWD", None)
-    log = (d / "server.log").open("wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", *app, "--no-browser", "--ip=127.0.0.1", f"--port={port}", "--allow-root",
-         f"--IdentityProvider.token={token}", f"--ServerApp.root_dir={d}", "--KernelManager.transport=ipc"],
-        env=env, cwd=d, stdout=log, stderr=subprocess.STDOUT)
-    server = Server(d, port, token, proc)
-    try:
-        deadline = time.monotonic() + 60  # generous: a loaded 2-core CI machine
-        while True:
-            try:
-                with urllib.request.urlopen(server.url("/api/status"), timeout=1):
-                    break
-            except OSError:
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"{app[0]} did not start:\n" + (d / "server.log").read_text()[-3000:]) from None
-                time.sleep(0.2)
+    with serve(d, app) as server:
         yield server
-    finally:
-        proc.terminate()  # it shuts its kernels down too
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        log.close()
 
 
 @pytest.fixture(scope="session")
 def lab(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    yield from _serve(tmp_path_factory.mktemp("lab"), [
-        "jupyterlab", "--LabApp.news_url=None", "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"])
+    yield from _serve(tmp_path_factory.mktemp("lab"), LAB)
 
 
 @pytest.fixture(scope="session")
@@ -95,9 +35,7 @@ def notebook7(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     notebook = pytest.importorskip("notebook")
     if not notebook.__version__.startswith("7."):
         pytest.skip(f"notebook {notebook.__version__} is not Notebook 7: pip install -r requirements/dev.txt")
-    yield from _serve(tmp_path_factory.mktemp("notebook7"), [
-        "notebook", "--LabApp.news_url=None",
-        "--LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate"])
+    yield from _serve(tmp_path_factory.mktemp("notebook7"), NOTEBOOK7)
 
 
 class Cells:
