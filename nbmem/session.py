@@ -122,6 +122,7 @@ class Session:
         self.sampler.start()
 
     def close(self) -> None:
+        self._abandon_cell()
         self.sampler.stop()
         self.probe.close()
         self.store.clear()
@@ -261,6 +262,17 @@ class Session:
         base_bytes = self._tensor_bytes(base) if do_scan and base is not None else None
         self._open = _Open(cell, before, reset, do_scan, base, base_bytes, mentioned, _collections(),
                            heap_bytes() if heap_bytes else None, recording, want_lines, source)
+
+    def _abandon_cell(self) -> None:
+        """Forget a cell that will never end here (``%unload_ext nbmem`` inside a monitored cell): a recording
+        nbmem started for it is stopped, or it would run on unread, and the next load would take it for the
+        user's own and never stop it."""
+        o, self._open = self._open, None
+        if o is not None and o.trace is not None and o.trace.owner == "nbmem":
+            try:
+                self.probe.torch.finish_trace(o.trace, read=False)
+            except Exception as e:
+                self.fault("the allocator trace", e)
 
     @property
     def in_cell(self) -> bool:

@@ -156,3 +156,38 @@ def test_a_cudamem_body_is_the_innermost_cell_frame_and_cpp_frames_are_not_user_
     rp = replay([alloc(1, MiB, [cpp, helper, *frames[2:]])], device="cuda:0", cell=7, start_allocated=0,
                 end_allocated=MiB, cell_files=files, names={"<ipython-input-3-def>": "In[3]"})
     assert rp.lines[0].top_frame == "In[3]:2 in step"
+
+
+def test_the_learnt_cell_frame_is_the_body_and_other_stacks_are_searched():
+    # _CellLines tries the body frame's distance from the outer end first: stacks of other depths, other
+    # threads' stacks and the magic's own line must still get their own answer.
+    outer = {"filename": "<ipython-input-7-outer>", "line": 1, "name": "<module>"}
+    files = FILES | {outer["filename"]}
+    shell = [{"filename": "/x/site-packages/IPython/core/magic.py", "line": 9, "name": "run_cell_magic"}, outer]
+    torch_py = {"filename": "/x/site-packages/torch/nn/modules/linear.py", "line": 125, "name": "forward"}
+    thread = [{"filename": "/x/lib/python3.12/threading.py", "line": 1, "name": "run"}] * 3
+    step = {"filename": CELL, "line": 2, "name": "step"}  # a function of this cell: not a cell line
+    events = [alloc(1, MiB, [torch_py, {"filename": CELL, "line": 3, "name": "<module>"}, *shell]),
+              alloc(2, MiB, [torch_py, torch_py, step, {"filename": CELL, "line": 5, "name": "<module>"}, *shell]),
+              alloc(3, MiB, shell),  # the magic's own line, before or after the body
+              alloc(4, MiB, thread),  # a DataLoader thread: the line that ran last
+              alloc(5, MiB, [{"filename": CELL, "line": 6, "name": "<module>"}, *shell])]
+    rp = replay(events, device="cuda:0", cell=7, start_allocated=0, end_allocated=5 * MiB, cell_files=files)
+    assert [(r.line, r.events) for r in rp.lines] == [(1, 2), (3, 1), (5, 1), (6, 1)]
+
+
+def test_a_recording_nbmem_started_stops_when_nbmem_unloads_inside_the_cell(ip, monkeypatch):
+    # The trace itself needs CUDA (tests/gpu checks the real one); here, that the session stops what it
+    # started for a cell that never ends, and leaves a recording of the user's alone.
+    from nbmem.sources import Trace
+
+    for owner, expect in (("nbmem", [("nbmem", False)]), ("user", [])):
+        src = nbmem.magics.session_of(ip).probe.torch
+        stopped: list = []
+        monkeypatch.setattr(src, "start_trace", lambda *, stacks, max_entries, o=owner: Trace(o, 0, stacks, 10))
+        monkeypatch.setattr(src, "finish_trace", lambda tr, *, read, s=stopped: s.append((tr.owner, read)))
+        ok(ip, "%cudamem on --lines")  # from the next cell on: this one began without a recording
+        ok(ip, "%unload_ext nbmem")  # began with one, and never ends for nbmem
+        assert stopped == expect, owner
+        ok(ip, "%load_ext nbmem")
+        ok(ip, "%cudamem on")

@@ -87,3 +87,18 @@ def test_a_users_own_history_recording_is_read_and_left_as_it_was(gpu):
         assert nbmem.lines().set_index("line").loc[6, "delta_allocated_bytes"] == 8 * MiB
     finally:
         torch.cuda.memory._record_memory_history(None)
+
+
+def test_unloading_inside_a_recorded_cell_stops_nbmems_recording(gpu):
+    # The cell that unloads never ends for nbmem: its recording must stop with it, or it runs on unread and
+    # the next %load_ext takes it for the user's own and never stops (nor clears) it again.
+    torch = gpu.user_ns["torch"]
+    ok(gpu, "%config Nbmem.trace = True")
+    ok(gpu, "x = torch.ones(1, device='cuda')")
+    ok(gpu, "%unload_ext nbmem")
+    assert not torch._C._cuda_isHistoryEnabled()
+    ok(gpu, "%load_ext nbmem")
+    ok(gpu, "%cudamem on")
+    ok(gpu, "y = torch.ones(1, device='cuda')")
+    assert not torch._C._cuda_isHistoryEnabled(), "a later cell's recording was taken for the user's"
+    ok(gpu, "%config Nbmem.trace = False")
