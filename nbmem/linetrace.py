@@ -107,6 +107,33 @@ class _Line:
     top_block: int = 0
 
 
+class _CellLines:
+    """``cell_line`` for every event of one recording, in constant time per event.
+
+    Every event of the cell's own thread has the same frames outside the cell's body (IPython's, then the
+    cell's module frame), so the body's frame sits at the same distance from the outer end of each stack.
+    That distance is learnt from full searches (the largest seen: a ``%%cudamem`` magic's own frame is
+    further out than its body's) and tried first; a stack without a cell frame there is searched in full.
+    """
+
+    def __init__(self, cell_files: frozenset[str]) -> None:
+        self.files = cell_files
+        self.from_end = 0
+
+    def __call__(self, frames: Sequence[Mapping[str, Any]]) -> int | None:
+        k = self.from_end
+        if k and len(frames) >= k and self._is_cell(frames[-k]):
+            return int(frames[-k].get("line", 0)) or None
+        for i, f in enumerate(frames):  # innermost first: the first cell frame is the body's
+            if self._is_cell(f):
+                self.from_end = max(k, len(frames) - i)
+                return int(f.get("line", 0)) or None
+        return None
+
+    def _is_cell(self, f: Mapping[str, Any]) -> bool:
+        return f.get("name") == "<module>" and f.get("filename") in self.files
+
+
 def replay(entries: Iterable[Mapping[str, Any]], *, device: str, cell: int, start_allocated: int,
            end_allocated: int, cell_files: frozenset[str] = frozenset(), since_us: int | None = None,
            sources: Mapping[int, str] | None = None, names: Mapping[str, str] | None = None) -> Replay:
@@ -115,43 +142,53 @@ def replay(entries: Iterable[Mapping[str, Any]], *, device: str, cell: int, star
     ``since_us`` drops entries older than the cell (a trace the user was recording anyway). Events
     without a cell frame (autograd's backward threads, other threads) belong to the line that ran last.
     ``names`` shows cells' file names as people know them (``In[3]``).
+
+    This runs after every ``--lines`` cell, over every event of it (tens of thousands for a training
+    loop), so the per-event work is a few lookups: the cell line in constant time (``_CellLines``), and a
+    block's deepest user frame named only when that block is the largest at a line's new peak.
     """
     level = start_allocated
     peak = level
     peak_line: int | None = None
-    live: dict[int, tuple[int, int | None, str]] = {}  # addr -> (block bytes, line, deepest user frame)
+    # addr -> (block bytes, line, frames of the allocation)
+    live: dict[int, tuple[int, int | None, Sequence[Mapping[str, Any]]]] = {}
     heaps: dict[int | None, list[tuple[int, int]]] = {}  # line -> max-heap of (-bytes, addr) allocated there
     per: dict[int | None, _Line] = {}
     alloc_line: dict[int, int] = {}
     current: int | None = None
+    line_of = _CellLines(cell_files)
+    stat = per[None] = _Line()
     n = 0
     oom: Oom | None = None
     for e in entries:
-        if since_us is not None and int(e.get("time_us", since_us)) < since_us:
-            continue
         action = e.get("action")
+        if action != "alloc" and action != "free_requested" and action != "oom":
+            continue  # segment and completion events change reserved memory, not allocated
+        if since_us is not None and e.get("time_us", since_us) < since_us:
+            continue
         frames = e.get("frames") or ()
         if frames:
-            current = cell_line(frames, cell_files) or current
-        stat = per.setdefault(current, _Line())
+            ln = line_of(frames)
+            if ln is not None and ln != current:
+                current = ln
+                stat = per.get(ln) or per.setdefault(ln, _Line())
         if action == "alloc":
-            b = block_bytes(int(e.get("size", 0)))
-            addr = int(e.get("addr", 0))
+            size = e.get("size", 0)
+            b = BLOCK if size < BLOCK else -(-size // BLOCK) * BLOCK
+            addr = e.get("addr", 0)
             level += b
-            live[addr] = (b, current, deepest_user_frame(frames, cell_files, names))
+            live[addr] = (b, current, frames)
             heapq.heappush(heaps.setdefault(current, []), (-b, addr))
             if current is not None:
                 alloc_line[addr] = current
             stat.delta += b
         elif action == "free_requested":
-            addr = int(e.get("addr", 0))
-            b = live.pop(addr, (block_bytes(int(e.get("size", 0))), None, ""))[0]
+            got = live.pop(e.get("addr", 0), None)
+            b = got[0] if got is not None else block_bytes(e.get("size", 0))
             level -= b
             stat.delta -= b
-        elif action == "oom":
+        else:
             oom = _oom(e, frames, cell_files, live, level, names)
-            continue
-        else:  # segment and completion events change reserved memory, not allocated
             continue
         n += 1
         stat.events += 1
@@ -159,7 +196,8 @@ def replay(entries: Iterable[Mapping[str, Any]], *, device: str, cell: int, star
             stat.peak = level
             top = _largest_live(heaps.get(current, []), live, current)
             if top is not None:
-                stat.top_block, stat.top_frame = top
+                stat.top_block = top[0]
+                stat.top_frame = deepest_user_frame(top[2], cell_files, names)
         if level > peak:
             peak, peak_line = level, current
     diff = level - end_allocated
@@ -169,19 +207,19 @@ def replay(entries: Iterable[Mapping[str, Any]], *, device: str, cell: int, star
     return Replay(device, peak, diff == 0, diff, n, peak_line, lines, alloc_line, oom)
 
 
-def _largest_live(heap: list[tuple[int, int]], live: Mapping[int, tuple[int, int | None, str]],
-                  line: int | None) -> tuple[int, str] | None:
+def _largest_live(heap: list[tuple[int, int]], live: Mapping[int, tuple[int, int | None, Any]],
+                  line: int | None) -> tuple[int, int | None, Any] | None:
     while heap:
         neg, addr = heap[0]
         got = live.get(addr)
         if got is not None and got[0] == -neg and got[1] == line:
-            return got[0], got[2]
+            return got
         heapq.heappop(heap)  # freed (or reused by another line) since: drop lazily
     return None
 
 
 def _oom(e: Mapping[str, Any], frames: Sequence[Mapping[str, Any]], cell_files: frozenset[str],
-         live: Mapping[int, tuple[int, int | None, str]], level: int, names: Mapping[str, str] | None) -> Oom:
+         live: Mapping[int, tuple[int, int | None, Any]], level: int, names: Mapping[str, str] | None) -> Oom:
     """What was live when the allocation failed, by the cell line that allocated it (None: before the cell)."""
     by_line: dict[int | None, int] = {}
     for b, ln, _f in live.values():
