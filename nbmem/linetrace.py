@@ -134,6 +134,41 @@ class _CellLines:
         return f.get("name") == "<module>" and f.get("filename") in self.files
 
 
+def with_marked_frames(entries: Sequence[dict[str, Any]], marks: Sequence[tuple[int, Any, int]]) -> None:
+    """Give each event the user's stack at its ``time_us``, rebuilt from a ``LineClock``'s marks.
+
+    The marks say when each line of the user's code began and when its code returned; replayed in time
+    order beside the events, they give the stack of user frames (innermost first, as the allocator's own
+    ``frames``) that was running when each event happened. Library frames are not in it, as they are not
+    the user's. A recursive call of the same function reads as a return to it (its depth is not kept).
+    """
+    stack: list[list[Any]] = []  # [code, line], outermost first
+    frames: list[dict[str, Any]] = []
+    j, n = 0, len(marks)
+    for e in entries:
+        t = e.get("time_us", 0)
+        if j < n and marks[j][0] <= t:
+            while j < n and marks[j][0] <= t:
+                _, code, line = marks[j]
+                j += 1
+                if line >= 0 and stack and stack[-1][0] is code:
+                    stack[-1][1] = line
+                    continue
+                i = len(stack) - 1
+                while i >= 0 and stack[i][0] is not code:
+                    i -= 1
+                if line >= 0:
+                    if i >= 0:  # back in a caller whose callee left without a mark
+                        del stack[i + 1:]
+                        stack[i][1] = line
+                    else:
+                        stack.append([code, line])
+                elif i >= 0:
+                    del stack[i:]
+            frames = [{"filename": c.co_filename, "line": ln, "name": c.co_name} for c, ln in reversed(stack)]
+        e["frames"] = frames
+
+
 def replay(entries: Iterable[Mapping[str, Any]], *, device: str, cell: int, start_allocated: int,
            end_allocated: int, cell_files: frozenset[str] = frozenset(), since_us: int | None = None,
            sources: Mapping[int, str] | None = None, names: Mapping[str, str] | None = None) -> Replay:

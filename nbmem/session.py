@@ -23,7 +23,7 @@ from .cells import cell_records, with_trace
 from .cleaner import Cleaner, CleanupRequest
 from .formatting import fmt_bytes
 from .holders import Scan, Scanner
-from .linetrace import Replay, line_of_exception, replay
+from .linetrace import Replay, line_of_exception, replay, with_marked_frames
 from .options import Settings
 from .records import (
     CELL_COLUMNS,
@@ -44,7 +44,7 @@ from .records import (
     Tick,
 )
 from .sampler import Sampler
-from .sources import Probe, Trace, heap_bytes
+from .sources import LineClock, Probe, Trace, heap_bytes
 from .store import Store, records_frame, ticks_for
 
 OOM_ADVICE = (
@@ -79,6 +79,15 @@ class _Open:
     trace: Trace | None
     lines: bool
     source: str
+    clock: LineClock | None = None  # the lines' timestamps, when --lines places events by time (not stacks)
+
+
+def as_compiled(source: str) -> str:
+    """A cell's text as its code's line numbers count it: IPython drops leading blank lines before it
+    compiles a cell (its ``leading_empty_lines`` transform), so line 1 is the first line with text."""
+    lines = source.splitlines()
+    first = next((i for i, ln in enumerate(lines) if ln.strip()), 0)
+    return "\n".join(lines[first:])
 
 
 class Session:
@@ -253,26 +262,46 @@ class Session:
         mentioned = frozenset(self.adapter.mentioned(source)) if do_scan and source else frozenset()
         before = self.probe.boundary()
         recording = None
+        clock = None
         if want_lines or (self.settings.trace if trace is None else trace):
+            # Lines come from timestamps where this Python can take them (sys.monitoring), else from a
+            # Python stack recorded with every allocator event, which slows a launch-bound loop by a fifth.
+            by_time = want_lines and LineClock.unsupported() is None
             try:  # after the boundary: the trace's events start from its allocated bytes
-                recording = self.probe.torch.start_trace(stacks=want_lines, max_entries=self.settings.trace_entries)
+                recording = self.probe.torch.start_trace(stacks=want_lines and not by_time,
+                                                         max_entries=self.settings.trace_entries)
+                if recording is not None and by_time:
+                    clock = LineClock()
+                    if not clock.start():
+                        clock = None
             except Exception as e:
                 self.fault("the allocator trace", e)
         base = self._last_scan
         base_bytes = self._tensor_bytes(base) if do_scan and base is not None else None
         self._open = _Open(cell, before, reset, do_scan, base, base_bytes, mentioned, _collections(),
-                           heap_bytes() if heap_bytes else None, recording, want_lines, source)
+                           heap_bytes() if heap_bytes else None, recording, want_lines, as_compiled(source), clock)
 
     def _abandon_cell(self) -> None:
         """Forget a cell that will never end here (``%unload_ext nbmem`` inside a monitored cell): a recording
         nbmem started for it is stopped, or it would run on unread, and the next load would take it for the
         user's own and never stop it."""
         o, self._open = self._open, None
+        if o is not None:
+            self._stop_clock(o)
         if o is not None and o.trace is not None and o.trace.owner == "nbmem":
             try:
                 self.probe.torch.finish_trace(o.trace, read=False)
             except Exception as e:
                 self.fault("the allocator trace", e)
+
+    def _stop_clock(self, o: _Open) -> list[tuple[int, Any, int]] | None:
+        if o.clock is None:
+            return None
+        try:
+            return o.clock.stop()
+        except Exception as e:
+            self.fault("the line clock", e)
+            return None
 
     @property
     def in_cell(self) -> bool:
@@ -282,11 +311,12 @@ class Session:
         o, self._open = self._open, None
         if o is None:
             return None
+        marks = self._stop_clock(o)
         after = self.probe.boundary()
         err = type(error).__name__ if error is not None else ""
         oom = err == "OutOfMemoryError" or "out of memory" in f"{error}".lower()
         records = cell_records(o.cell, o.before, after, error=err, was_reset=o.reset)
-        replays = self._finish_trace(o, after, records, oom)
+        replays = self._finish_trace(o, after, records, oom, marks)
         records = with_trace(records, replays)
         found: tuple[Finding, ...] = ()
         unattributed: list[tuple[str, int]] = []
@@ -407,7 +437,7 @@ class Session:
         return out
 
     def _finish_trace(self, o: _Open, after: Boundary, records: Sequence[CellRecord],
-                      oom: bool) -> dict[str, Replay]:
+                      oom: bool, marks: list[tuple[int, Any, int]] | None = None) -> dict[str, Replay]:
         """Read the cell's allocator events when something needs them, and stop a recording nbmem started.
 
         Needed for a peak the allocator's counter could not give, for --lines, and after an OOM.
@@ -431,6 +461,8 @@ class Session:
             a0, a1 = o.before.allocator.get(dev), after.allocator.get(dev)
             if a1 is None or not entries:
                 continue
+            if marks is not None:
+                with_marked_frames(entries, marks)
             rp = replay(entries, device=dev, cell=o.cell, start_allocated=a0.allocated_bytes if a0 else 0,
                               end_allocated=a1.allocated_bytes, cell_files=files,
                               since_us=tr.since_us if tr.owner == "user" else None, sources=sources, names=names)

@@ -191,3 +191,72 @@ def test_a_recording_nbmem_started_stops_when_nbmem_unloads_inside_the_cell(ip, 
         assert stopped == expect, owner
         ok(ip, "%load_ext nbmem")
         ok(ip, "%cudamem on")
+
+
+def _codes():
+    """A cell's module code and a helper function of another cell, as real code objects."""
+    ns: dict = {}
+    exec(compile("def step():\n    pass\n", "<ipython-input-3-def>", "exec"), ns)
+    return compile("x = 1\n", CELL, "exec"), ns["step"].__code__
+
+
+def test_events_get_the_user_stack_that_ran_at_their_time():
+    cell, step = _codes()
+    # the cell's line 2 calls step() (its line 2 allocates), returns, line 3 only frees, line 4 allocates
+    marks = [(10, cell, 2), (20, step, 2), (30, step, -1), (40, cell, 3), (50, cell, 4)]
+    events = [alloc(1, 64 * MiB, t=25), alloc(2, MiB, t=35), free(1, 64 * MiB, t=45), alloc(3, 2 * MiB, t=55)]
+    from nbmem.linetrace import with_marked_frames
+
+    with_marked_frames(events, marks)
+    assert [e["frames"][0]["name"] for e in events] == ["step", "<module>", "<module>", "<module>"]
+    rp = replay(events, device="cuda:0", cell=7, start_allocated=0, end_allocated=3 * MiB, cell_files=FILES,
+                names={"<ipython-input-3-def>": "In[3]"})
+    by = {r.line: r for r in rp.lines}
+    assert (by[2].delta_allocated_bytes, by[3].delta_allocated_bytes, by[4].delta_allocated_bytes) == (
+        65 * MiB, -64 * MiB, 2 * MiB), "the line that only frees gets its frees"
+    assert by[2].top_frame == "In[3]:2 in step" and rp.peak_line == 2
+
+
+def test_a_callee_that_left_without_a_mark_is_popped_when_its_caller_runs_again():
+    cell, step = _codes()
+    from nbmem.linetrace import with_marked_frames
+
+    events = [alloc(1, MiB, t=25)]
+    with_marked_frames(events, [(10, cell, 2), (15, step, 1), (20, cell, 3)])
+    assert [(f["name"], f["line"]) for f in events[0]["frames"]] == [("<module>", 3)]
+
+
+@pytest.mark.skipif(not hasattr(__import__("sys"), "monitoring"), reason="sys.monitoring needs Python 3.12")
+def test_the_line_clock_marks_the_users_lines_on_the_cells_thread_only():
+    import json
+    import threading
+
+    from nbmem.sources import LineClock
+
+    ns: dict = {"json": json, "threading": threading}
+    code = compile("def f():\n    return 1\nt = threading.Thread(target=f)\nt.start(); t.join()\n"
+                   "json.dumps({'a': 1})\ny = f()\n", CELL, "exec")
+    clock = LineClock()
+    assert clock.start()
+    try:
+        exec(code, ns)
+    finally:
+        marks = clock.stop()
+    seen = [(c.co_filename, c.co_name, ln) for _t, c, ln in marks]
+    assert (CELL, "<module>", 3) in seen and (CELL, "<module>", 6) in seen
+    assert seen.count((CELL, "f", 2)) == 1, "f ran twice, once on another thread: only the cell's is marked"
+    assert not any("json" in f or "threading" in f for f, _n, _l in seen), "library code is not marked"
+    assert [t for t, _c, _l in marks] == sorted(t for t, _c, _l in marks)
+    assert LineClock.unsupported() is None, "the tool id was given back"
+
+
+def test_line_numbers_count_from_the_first_line_ipython_compiles(ip):
+    # IPython drops a cell's leading blank lines before compiling it: the source shown beside line N must
+    # be the line its code calls N, in %%cudamem bodies and in %cudamem on cells alike.
+    from nbmem.session import as_compiled
+
+    assert as_compiled("\n  \nfor x in y:\n\n    z = 1\n") == "for x in y:\n\n    z = 1"
+    assert as_compiled("a = 1") == "a = 1" and as_compiled("") == ""
+    r = run(ip, "\n\nraise ValueError('on line 1 of the compiled cell')")
+    assert line_of_exception(r.error_in_exec, ip.compile._filename_map and frozenset(
+        k for k, v in ip.compile._filename_map.items() if v == last_cell(ip)))[0] == 1

@@ -102,3 +102,17 @@ def test_unloading_inside_a_recorded_cell_stops_nbmems_recording(gpu):
     ok(gpu, "y = torch.ones(1, device='cuda')")
     assert not torch._C._cuda_isHistoryEnabled(), "a later cell's recording was taken for the user's"
     ok(gpu, "%config Nbmem.trace = False")
+
+
+def test_lines_of_a_training_loop_with_a_blank_first_line_are_placed_and_named_right(gpu):
+    # The lines come from timestamps on Python 3.12+ (sys.monitoring), from stacks before: either way the
+    # line that only frees (zero_grad) gets the frees, and the text beside each line is that line's.
+    ok(gpu, "model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)]).cuda()\n"
+            "opt = torch.optim.SGD(model.parameters(), lr=1e-3)\nxb = torch.randn(64, 256, device='cuda')")
+    ok(gpu, "%%cudamem --lines\n\nfor _ in range(20):\n    opt.zero_grad(set_to_none=True)\n"
+            "    loss = model(xb).square().mean()\n    loss.backward()\n    opt.step()\ntorch.cuda.synchronize()")
+    lines = nbmem.lines().set_index("line")
+    assert lines.loc[2, "source"].strip() == "opt.zero_grad(set_to_none=True)"
+    assert lines.loc[2, "delta_allocated_bytes"] < 0, lines.to_dict()
+    assert lines.loc[3, "source"].strip().startswith("loss = model(xb)") and lines.loc[3, "delta_allocated_bytes"] > 0
+    assert lines.loc[4, "source"].strip() == "loss.backward()" and lines.loc[4, "delta_allocated_bytes"] > 0
