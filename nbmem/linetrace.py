@@ -15,7 +15,6 @@ module does not model) shows as "≈" with the difference, never as a wrong exac
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -98,15 +97,6 @@ def deepest_user_frame(frames: Sequence[Mapping[str, Any]], cell_files: frozense
     return ""
 
 
-@dataclass
-class _Line:
-    delta: int = 0
-    peak: int = 0
-    events: int = 0
-    top_frame: str = ""
-    top_block: int = 0
-
-
 class _CellLines:
     """``cell_line`` for every event of one recording, in constant time per event.
 
@@ -178,88 +168,95 @@ def replay(entries: Iterable[Mapping[str, Any]], *, device: str, cell: int, star
     without a cell frame (autograd's backward threads, other threads) belong to the line that ran last.
     ``names`` shows cells' file names as people know them (``In[3]``).
 
-    This runs after every ``--lines`` cell, over every event of it (tens of thousands for a training
-    loop), so the per-event work is a few lookups: the cell line in constant time (``_CellLines``), and a
-    block's deepest user frame named only when that block is the largest at a line's new peak.
+    This runs after every traced cell over all its events (tens of thousands for a training loop), on
+    the user's time, so the loop does a few lookups per event: the cell line only when the stack changed
+    (and then in constant time, ``_CellLines``), and each line's top block is found once, afterwards, from
+    the blocks' lifetimes at that line's peak.
     """
     level = start_allocated
     peak = level
     peak_line: int | None = None
-    # addr -> (block bytes, line, frames of the allocation)
-    live: dict[int, tuple[int, int | None, Sequence[Mapping[str, Any]]]] = {}
-    heaps: dict[int | None, list[tuple[int, int]]] = {}  # line -> max-heap of (-bytes, addr) allocated there
-    per: dict[int | None, _Line] = {}
+    blocks: list[list[Any]] = []  # [bytes, line, frames, allocated at event i, freed at event i or None]
+    live: dict[int, int] = {}  # addr -> index into blocks
+    per: dict[int | None, list[int]] = {}  # line -> [delta bytes, peak bytes, events, the event of its peak]
     alloc_line: dict[int, int] = {}
     current: int | None = None
     line_of = _CellLines(cell_files)
-    stat = per[None] = _Line()
+    stat = per[None] = [0, 0, 0, -1]
+    seen_frames: Any = None
     n = 0
     oom: Oom | None = None
-    for e in entries:
+    for i, e in enumerate(entries):
         action = e.get("action")
         if action != "alloc" and action != "free_requested" and action != "oom":
             continue  # segment and completion events change reserved memory, not allocated
         if since_us is not None and e.get("time_us", since_us) < since_us:
             continue
-        frames = e.get("frames") or ()
-        if frames:
+        frames = e.get("frames")
+        if frames and frames is not seen_frames:  # events placed by time share one stack until it changes
+            seen_frames = frames
             ln = line_of(frames)
             if ln is not None and ln != current:
                 current = ln
-                stat = per.get(ln) or per.setdefault(ln, _Line())
+                stat = per.get(ln) or per.setdefault(ln, [0, 0, 0, -1])
         if action == "alloc":
             size = e.get("size", 0)
             b = BLOCK if size < BLOCK else -(-size // BLOCK) * BLOCK
             addr = e.get("addr", 0)
             level += b
-            live[addr] = (b, current, frames)
-            heapq.heappush(heaps.setdefault(current, []), (-b, addr))
+            live[addr] = len(blocks)
+            blocks.append([b, current, frames or (), i, None])
             if current is not None:
                 alloc_line[addr] = current
-            stat.delta += b
+            stat[0] += b
         elif action == "free_requested":
-            got = live.pop(e.get("addr", 0), None)
-            b = got[0] if got is not None else block_bytes(e.get("size", 0))
+            k = live.pop(e.get("addr", 0), None)
+            if k is None:
+                b = block_bytes(e.get("size", 0))
+            else:
+                b = blocks[k][0]
+                blocks[k][4] = i
             level -= b
-            stat.delta -= b
+            stat[0] -= b
         else:
-            oom = _oom(e, frames, cell_files, live, level, names)
+            oom = _oom(e, frames or (), cell_files, [blocks[k] for k in live.values()], level, names)
             continue
         n += 1
-        stat.events += 1
-        if level > stat.peak:
-            stat.peak = level
-            top = _largest_live(heaps.get(current, []), live, current)
-            if top is not None:
-                stat.top_block = top[0]
-                stat.top_frame = deepest_user_frame(top[2], cell_files, names)
+        stat[2] += 1
+        if level > stat[1]:
+            stat[1] = level
+            stat[3] = i
         if level > peak:
             peak, peak_line = level, current
+    top = _top_frames(blocks, per, cell_files, names)
     diff = level - end_allocated
-    lines = tuple(LineRecord(cell, device, ln, (sources or {}).get(ln, ""), s.delta, s.peak, s.events, s.top_frame)
+    lines = tuple(LineRecord(cell, device, ln, (sources or {}).get(ln, ""), s[0], s[1], s[2], top.get(ln, ""))
                   for ln, s in sorted(per.items(), key=lambda kv: (kv[0] is None, kv[0] or 0))
-                  if ln is not None and s.events)
+                  if ln is not None and s[2])
     return Replay(device, peak, diff == 0, diff, n, peak_line, lines, alloc_line, oom)
 
 
-def _largest_live(heap: list[tuple[int, int]], live: Mapping[int, tuple[int, int | None, Any]],
-                  line: int | None) -> tuple[int, int | None, Any] | None:
-    while heap:
-        neg, addr = heap[0]
-        got = live.get(addr)
-        if got is not None and got[0] == -neg and got[1] == line:
-            return got
-        heapq.heappop(heap)  # freed (or reused by another line) since: drop lazily
-    return None
+def _top_frames(blocks: Sequence[Sequence[Any]], per: Mapping[int | None, Sequence[int]], cell_files: frozenset[str],
+                names: Mapping[str, str] | None) -> dict[int, str]:
+    """Each line's "allocated at": the deepest user frame of the largest block the line allocated that was
+    live at the line's peak (allocated at or before that event, not yet freed)."""
+    best: dict[int, tuple[int, Any]] = {}
+    for b, ln, frames, born, died in blocks:
+        if ln is None:
+            continue
+        at = per[ln][3]
+        if born <= at and (died is None or died > at) and b > best.get(ln, (0, None))[0]:
+            best[ln] = (b, frames)
+    return {ln: deepest_user_frame(frames, cell_files, names) for ln, (_b, frames) in best.items()}
 
 
 def _oom(e: Mapping[str, Any], frames: Sequence[Mapping[str, Any]], cell_files: frozenset[str],
-         live: Mapping[int, tuple[int, int | None, Any]], level: int, names: Mapping[str, str] | None) -> Oom:
+         live: Sequence[Sequence[Any]], level: int, names: Mapping[str, str] | None) -> Oom:
     """What was live when the allocation failed, by the cell line that allocated it (None: before the cell)."""
     by_line: dict[int | None, int] = {}
-    for b, ln, _f in live.values():
+    for b, ln, *_ in live:
         by_line[ln] = by_line.get(ln, 0) + b
-    by_line[None] = by_line.get(None, 0) + level - sum(b for b, _l, _f in live.values())
+    by_line[None] = by_line.get(None, 0) + level - sum(blk[0] for blk in live)
     free = e.get("device_free")
     return Oom(cell_line(frames, cell_files), int(e.get("size", 0)), None if free is None else int(free),
                tuple(_frame_text(f, names) for f in frames),
