@@ -124,19 +124,28 @@ class _CellLines:
         return f.get("name") == "<module>" and f.get("filename") in self.files
 
 
-def with_marked_frames(entries: Sequence[dict[str, Any]], marks: Sequence[tuple[int, Any, int]]) -> None:
+#: The frames of an event after the line clock stopped marking (``LineClock.max_marks``): no line is known.
+NO_LINE: list[dict[str, Any]] = [{"filename": "", "line": 0, "name": "<no line: marks ran out>"}]
+
+
+def with_marked_frames(entries: Sequence[dict[str, Any]], marks: Sequence[tuple[int, Any, int]],
+                       until_us: int | None = None) -> None:
     """Give each event the user's stack at its ``time_us``, rebuilt from a ``LineClock``'s marks.
 
     The marks say when each line of the user's code began and when its code returned; replayed in time
     order beside the events, they give the stack of user frames (innermost first, as the allocator's own
     ``frames``) that was running when each event happened. Library frames are not in it, as they are not
     the user's. A recursive call of the same function reads as a return to it (its depth is not kept).
+    Events after ``until_us`` (when the clock stopped marking) get ``NO_LINE``.
     """
     stack: list[list[Any]] = []  # [code, line], outermost first
     frames: list[dict[str, Any]] = []
     j, n = 0, len(marks)
     for e in entries:
         t = e.get("time_us", 0)
+        if until_us is not None and t > until_us:
+            e["frames"] = NO_LINE
+            continue
         if j < n and marks[j][0] <= t:
             while j < n and marks[j][0] <= t:
                 _, code, line = marks[j]
@@ -195,10 +204,13 @@ def replay(entries: Iterable[Mapping[str, Any]], *, device: str, cell: int, star
         frames = e.get("frames")
         if frames and frames is not seen_frames:  # events placed by time share one stack until it changes
             seen_frames = frames
-            ln = line_of(frames)
-            if ln is not None and ln != current:
-                current = ln
-                stat = per.get(ln) or per.setdefault(ln, [0, 0, 0, -1])
+            if frames is NO_LINE:
+                current, stat = None, per[None]
+            else:
+                ln = line_of(frames)
+                if ln is not None and ln != current:
+                    current = ln
+                    stat = per.get(ln) or per.setdefault(ln, [0, 0, 0, -1])
         if action == "alloc":
             size = e.get("size", 0)
             b = BLOCK if size < BLOCK else -(-size // BLOCK) * BLOCK

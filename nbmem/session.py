@@ -260,26 +260,57 @@ class Session:
             for i in range(self.probe.torch.device_count()):
                 self.probe.torch.reset_peak(i)
         mentioned = frozenset(self.adapter.mentioned(source)) if do_scan and source else frozenset()
-        before = self.probe.boundary()
-        recording = None
-        clock = None
-        if want_lines or (self.settings.trace if trace is None else trace):
-            # Lines come from timestamps where this Python can take them (sys.monitoring), else from a
-            # Python stack recorded with every allocator event, which slows a launch-bound loop by a fifth.
-            by_time = want_lines and LineClock.unsupported() is None
-            try:  # after the boundary: the trace's events start from its allocated bytes
-                recording = self.probe.torch.start_trace(stacks=want_lines and not by_time,
-                                                         max_entries=self.settings.trace_entries)
-                if recording is not None and by_time:
-                    clock = LineClock()
-                    if not clock.start():
-                        clock = None
-            except Exception as e:
-                self.fault("the allocator trace", e)
         base = self._last_scan
         base_bytes = self._tensor_bytes(base) if do_scan and base is not None else None
-        self._open = _Open(cell, before, reset, do_scan, base, base_bytes, mentioned, _collections(),
-                           heap_bytes() if heap_bytes else None, recording, want_lines, as_compiled(source), clock)
+        gen_collections, heap = _collections(), heap_bytes() if heap_bytes else None
+        before = self.probe.boundary()
+        # Recording starts last (after the boundary: the trace's events start from its allocated bytes),
+        # and nothing that can fail stands between it and the open cell that will stop it.
+        recording, clock = None, None
+        if want_lines or (self.settings.trace if trace is None else trace):
+            recording, clock = self._start_recording(want_lines)
+        try:
+            self._open = _Open(cell, before, reset, do_scan, base, base_bytes, mentioned, gen_collections, heap,
+                               recording, want_lines, as_compiled(source), clock)
+        except BaseException:
+            self._stop_recording(recording, clock)
+            raise
+
+    def _start_recording(self, lines: bool) -> tuple[Trace | None, LineClock | None]:
+        """The allocator's trace for one cell and, for --lines, where its lines come from: timestamps where
+        this Python can take them (sys.monitoring), else a Python stack recorded with every allocator
+        event, which costs a launch-bound loop more. Whatever fails, nothing is left running."""
+        clock: LineClock | None = None
+        recording: Trace | None = None
+        try:
+            if lines and LineClock.unsupported() is None:
+                clock = LineClock(max_marks=self.settings.trace_entries)
+                if not clock.start():
+                    clock = None
+            recording = self.probe.torch.start_trace(stacks=lines and clock is None,
+                                                     max_entries=self.settings.trace_entries)
+        except BaseException as e:
+            self._stop_recording(recording, clock)
+            if not isinstance(e, Exception):
+                raise
+            self.fault("the allocator trace", e)
+            return None, None
+        if recording is None and clock is not None:  # no trace (no CUDA yet, trace_entries 0): no lines either
+            self._stop_recording(None, clock)
+            clock = None
+        return recording, clock
+
+    def _stop_recording(self, recording: Trace | None, clock: LineClock | None) -> None:
+        try:
+            if clock is not None:
+                clock.stop()
+        except Exception as e:
+            self.fault("the line clock", e)
+        try:
+            if recording is not None and recording.owner == "nbmem":
+                self.probe.torch.finish_trace(recording, read=False)
+        except Exception as e:
+            self.fault("the allocator trace", e)
 
     def _abandon_cell(self) -> None:
         """Forget a cell that will never end here (``%unload_ext nbmem`` inside a monitored cell): a recording
@@ -287,12 +318,7 @@ class Session:
         user's own and never stop it."""
         o, self._open = self._open, None
         if o is not None:
-            self._stop_clock(o)
-        if o is not None and o.trace is not None and o.trace.owner == "nbmem":
-            try:
-                self.probe.torch.finish_trace(o.trace, read=False)
-            except Exception as e:
-                self.fault("the allocator trace", e)
+            self._stop_recording(o.trace, o.clock)
 
     def _stop_clock(self, o: _Open) -> list[tuple[int, Any, int]] | None:
         if o.clock is None:
@@ -330,6 +356,10 @@ class Session:
             elif not replays:
                 why = self.probe.torch.trace_unsupported() or "Nbmem.trace_entries is 0"
                 notes.append(f"no per-line figures for this cell: {why}")
+            elif o.clock is not None and o.clock.full_at_us is not None:
+                notes.append(f"lines were followed for this cell's first {o.clock.max_marks:,} lines of Python "
+                             f"(Nbmem.trace_entries): its later allocations count toward its peak, not toward "
+                             f"a line")
         changed = False
         if o.scan:
             cur = self._scan_after_cell(o, after)
@@ -462,7 +492,7 @@ class Session:
             if a1 is None or not entries:
                 continue
             if marks is not None:
-                with_marked_frames(entries, marks)
+                with_marked_frames(entries, marks, o.clock.full_at_us if o.clock is not None else None)
             rp = replay(entries, device=dev, cell=o.cell, start_allocated=a0.allocated_bytes if a0 else 0,
                               end_allocated=a1.allocated_bytes, cell_files=files,
                               since_us=tr.since_us if tr.owner == "user" else None, sources=sources, names=names)

@@ -260,3 +260,80 @@ def test_line_numbers_count_from_the_first_line_ipython_compiles(ip):
     r = run(ip, "\n\nraise ValueError('on line 1 of the compiled cell')")
     assert line_of_exception(r.error_in_exec, ip.compile._filename_map and frozenset(
         k for k, v in ip.compile._filename_map.items() if v == last_cell(ip)))[0] == 1
+
+
+def test_events_after_the_marks_ran_out_have_no_line_but_count_toward_the_peak():
+    cell, _step = _codes()
+    from nbmem.linetrace import with_marked_frames
+
+    events = [alloc(1, MiB, t=15), alloc(2, 8 * MiB, t=30), free(2, 8 * MiB, t=31)]
+    with_marked_frames(events, [(10, cell, 2)], until_us=20)
+    rp = replay(events, device="cuda:0", cell=7, start_allocated=0, end_allocated=MiB, cell_files=FILES)
+    assert [(r.line, r.delta_allocated_bytes, r.events) for r in rp.lines] == [(2, MiB, 1)]
+    assert rp.exact and rp.peak_bytes == 9 * MiB and rp.peak_line is None
+
+
+def test_recording_that_fails_half_way_leaves_nothing_running(ip, monkeypatch):
+    # The clock (sys.monitoring, 3.12+) starts before the trace; when the trace then fails, the clock
+    # stops too: a fake clock stands in for it here so that this runs on every Python.
+    import nbmem.session as session_mod
+
+    started, stopped = [], []
+
+    class Clock:
+        def __init__(self, max_marks: int) -> None:
+            self.full_at_us = None
+
+        @staticmethod
+        def unsupported():
+            return None
+
+        def start(self) -> bool:
+            started.append(self)
+            return True
+
+        def stop(self) -> list:
+            stopped.append(self)
+            return []
+
+    def boom(*, stacks, max_entries):
+        raise RuntimeError("the allocator said no")
+
+    sess = nbmem.magics.session_of(ip)
+    monkeypatch.setattr(session_mod, "LineClock", Clock)
+    monkeypatch.setattr(sess.probe.torch, "start_trace", boom)
+    ok(ip, "%cudamem on --lines")
+    ok(ip, "x = 1")  # the cell runs; the failure is recorded, not raised
+    assert started and stopped == started
+    assert any("allocator said no" in f for f in map(str, sess.faults))
+
+
+@pytest.mark.skipif(not hasattr(__import__("sys"), "monitoring"), reason="sys.monitoring needs Python 3.12")
+def test_the_line_clock_is_bounded_and_hands_its_tool_id_back_as_it_found_it():
+    import json
+    import sys
+
+    from nbmem.sources import LineClock
+
+    mon = sys.monitoring
+    code = compile("for i in range(1000):\n    y = i\n", CELL, "exec")
+    clock = LineClock(max_marks=100)
+    assert clock.start()
+    tool = clock._tool
+    try:
+        json.dumps({"a": [1, 2]})  # library lines: switched off for nbmem's tool
+        exec(code, {})
+    finally:
+        marks = clock.stop()
+    assert len(marks) == 100 and clock.full_at_us is not None, "a Python-heavy cell stops being marked"
+    seen = []
+    mon.use_tool_id(tool, "someone else")
+    try:
+        mon.register_callback(tool, mon.events.LINE, lambda code, line: seen.append(code.co_filename))
+        mon.set_events(tool, mon.events.LINE)
+        json.dumps({"a": [1, 2]})
+        mon.set_events(tool, 0)
+        mon.register_callback(tool, mon.events.LINE, None)
+    finally:
+        mon.free_tool_id(tool)
+    assert any("json" in f for f in seen), "the next tool on this id sees the library lines nbmem switched off"
