@@ -74,6 +74,11 @@ def _is_user(f: Mapping[str, Any]) -> bool:
     return python and not any(p in name for p in _LIBRARY_PARTS)
 
 
+def _is_cell_frame(f: Mapping[str, Any], cell_files: frozenset[str]) -> bool:
+    """The cell's own module-level code (not a function the cell defines)."""
+    return f.get("name") == "<module>" and f.get("filename") in cell_files
+
+
 def cell_line(frames: Sequence[Mapping[str, Any]], cell_files: frozenset[str]) -> int | None:
     """The line of the cell's own code in a stack (innermost first).
 
@@ -81,7 +86,7 @@ def cell_line(frames: Sequence[Mapping[str, Any]], cell_files: frozenset[str]) -
     line 1) is compiled under the same cell number, further out.
     """
     for f in frames:
-        if f.get("filename") in cell_files and f.get("name") == "<module>":
+        if _is_cell_frame(f, cell_files):
             return int(f.get("line", 0)) or None
     return None
 
@@ -91,7 +96,7 @@ def deepest_user_frame(frames: Sequence[Mapping[str, Any]], cell_files: frozense
     """The innermost frame of the user's own code, unless it is the cell's line itself (shown anyway)."""
     for f in frames:
         if _is_user(f):
-            if f.get("filename") in cell_files and f.get("name") == "<module>":
+            if _is_cell_frame(f, cell_files):
                 return ""
             return _frame_text(f, names)
     return ""
@@ -112,16 +117,13 @@ class _CellLines:
 
     def __call__(self, frames: Sequence[Mapping[str, Any]]) -> int | None:
         k = self.from_end
-        if k and len(frames) >= k and self._is_cell(frames[-k]):
+        if k and len(frames) >= k and _is_cell_frame(frames[-k], self.files):
             return int(frames[-k].get("line", 0)) or None
         for i, f in enumerate(frames):  # innermost first: the first cell frame is the body's
-            if self._is_cell(f):
+            if _is_cell_frame(f, self.files):
                 self.from_end = max(k, len(frames) - i)
                 return int(f.get("line", 0)) or None
         return None
-
-    def _is_cell(self, f: Mapping[str, Any]) -> bool:
-        return f.get("name") == "<module>" and f.get("filename") in self.files
 
 
 #: The frames of an event after the line clock stopped marking (``LineClock.max_marks``): no line is known.
@@ -212,8 +214,7 @@ def replay(entries: Iterable[Mapping[str, Any]], *, device: str, cell: int, star
                     current = ln
                     stat = per.get(ln) or per.setdefault(ln, [0, 0, 0, -1])
         if action == "alloc":
-            size = e.get("size", 0)
-            b = BLOCK if size < BLOCK else -(-size // BLOCK) * BLOCK
+            b = block_bytes(e.get("size", 0))
             addr = e.get("addr", 0)
             level += b
             live[addr] = len(blocks)

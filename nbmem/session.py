@@ -283,9 +283,9 @@ class Session:
         clock: LineClock | None = None
         recording: Trace | None = None
         try:
-            if lines and LineClock.unsupported() is None:
+            if lines:
                 clock = LineClock(max_marks=self.settings.trace_entries)
-                if not clock.start():
+                if not clock.start():  # an older Python, or its tool ids taken: stacks instead
                     clock = None
             recording = self.probe.torch.start_trace(stacks=lines and clock is None,
                                                      max_entries=self.settings.trace_entries)
@@ -301,11 +301,7 @@ class Session:
         return recording, clock
 
     def _stop_recording(self, recording: Trace | None, clock: LineClock | None) -> None:
-        try:
-            if clock is not None:
-                clock.stop()
-        except Exception as e:
-            self.fault("the line clock", e)
+        self._stop_clock(clock)
         try:
             if recording is not None and recording.owner == "nbmem":
                 self.probe.torch.finish_trace(recording, read=False)
@@ -320,11 +316,12 @@ class Session:
         if o is not None:
             self._stop_recording(o.trace, o.clock)
 
-    def _stop_clock(self, o: _Open) -> list[tuple[int, Any, int]] | None:
-        if o.clock is None:
+    def _stop_clock(self, clock: LineClock | None) -> list[tuple[int, Any, int]] | None:
+        """The clock's marks, or None when there was none (or it failed: recorded, not raised)."""
+        if clock is None:
             return None
         try:
-            return o.clock.stop()
+            return clock.stop()
         except Exception as e:
             self.fault("the line clock", e)
             return None
@@ -337,7 +334,7 @@ class Session:
         o, self._open = self._open, None
         if o is None:
             return None
-        marks = self._stop_clock(o)
+        marks = self._stop_clock(o.clock)
         after = self.probe.boundary()
         err = type(error).__name__ if error is not None else ""
         oom = err == "OutOfMemoryError" or "out of memory" in f"{error}".lower()
@@ -486,16 +483,17 @@ class Session:
         files = self.adapter.cell_files(o.cell)
         names = self.adapter.cell_names()
         sources = dict(enumerate(o.source.splitlines(), start=1))
+        until_us = o.clock.full_at_us if o.clock is not None else None
         for i, entries in enumerate(traces or ()):
             dev = f"cuda:{i}"
             a0, a1 = o.before.allocator.get(dev), after.allocator.get(dev)
             if a1 is None or not entries:
                 continue
             if marks is not None:
-                with_marked_frames(entries, marks, o.clock.full_at_us if o.clock is not None else None)
+                with_marked_frames(entries, marks, until_us)
             rp = replay(entries, device=dev, cell=o.cell, start_allocated=a0.allocated_bytes if a0 else 0,
-                              end_allocated=a1.allocated_bytes, cell_files=files,
-                              since_us=tr.since_us if tr.owner == "user" else None, sources=sources, names=names)
+                        end_allocated=a1.allocated_bytes, cell_files=files,
+                        since_us=tr.since_us if tr.owner == "user" else None, sources=sources, names=names)
             if tr.owner == "nbmem" and len(entries) >= tr.max_entries:
                 rp = replace(rp, exact=False)  # the ring was full: its oldest events are gone
             out[dev] = rp
