@@ -14,6 +14,7 @@ object's ``__getattr__``, ``__getattribute__``, ``__len__``, ``__iter__``, ``__e
 
 from __future__ import annotations
 
+import functools
 import gc
 import os
 import sys
@@ -318,6 +319,16 @@ def is_user_module(m: types.ModuleType) -> bool:
     prefixes = tuple(p for p in (sys.prefix, sys.base_prefix, sys.exec_prefix) if p)
     return (not f.startswith(prefixes) and "site-packages" not in f and "dist-packages" not in f
             and not f.startswith(install_dirs()))
+
+
+@functools.cache
+def python_library_dirs() -> tuple[str, ...]:
+    """This interpreter's standard library and its site-packages (``sysconfig``); packages installed
+    elsewhere on ``sys.path`` are ``install_dirs()``."""
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    return tuple({p for p in (paths.get("stdlib"), paths.get("purelib"), paths.get("platlib")) if p})
 
 
 _install_dirs: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())

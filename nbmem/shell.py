@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ast
 import sys
-import sysconfig
 import traceback as _tb
 import types
 from collections.abc import Iterator
@@ -24,14 +23,10 @@ from .records import LAST_RESULT, ROTATING_OUTPUTS, HolderKind, is_cache_name, i
 _IPYTHON_MODULE_NAMES = ("__main__", "__mp_main__")
 
 
-_LIBRARY_DIRS = tuple({p for p in (sysconfig.get_paths().get("stdlib"), sysconfig.get_paths().get("purelib"),
-                                   sysconfig.get_paths().get("platlib")) if p})
-
-
 def _library_of(frame: types.FrameType) -> str:
     """The top-level package of a frame in installed or standard-library code (``torch``), else ""."""
     f = frame.f_code.co_filename
-    if not (f.startswith(_LIBRARY_DIRS) or "site-packages" in f or "dist-packages" in f):
+    if not (f.startswith(reach.python_library_dirs()) or "site-packages" in f or "dist-packages" in f):
         return ""
     g = frame.f_globals
     name = dict.get(g, "__name__") if type(g) is dict else None

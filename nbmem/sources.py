@@ -401,17 +401,13 @@ class LineClock:
         """Start marking lines; False when this Python cannot (the caller records stacks instead)."""
         if self.unsupported():
             return False
-        import sysconfig
-
-        from .reach import install_dirs
+        from .reach import install_dirs, python_library_dirs
 
         mon = _monitoring()
         tool = next(t for t in self.TOOL_IDS if mon.get_tool(t) is None)
         mon.use_tool_id(tool, "nbmem")
         self._tool = tool
-        paths = sysconfig.get_paths()
-        library = tuple({p for p in (paths.get("stdlib"), paths.get("purelib"), paths.get("platlib")) if p} |
-                        set(install_dirs()) | {os.path.dirname(os.path.abspath(__file__))})
+        library = (*python_library_dirs(), *install_dirs(), os.path.dirname(os.path.abspath(__file__)))
         known: dict[str, bool] = {}
         marks = self.marks
         mark = marks.append
