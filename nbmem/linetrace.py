@@ -276,8 +276,10 @@ def _oom(e: Mapping[str, Any], frames: Sequence[Mapping[str, Any]], cell_files: 
                tuple(sorted(by_line.items(), key=lambda kv: -kv[1])))
 
 
-def line_of_exception(exc: BaseException, cell_files: frozenset[str]) -> tuple[int | None, tuple[str, ...]]:
-    """The cell line an exception came from, and its stack as "file:line in function" (innermost first)."""
+def line_of_exception(exc: BaseException, cell_files: frozenset[str],
+                      names: Mapping[str, str] | None = None) -> tuple[int | None, str]:
+    """The cell line an exception came from, and the deepest frame of the user's own code it passed
+    through ("" when that is the cell's line itself), as the lines table's "allocated at" names it."""
     frames = []
     tb = exc.__traceback__
     while tb is not None:
@@ -285,4 +287,4 @@ def line_of_exception(exc: BaseException, cell_files: frozenset[str]) -> tuple[i
         frames.append({"filename": code.co_filename, "line": tb.tb_lineno, "name": code.co_name})
         tb = tb.tb_next
     frames.reverse()
-    return cell_line(frames, cell_files), tuple(_frame_text(f) for f in frames)
+    return cell_line(frames, cell_files), deepest_user_frame(frames, cell_files, names)

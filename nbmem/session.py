@@ -502,12 +502,10 @@ class Session:
     def _oom_advice(self, records: Sequence[CellRecord], error: BaseException, o: _Open,
                     replays: dict[str, Replay]) -> tuple[str, ...]:
         out = []
-        line, stack = line_of_exception(error, self.adapter.cell_files(o.cell))
-        user = next((f for f in stack if "site-packages" not in f and "/torch/" not in f), "")
+        line, user = line_of_exception(error, self.adapter.cell_files(o.cell), self.adapter.cell_names())
         where = f"line {line}: {o.source.splitlines()[line - 1].strip()}" if line and line <= len(
             o.source.splitlines()) else "this cell"
-        out.append(f"the allocation that failed was asked for by {where}" + (f" (in {user})" if user and
-                                                                               not user.startswith("<") else ""))
+        out.append(f"the allocation that failed was asked for by {where}" + (f" (in {user})" if user else ""))
         for dev, rp in replays.items():
             if rp.oom is not None and any(ln is not None for ln, _b in rp.oom.live_by_line):
                 live = ", ".join(f"{'before this cell' if ln is None else f'line {ln}'}: {fmt_bytes(b)}"

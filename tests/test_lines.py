@@ -112,8 +112,8 @@ def test_the_line_of_an_exception_in_a_cell():
     try:
         exec(code, {})
     except ValueError as e:
-        line, stack = line_of_exception(e, FILES)
-    assert line == 4 and stack[0].endswith("in f") and cell_line([{"filename": "other", "line": 1}], FILES) is None
+        line, user = line_of_exception(e, FILES)
+    assert line == 4 and user.endswith("in f") and cell_line([{"filename": "other", "line": 1}], FILES) is None
 
 
 # -- in the shell, on a CPU --------------------------------------------------------------------------------
@@ -337,3 +337,15 @@ def test_the_line_clock_is_bounded_and_hands_its_tool_id_back_as_it_found_it():
     finally:
         mon.free_tool_id(tool)
     assert any("json" in f for f in seen), "the next tool on this id sees the library lines nbmem switched off"
+
+
+def test_an_out_of_memory_error_names_its_line_and_the_users_function_it_came_through(ip):
+    # The advice names the frame as the lines table does (one rule for "the user's own code"): a helper
+    # from another cell as In[N], never a library's or the standard library's frame.
+    ok(ip, "import contextlib\ndef step():\n    with contextlib.nullcontext():\n"
+           "        raise RuntimeError('CUDA out of memory. Tried to allocate 2.00 GiB')")
+    helper = last_cell(ip)
+    r = run(ip, "x = 1\nstep()")
+    assert not r.success
+    advice = nbmem.magics.session_of(ip).last_report.advice
+    assert advice[0] == f"the allocation that failed was asked for by line 2: step() (in In[{helper}]:4 in step)"
