@@ -226,8 +226,7 @@ def bench_footprint(quick: bool) -> None:
             t = t0 + k * sess.settings.interval_s
             sess.store.add_tick([Sample(t, "cpu", None, None, None, None, None, None, None, None, 10**9 + k),
                                  Sample(t, "cuda:0", k, k, k, 0, k, 8 * 10**10, k, 0, 10**9 + k)])
-        ours = deep_size([sess.store, sess._findings, sess.scanner, sess._last_scan, sess.faults,
-                          sess._finding_cells, sess._lines])
+        ours = deep_size([sess.store, sess.holdings, sess.cells, sess.faults])
         kept = len(sess.store.sample_list())
         threads = [t.name for t in threading.enumerate() if t.name.startswith("nbmem")]
         cbs = sum(len(v) for v in sh.events.callbacks.values())

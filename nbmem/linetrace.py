@@ -19,15 +19,8 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from .records import LineRecord
-
-BLOCK = 512
-_LIBRARY_PARTS = ("site-packages", "dist-packages", "/torch/", "/lib/python", "<frozen ")
-
-
-def block_bytes(size: int) -> int:
-    """The allocator's block for a request of ``size`` bytes (default settings: 512-byte granularity)."""
-    return BLOCK if size < BLOCK else -(-size // BLOCK) * BLOCK
+from . import libraries
+from .records import LineRecord, block_bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,14 +59,6 @@ def _frame_text(f: Mapping[str, Any], names: Mapping[str, str] | None = None) ->
     return f"{(names or {}).get(file, file)}:{f.get('line', '?')} in {f.get('name', '?')}"
 
 
-def _is_user(f: Mapping[str, Any]) -> bool:
-    """Python code of the user's: a cell (``<ipython-input-…>``, ``/tmp/ipykernel_…/….py``) or a file outside
-    the libraries; never a C++ frame (``??``, ``.cpp``) of a recording with C++ stacks."""
-    name = str(f.get("filename", ""))
-    python = name.endswith(".py") or name.startswith("<ipython-input")
-    return python and not any(p in name for p in _LIBRARY_PARTS)
-
-
 def _is_cell_frame(f: Mapping[str, Any], cell_files: frozenset[str]) -> bool:
     """The cell's own module-level code (not a function the cell defines)."""
     return f.get("name") == "<module>" and f.get("filename") in cell_files
@@ -95,7 +80,7 @@ def deepest_user_frame(frames: Sequence[Mapping[str, Any]], cell_files: frozense
                        names: Mapping[str, str] | None = None) -> str:
     """The innermost frame of the user's own code, unless it is the cell's line itself (shown anyway)."""
     for f in frames:
-        if _is_user(f):
+        if libraries.is_user_file(str(f.get("filename", ""))):
             if _is_cell_frame(f, cell_files):
                 return ""
             return _frame_text(f, names)

@@ -14,9 +14,7 @@ object's ``__getattr__``, ``__getattribute__``, ``__len__``, ``__iter__``, ``__e
 
 from __future__ import annotations
 
-import functools
 import gc
-import os
 import sys
 import types
 import weakref
@@ -25,6 +23,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from itertools import islice
 from typing import Any
+
+from . import libraries
 
 _mro: Callable[[type], tuple[type, ...]] = type.__dict__["__mro__"].__get__
 _own_dict: Callable[[type], Any] = type.__dict__["__dict__"].__get__
@@ -303,7 +303,7 @@ def module_dict(m: types.ModuleType) -> dict[Any, Any] | None:
 
 
 def is_user_module(m: types.ModuleType) -> bool:
-    """A module the user wrote or made (``types.ModuleType(...)``), not a library or the stdlib."""
+    """A module the user wrote or made (``types.ModuleType(...)``), not a library or the standard library."""
     d = module_dict(m)
     if d is None:
         return False
@@ -314,41 +314,7 @@ def is_user_module(m: types.ModuleType) -> bool:
     if f is None:
         spec = d.get("__spec__")
         return spec is None  # made by hand; a namespace package or frozen module has a spec
-    if type(f) is not str:
-        return False
-    prefixes = tuple(p for p in (sys.prefix, sys.base_prefix, sys.exec_prefix) if p)
-    return (not f.startswith(prefixes) and "site-packages" not in f and "dist-packages" not in f
-            and not f.startswith(install_dirs()))
-
-
-@functools.cache
-def python_library_dirs() -> tuple[str, ...]:
-    """This interpreter's standard library and its site-packages (``sysconfig``); packages installed
-    elsewhere on ``sys.path`` are ``install_dirs()``."""
-    import sysconfig
-
-    paths = sysconfig.get_paths()
-    return tuple({p for p in (paths.get("stdlib"), paths.get("purelib"), paths.get("platlib")) if p})
-
-
-_install_dirs: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
-
-
-def install_dirs() -> tuple[str, ...]:
-    """The ``sys.path`` entries that packages were installed into (``pip install --target``, a
-    ``PYTHONPATH`` library folder): they hold ``*.dist-info`` folders. Looked at again when sys.path changes."""
-    global _install_dirs
-    key = tuple(p for p in sys.path if type(p) is str)
-    if _install_dirs[0] != key:
-        found = []
-        for p in key:
-            try:
-                if p and os.path.isdir(p) and any(e.endswith(".dist-info") for e in os.listdir(p)):
-                    found.append(os.path.join(os.path.abspath(p), ""))
-            except OSError:
-                continue
-        _install_dirs = (key, tuple(found))
-    return _install_dirs[1]
+    return type(f) is str and not libraries.is_library_file(f)
 
 
 def frame_locals(frame: types.FrameType) -> list[tuple[str, Any]]:

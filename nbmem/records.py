@@ -73,6 +73,15 @@ class GpuReading:
     processes: tuple[GpuProcess, ...] = ()
 
 
+#: The CUDA caching allocator's block granularity: ``memory_allocated()`` counts whole blocks.
+CUDA_BLOCK_BYTES = 512
+
+
+def block_bytes(size: int) -> int:
+    """The allocator's block for a request of ``size`` bytes (default settings: whole 512-byte blocks)."""
+    return CUDA_BLOCK_BYTES if size < CUDA_BLOCK_BYTES else -(-size // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
+
+
 @dataclass(frozen=True, slots=True)
 class AllocatorReading:
     """The torch caching allocator's counters for one device."""

@@ -16,21 +16,11 @@ import types
 from collections.abc import Iterator
 from typing import Any
 
-from . import reach
-from .holders import Root
+from . import libraries, reach
 from .records import LAST_RESULT, ROTATING_OUTPUTS, HolderKind, is_cache_name, is_output_name
+from .walk import Root
 
 _IPYTHON_MODULE_NAMES = ("__main__", "__mp_main__")
-
-
-def _library_of(frame: types.FrameType) -> str:
-    """The top-level package of a frame in installed or standard-library code (``torch``), else ""."""
-    f = frame.f_code.co_filename
-    if not (f.startswith(reach.python_library_dirs()) or "site-packages" in f or "dist-packages" in f):
-        return ""
-    g = frame.f_globals
-    name = dict.get(g, "__name__") if type(g) is dict else None
-    return name.partition(".")[0] if isinstance(name, str) and name else "a library"
 
 
 class ShellAdapter:
@@ -133,9 +123,10 @@ class ShellAdapter:
             code = frame.f_code
             if code.co_name == "<module>":
                 continue  # the cell's own top level: its names are the namespace, already walked
-            if "site-packages" in code.co_filename and "IPython" in code.co_filename:
-                continue
-            where = _library_of(frame)  # a library's frame is named as such, and ranks after the user's
+            where = libraries.library_of(code.co_filename, dict.get(frame.f_globals, "__name__"))
+            if where == "IPython":
+                continue  # the shell's own frames, between the cell and the code it called
+            # A library's frame is named as such, and ranks after the user's.
             for var, obj in reach.frame_locals(frame):
                 yield Root(f"<traceback {code.co_name}{f' in {where}' if where else ''}>.{var}", HolderKind.TRACEBACK,
                            obj)

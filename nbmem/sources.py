@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import libraries
 from .notebooks import notebook_of_pids
 from .records import AllocatorReading, Boundary, GpuDevice, GpuProcess, GpuReading, Sample
 
@@ -401,13 +402,10 @@ class LineClock:
         """Start marking lines; False when this Python cannot (the caller records stacks instead)."""
         if self.unsupported():
             return False
-        from .reach import install_dirs, python_library_dirs
-
         mon = _monitoring()
         tool = next(t for t in self.TOOL_IDS if mon.get_tool(t) is None)
         mon.use_tool_id(tool, "nbmem")
         self._tool = tool
-        library = (*python_library_dirs(), *install_dirs(), os.path.dirname(os.path.abspath(__file__)))
         known: dict[str, bool] = {}
         marks = self.marks
         mark = marks.append
@@ -420,8 +418,7 @@ class LineClock:
         def is_library(file: str) -> bool:
             got = known.get(file)
             if got is None:
-                got = known[file] = file.startswith(library) or "site-packages" in file or (
-                    "dist-packages" in file) or file.startswith("<frozen")
+                got = known[file] = libraries.is_library_file(file)
             return got
 
         def add(code: Any, line: int) -> None:

@@ -13,8 +13,10 @@ from unittest import mock
 import pytest
 import torch
 
-from nbmem.holders import Root, Scanner, current, findings, graph_candidates
+from nbmem.findings import current, findings, graph_candidates
 from nbmem.records import HolderKind, root_name
+from nbmem.scanner import Scanner
+from nbmem.walk import Root
 
 MB = 2**20
 NS = HolderKind.NAMESPACE

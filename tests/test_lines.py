@@ -11,8 +11,8 @@ from IPython.core.error import UsageError
 
 import nbmem
 from nbmem.cells import with_trace
-from nbmem.linetrace import block_bytes, cell_line, line_of_exception, replay
-from nbmem.records import CellRecord
+from nbmem.linetrace import cell_line, line_of_exception, replay
+from nbmem.records import CellRecord, block_bytes
 from tests.conftest import last_cell, ok, run
 
 MiB = 2**20
@@ -253,7 +253,7 @@ def test_the_line_clock_marks_the_users_lines_on_the_cells_thread_only():
 def test_line_numbers_count_from_the_first_line_ipython_compiles(ip):
     # IPython drops a cell's leading blank lines before compiling it: the source shown beside line N must
     # be the line its code calls N, in %%cudamem bodies and in %cudamem on cells alike.
-    from nbmem.session import as_compiled
+    from nbmem.cellwatch import as_compiled
 
     assert as_compiled("\n  \nfor x in y:\n\n    z = 1\n") == "for x in y:\n\n    z = 1"
     assert as_compiled("a = 1") == "a = 1" and as_compiled("") == ""
@@ -276,13 +276,14 @@ def test_events_after_the_marks_ran_out_have_no_line_but_count_toward_the_peak()
 def test_recording_that_fails_half_way_leaves_nothing_running(ip, monkeypatch):
     # The clock (sys.monitoring, 3.12+) starts before the trace; when the trace then fails, the clock
     # stops too: a fake clock stands in for it here so that this runs on every Python.
-    import nbmem.session as session_mod
+    import nbmem.recording as recording_mod
 
     started, stopped = [], []
 
     class Clock:
         def __init__(self, max_marks: int) -> None:
             self.full_at_us = None
+            self.max_marks = max_marks
 
         @staticmethod
         def unsupported():
@@ -300,7 +301,7 @@ def test_recording_that_fails_half_way_leaves_nothing_running(ip, monkeypatch):
         raise RuntimeError("the allocator said no")
 
     sess = nbmem.magics.session_of(ip)
-    monkeypatch.setattr(session_mod, "LineClock", Clock)
+    monkeypatch.setattr(recording_mod, "LineClock", Clock)
     monkeypatch.setattr(sess.probe.torch, "start_trace", boom)
     ok(ip, "%cudamem on --lines")
     ok(ip, "x = 1")  # the cell runs; the failure is recorded, not raised

@@ -158,7 +158,7 @@ def _size(roots):
         if id(o) in seen or isinstance(o, type): continue
         seen.add(id(o)); total += sys.getsizeof(o); stack.extend(gc.get_referents(o))
     return total
-kept = [s.store, s._findings, s.scanner, s._last_scan, s._faults, s._finding_cells]
+kept = [s.store, s.holdings, s.cells, s._faults]
 callbacks = sum(map(len, get_ipython().events.callbacks.values()))
 print(json.dumps({"size": _size(kept), "cells": len(s.store.cell_list()), "callbacks": callbacks}))
 """

@@ -10,7 +10,7 @@ import pytest
 PKG = Path(__file__).resolve().parents[1] / "nbmem"
 CONSUMERS = ["widget.py", "plotting.py", "server.py"]
 #: The engine's insides: a consumer that reads them is wired past the seam.
-INSIDES = {"store", "sampler", "probe", "nvml", "scanner", "_listeners", "_last_scan"}
+INSIDES = {"store", "sampler", "probe", "nvml", "scanner", "holdings", "cells", "_listeners", "last_scan"}
 
 
 def tree(name: str) -> ast.Module:
