@@ -8,8 +8,8 @@
 
 import { fmtBytes, fmtSeconds, isNA } from "./format.js";
 import {
-  CONFIRM_MS, agoLabel, cellSpans, peakPercent, press, rows, scaleOf, segments, seriesMax, sparkMax, sparkPath, sparkStart,
-  viewKind, widths,
+  CONFIRM_MS, agoLabel, cellSpans, codeParts, holderList, peakPercent, press, rows, scaleOf, segments, seriesMax, sparkMax,
+  sparkPath, sparkStart, viewKind, widths,
 } from "./layout.js";
 
 /** The front end's name, as the page's Jupyter config says ("JupyterLab", "Jupyter Notebook"), or "". */
@@ -29,22 +29,6 @@ function appName() {
  * @property {(event: string, cb: () => void) => void} on
  * @property {(event: string, cb: () => void) => void} off
  * @property {(msg: object) => void} send
- */
-
-/**
- * A holder from the last leak scan, as Python lists it.
- * @typedef {object} Holder
- * @property {string} id
- * @property {string} name
- * @property {string} kind "namespace" | "output" | "traceback"
- * @property {string} device
- * @property {number} bytes
- * @property {boolean} graph
- * @property {string[]} roots top-level names `del` removes
- * @property {string} del_label what the del button does, e.g. "del model, opt" ("" when it cannot)
- * @property {string} what the size in words (views, groups of small tensors, graphs)
- * @property {boolean} to_cpu whether "to CPU" applies
- * @property {string} hint
  */
 
 const COLOURS = {
@@ -96,6 +80,18 @@ const CSS = `
 .nbmem-gauge .nbmem-meta { color: var(--jp-ui-font-color2, #616161); font-size: var(--jp-ui-font-size0, 11px); }
 .nbmem-gauge .nbmem-meta b { color: var(--jp-ui-font-color1, #212121); font-weight: 600; }
 .nbmem-gauge .nbmem-flag { color: var(--jp-warn-color0, #e65100); }
+.nbmem-gauge .nbmem-also { grid-column: 1 / -1; color: var(--jp-ui-font-color2, #616161); font-size: var(--jp-ui-font-size0, 11px);
+  overflow-wrap: anywhere; }
+.nbmem-gauge .nbmem-members { grid-column: 1 / -1; font-size: var(--jp-ui-font-size0, 11px); }
+.nbmem-gauge .nbmem-members summary { display: list-item; cursor: pointer; width: fit-content;
+  color: var(--jp-ui-font-color2, #616161); }
+.nbmem-gauge .nbmem-members summary:focus-visible { outline: 1px solid var(--jp-brand-color1, #1976d2); }
+.nbmem-gauge .nbmem-members ul { list-style: none; margin: 2px 0 2px 12px; padding: 0; }
+.nbmem-gauge .nbmem-members li { display: grid; grid-template-columns: 1fr auto; align-items: baseline; column-gap: 6px; }
+.nbmem-gauge .nbmem-members code { overflow-wrap: anywhere; min-width: 0; }
+.nbmem-gauge .nbmem-members .nbmem-what { grid-column: 1 / -1; padding-left: 1em; overflow-wrap: anywhere; }
+.nbmem-gauge .nbmem-members .nbmem-what, .nbmem-gauge .nbmem-members .nbmem-more { color: var(--jp-ui-font-color2, #616161); }
+.nbmem-gauge code { font-family: var(--jp-code-font-family, monospace); }
 .nbmem-gauge .nbmem-buttons { white-space: nowrap; }
 .nbmem-gauge button { font: inherit; font-size: var(--jp-ui-font-size0, 11px); padding: 1px 6px; margin: 1px;
   color: var(--jp-ui-font-color1, #212121); background: var(--jp-layout-color2, #eee);
@@ -126,6 +122,17 @@ function h(tag, cls, text) {
   if (cls) e.className = cls;
   if (text !== undefined) e.textContent = text;
   return e;
+}
+
+/**
+ * Text whose `code` parts (in backticks) show as code, as a fragment.
+ * @param {string} text
+ * @returns {DocumentFragment}
+ */
+function withCode(text) {
+  const f = document.createDocumentFragment();
+  for (const p of codeParts(text)) f.append(p.code ? h("code", "", p.text) : p.text);
+  return f;
 }
 
 /**
@@ -330,6 +337,7 @@ export default {
       const b = /** @type {HTMLButtonElement} */ (h("button", "", label));
       b.type = "button";
       b.dataset.action = action;
+      b.dataset.key = key;
       if (opts.disabled) {
         b.disabled = true;
         b.title = opts.disabled;
@@ -402,32 +410,64 @@ export default {
     }
 
     function drawButtons() {
+      // Redraws replace the buttons and rows, so a keyboard user's focus moves to the new copy of
+      // the control it was on (data-key), instead of falling back to the page.
+      const active = /** @type {Document | ShadowRoot} */ (root.getRootNode()).activeElement;
+      const key = active instanceof HTMLElement && root.contains(active) ? active.dataset.key : undefined;
       drawHolders();
       actions.replaceChildren(
         button("outputs", "clear outputs", "clear outputs?", { destructive: true }),
         button("traceback", "clear traceback", "clear traceback?", { destructive: true }),
         button("gc", "gc + empty cache", "gc + empty cache", { destructive: false }),
       );
+      if (key) {
+        const again = [...root.querySelectorAll("[data-key]")].find((e) => e instanceof HTMLElement && e.dataset.key === key);
+        if (again instanceof HTMLElement) again.focus({ preventScroll: true });
+      }
     }
 
+    /** @type {Set<string>} holder ids whose member list is open; it outlives redraws and a row's absence */
+    const expanded = new Set();
+
     function drawHolders() {
-      const list = /** @type {Holder[]} */ (model.get("holders") || []);
+      // The page is the truth about what the user opened or closed since the last draw.
+      for (const d of holders.querySelectorAll("details[data-id]")) {
+        const id = /** @type {HTMLElement} */ (d).dataset.id || "";
+        if (/** @type {HTMLDetailsElement} */ (d).open) expanded.add(id);
+        else expanded.delete(id);
+      }
+      const list = holderList(model.get("holders"), model.get("holders_note"));
       holders.replaceChildren(h("h3", "", "Top holders (last leak scan)"));
-      if (!list.length) {
-        holders.append(h("div", "nbmem-empty", "nothing above the threshold"));
+      if (list.empty) {
+        const empty = h("div", "nbmem-empty");
+        empty.dataset.role = "holders-note";
+        empty.append(withCode(list.empty));
+        holders.append(empty);
         return;
       }
-      for (const x of list) {
+      for (const x of list.rows) {
         const row = h("div", "nbmem-holder");
         row.dataset.role = "holder";
         row.dataset.id = x.id;
-        if (x.hint) row.title = x.hint;
+        if (x.title) row.title = x.title;
         const name = h("div", "nbmem-name", x.name);
         name.dataset.role = "name";
+        row.append(name);
+        if (x.what) {
+          const what = h("div", "nbmem-also");
+          what.dataset.role = "what";
+          what.append(withCode(x.what));
+          row.append(what);
+        }
+        if (x.also) {
+          const also = h("div", "nbmem-also", x.also);
+          also.dataset.role = "also";
+          row.append(also);
+        }
         const meta = h("div", "nbmem-meta");
-        const bytes = h("b", "", fmtBytes(x.bytes));
+        const bytes = h("b", "", x.bytes);
         bytes.dataset.role = "bytes";
-        meta.append(bytes, ` · ${[x.device, x.kind === "namespace" ? "" : x.kind].filter(Boolean).join(" · ")}`);
+        meta.append(bytes, ` · ${x.where}`);
         if (x.graph) {
           const f = h("span", "nbmem-flag", "holds graph");
           f.dataset.role = "graph";
@@ -435,22 +475,43 @@ export default {
           meta.append(" · ", f);
         }
         const btns = h("div", "nbmem-buttons");
-
-        const why = x.kind === "output" ? "held by the output history: use “clear outputs”"
-          : x.kind === "traceback" ? "held by the last traceback: use “clear traceback”"
-          : "no top-level name to delete";
-        // The button says exactly which variables it deletes, before and while it asks for confirmation.
-        const delLabel = x.del_label || "del";
         btns.append(
-          button("del", delLabel, `${delLabel}?`, { id: x.id, destructive: true, disabled: x.del_label ? "" : why }),
-          button("to_cpu", "to CPU", `${x.name}.cpu()?`, {
-            id: x.id, destructive: true,
-            disabled: x.to_cpu ? "" : x.device === "cpu" ? "already on the CPU" : "only a top-level tensor or module moves",
-          }),
+          button("del", x.del.label, x.del.confirm, { id: x.id, destructive: true, disabled: x.del.disabled }),
+          button("to_cpu", x.toCpu.label, x.toCpu.confirm, { id: x.id, destructive: true, disabled: x.toCpu.disabled }),
         );
-        row.append(name, meta, btns);
+        row.append(meta, btns);
+        if (x.summary) row.append(memberList(x));
         holders.append(row);
       }
+    }
+
+    /**
+     * A holder's biggest members, behind a native disclosure (focusable, Enter or Space opens it).
+     * @param {import("./layout.js").HolderText} x
+     * @returns {HTMLElement}
+     */
+    function memberList(x) {
+      const d = /** @type {HTMLDetailsElement} */ (h("details", "nbmem-members"));
+      d.dataset.role = "members";
+      d.dataset.id = x.id;
+      d.open = expanded.has(x.id);
+      const summary = h("summary", "", x.summary);
+      summary.dataset.key = `members:${x.id}`;
+      const ul = h("ul");
+      for (const m of x.members) {
+        const li = h("li");
+        li.dataset.role = "member";
+        li.append(h("code", "", m.name), h("span", "nbmem-bytes", m.bytes));
+        if (m.what) li.append(h("span", "nbmem-what", m.what));
+        ul.append(li);
+      }
+      if (x.more) {
+        const li = h("li", "nbmem-more", x.more);
+        li.dataset.role = "more";
+        ul.append(li);
+      }
+      d.append(summary, ul);
+      return d;
     }
 
     function drawStatus() {
@@ -494,6 +555,7 @@ export default {
       ["change:processes", later(drawDevices)],
       ["change:last_cell", later(drawLastCell)],
       ["change:holders", later(drawButtons)],
+      ["change:holders_note", later(drawButtons)],
       ["change:action", later(drawStatus)],
     ];
     for (const [ev, fn] of handlers) model.on(ev, fn);

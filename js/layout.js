@@ -1,8 +1,9 @@
 // Layout logic of the gauge, kept apart from the DOM so `node --test` can check it: which segments a
 // device's bar has and how wide they are, where the peak mark sits, the sparkline's path and the
-// cell spans under it, and the two-click confirmation of destructive buttons.
+// cell spans under it, the two-click confirmation of destructive buttons, and the words of each row
+// of the holder list.
 
-import { isNA } from "./format.js";
+import { fmtBytes, isNA } from "./format.js";
 
 /**
  * One device, as the Python side publishes it (one entry of each column of the `snapshot` trait).
@@ -254,4 +255,162 @@ export function press(armed, key, now) {
  */
 export function viewKind(placement, appName, inSidebar) {
   return placement === "auto" && !inSidebar && appName === "JupyterLab" ? "pointer" : "gauge";
+}
+
+/**
+ * One of the biggest things a holder row's owner keeps alive.
+ * @typedef {object} Member
+ * @property {string} name the path a user would type, e.g. "model.0.weight"
+ * @property {number} bytes
+ * @property {string} what the size in words ("tensor": one tensor's storage, nothing to add)
+ */
+
+/**
+ * A holder from the last leak scan, as Python lists it: one row per owner, the name a user typed.
+ * The keys after `hint` are newer; a row from an older nbmem lacks them and shows as before.
+ * @typedef {object} Holder
+ * @property {string} id
+ * @property {string} name `model`, `losses`, `Out[4]`, `<traceback train_step>`, `mymod.cache`
+ * @property {string} kind "namespace" | "module" | "output" | "traceback"
+ * @property {string} device
+ * @property {number} bytes
+ * @property {string} what the size in words (views, groups of small tensors, graphs)
+ * @property {boolean} graph
+ * @property {string[]} roots top-level names `del` removes
+ * @property {boolean} to_cpu whether "to CPU" applies
+ * @property {string} del_label what the del button does, e.g. "del model" ("" when it cannot)
+ * @property {string} hint
+ * @property {Member[]} [members] the biggest first, at most a handful
+ * @property {number} [more] members not listed
+ * @property {number} [more_bytes] their bytes
+ * @property {string[]} [also] other names that also hold some of its memory
+ */
+
+/**
+ * What a holder's button says and does: its label, the label while it asks to confirm, and why it
+ * is disabled ("" when it is not).
+ * @typedef {object} ButtonText
+ * @property {string} label
+ * @property {string} confirm
+ * @property {string} disabled
+ */
+
+/**
+ * Everything one holder row shows, as text (the DOM is gauge.js's business).
+ * @typedef {object} HolderText
+ * @property {string} id
+ * @property {string} name
+ * @property {string} title the hint, as the row's tooltip
+ * @property {string} bytes
+ * @property {string} where device, and the kind when it is not a plain variable
+ * @property {boolean} graph
+ * @property {string} what what the owner holds, in words ("Sequential: 42M parameters"), or ""
+ * @property {string} also "also held by trainer", or ""
+ * @property {ButtonText} del
+ * @property {ButtonText} toCpu
+ * @property {string} summary what the expander says ("3 members"); "" when there is nothing to expand
+ * @property {{name: string, bytes: string, what: string}[]} members
+ * @property {string} more "and 12 more (1.20 GiB)", or ""
+ */
+
+/** The kinds of holder besides a plain variable, as the row names them. */
+const KIND_LABELS = { output: "output", traceback: "traceback", module: "module" };
+
+/**
+ * The module whose attribute a "module" holder is: its name up to the last dot before any index
+ * (`pkg.sub.cache` → `pkg.sub`, `mymod.cache['k']` → `mymod`).
+ * @param {string} name
+ * @returns {string}
+ */
+export function moduleOf(name) {
+  const head = name.split("[", 1)[0];
+  const dot = head.lastIndexOf(".");
+  return dot > 0 ? head.slice(0, dot) : head;
+}
+
+/**
+ * Why a holder's del button is disabled: what frees it instead.
+ * @param {Holder} x
+ * @returns {string}
+ */
+function whyNoDel(x) {
+  if (x.kind === "output") return "held by the output history: use “clear outputs”";
+  if (x.kind === "traceback") return "held by the last traceback: use “clear traceback”";
+  if (x.kind === "module") return `an attribute of module ${moduleOf(x.name)}: set it to None`;
+  return "no top-level name to delete";
+}
+
+/**
+ * A list the kernel sent, or [] when it sent something else (an older nbmem sends nothing).
+ * @template T
+ * @param {T[] | undefined} v
+ * @returns {T[]}
+ */
+const listOf = (v) => (Array.isArray(v) ? v : []);
+
+/**
+ * A count as Python's `f"{n:,}"` prints it.
+ * @param {number} n
+ * @returns {string}
+ */
+const count = (n) => n.toLocaleString("en-US");
+
+/**
+ * The words of one holder row. A row whose only member is the owner itself has nothing to expand.
+ * @param {Holder} x
+ * @returns {HolderText}
+ */
+export function holderText(x) {
+  const members = listOf(x.members);
+  const more = Number(x.more) > 0 ? Number(x.more) : 0;
+  const also = listOf(x.also);
+  const total = members.length + more;
+  const onlyItself = more === 0 && members.length === 1 && members[0].name === x.name;
+  // The button says exactly which variables it deletes, before and while it asks for confirmation.
+  const delLabel = x.del_label || "del";
+  return {
+    id: x.id,
+    name: x.name,
+    title: x.hint || "",
+    bytes: fmtBytes(x.bytes),
+    where: [x.device, KIND_LABELS[/** @type {keyof typeof KIND_LABELS} */ (x.kind)] || ""].filter(Boolean).join(" · "),
+    graph: Boolean(x.graph),
+    what: x.what && x.what !== "tensor" ? x.what : "",
+    also: also.length ? `also held by ${also.join(", ")}` : "",
+    del: { label: delLabel, confirm: `${delLabel}?`, disabled: x.del_label ? "" : whyNoDel(x) },
+    toCpu: {
+      label: "to CPU",
+      confirm: `${x.name}.cpu()?`,
+      disabled: x.to_cpu ? "" : x.device === "cpu" ? "already on the CPU" : "only a top-level tensor or module moves",
+    },
+    summary: total && !onlyItself ? `${count(total)} member${total === 1 ? "" : "s"}` : "",
+    members: onlyItself ? [] : members.map((m) => ({
+      name: m.name, bytes: fmtBytes(m.bytes), what: m.what && m.what !== "tensor" ? m.what : "",
+    })),
+    more: more ? `and ${count(more)} more${isNA(x.more_bytes) ? "" : ` (${fmtBytes(x.more_bytes)})`}` : "",
+  };
+}
+
+/**
+ * The holder list as shown: its rows, or when there are none the line shown instead (the kernel's
+ * `holders_note`, which says whether a scan ran at all, or by default that nothing passed the threshold).
+ * @param {Holder[] | null | undefined} holders
+ * @param {string | null | undefined} note
+ * @returns {{rows: HolderText[], empty: string}}
+ */
+export function holderList(holders, note) {
+  const rows = (Array.isArray(holders) ? holders : []).map(holderText);
+  return { rows, empty: rows.length ? "" : note || "nothing above the threshold" };
+}
+
+/**
+ * Text with `code` in backticks, cut into plain and code parts (the backticks dropped); text with an
+ * unpaired backtick stays one plain part.
+ * @param {string} text
+ * @returns {{text: string, code: boolean}[]}
+ */
+export function codeParts(text) {
+  const parts = text.split("`");
+  if (parts.length % 2 === 0) return [{ text, code: false }];
+  return parts.map((t, i) => ({ text: t, code: i % 2 === 1 })).filter((p) => p.text);
 }

@@ -1,10 +1,10 @@
-// Layout logic of the gauge: segments, widths, the peak mark, the sparkline and confirmation.
+// Layout logic of the gauge: segments, widths, the peak mark, the sparkline, confirmation and holder rows.
 import assert from "node:assert/strict";
 import { test } from "node:test";
 
 import {
-  CONFIRM_MS, agoLabel, cellSpans, diff, peakPercent, press, rows, scaleOf, segments, seriesMax, sparkMax, sparkPath, sparkStart,
-  viewKind, widths,
+  CONFIRM_MS, agoLabel, cellSpans, codeParts, diff, holderList, holderText, moduleOf, peakPercent, press, rows, scaleOf,
+  segments, seriesMax, sparkMax, sparkPath, sparkStart, viewKind, widths,
 } from "./layout.js";
 
 const GiB = 2 ** 30;
@@ -140,4 +140,86 @@ test("automatic placement: JupyterLab's cell copy points to the sidebar; elsewhe
   assert.equal(viewKind("auto", "Jupyter Notebook", false), "gauge"); // Notebook 7: no sidebar for sidecar
   assert.equal(viewKind("auto", "", false), "gauge"); // unknown page: better twice than not at all
   assert.equal(viewKind("inline", "JupyterLab", false), "gauge"); // asked for under the cell
+});
+
+/**
+ * A holder row as an nbmem without owner rows sends it (no members, more, more_bytes or also).
+ * @param {Partial<import("./layout.js").Holder>} x
+ * @returns {import("./layout.js").Holder}
+ */
+const holder = (x) => ({
+  id: "cuda:0:a1", name: "kept", kind: "namespace", device: "cuda:0", bytes: 32 * MiB, what: "tensor", graph: false,
+  roots: ["kept"], to_cpu: true, del_label: "del kept", hint: "", ...x,
+});
+
+test("an owner row lists its biggest members and sums up the rest", () => {
+  const t = holderText(holder({
+    id: "cuda:0:m", name: "model", bytes: 3 * GiB, graph: true, del_label: "del model", also: ["trainer", "ema"],
+    members: [{ name: "model.0.weight", bytes: GiB, what: "tensor" },
+      { name: "model.1.cache", bytes: 512 * MiB, what: "3 tensors, 512 MiB" }],
+    more: 1234, more_bytes: 1.5 * GiB,
+  }));
+  assert.equal(t.name, "model");
+  assert.equal(t.bytes, "3.00 GiB");
+  assert.equal(t.where, "cuda:0", "a plain variable's kind goes unsaid");
+  assert.equal(t.also, "also held by trainer, ema");
+  assert.deepEqual(t.del, { label: "del model", confirm: "del model?", disabled: "" });
+  assert.equal(t.toCpu.confirm, "model.cpu()?");
+  assert.equal(t.summary, "1,236 members");
+  assert.deepEqual(t.members, [{ name: "model.0.weight", bytes: "1.00 GiB", what: "" },
+    { name: "model.1.cache", bytes: "512 MiB", what: "3 tensors, 512 MiB" }]);
+  assert.equal(t.more, "and 1,234 more (1.50 GiB)");
+  assert.ok(t.graph);
+  assert.equal(holderText(holder({ what: "Sequential: 42M parameters" })).what, "Sequential: 42M parameters");
+  assert.equal(t.what, "", "a lone tensor's 'tensor' goes unsaid: the bytes say how big");
+});
+
+test("a row from an older nbmem (no members, more or also) shows as before", () => {
+  const t = holderText(holder({}));
+  assert.deepEqual([t.summary, t.members, t.more, t.also], ["", [], "", ""]);
+  assert.deepEqual(t.del, { label: "del kept", confirm: "del kept?", disabled: "" });
+  assert.deepEqual(t.toCpu, { label: "to CPU", confirm: "kept.cpu()?", disabled: "" });
+  const cpu = holderText(holder({ device: "cpu", to_cpu: false, del_label: "" }));
+  assert.equal(cpu.toCpu.disabled, "already on the CPU");
+  assert.deepEqual(cpu.del, { label: "del", confirm: "del?", disabled: "no top-level name to delete" });
+});
+
+test("a row whose one member is itself has nothing to expand; members without more need no sum", () => {
+  const self = holderText(holder({ members: [{ name: "kept", bytes: 32 * MiB, what: "tensor" }], more: 0, more_bytes: 0 }));
+  assert.deepEqual([self.summary, self.members, self.more], ["", [], ""]);
+  const one = holderText(holder({ name: "d", members: [{ name: "d['k']", bytes: MiB, what: "tensor" }], more: 0 }));
+  assert.equal(one.summary, "1 member");
+  assert.equal(one.more, "");
+  const unsized = holderText(holder({ name: "xs", members: [], more: 3 }));
+  assert.deepEqual([unsized.summary, unsized.more], ["3 members", "and 3 more"], "more without more_bytes");
+});
+
+test("the kinds that del cannot free say what does, the module kind included", () => {
+  const mod = holderText(holder({ name: "pkg.sub.cache", kind: "module", del_label: "", to_cpu: false }));
+  assert.equal(mod.where, "cuda:0 · module");
+  assert.equal(mod.del.disabled, "an attribute of module pkg.sub: set it to None");
+  assert.equal(moduleOf("mymod.cache['k'].x"), "mymod");
+  assert.equal(moduleOf("mymod"), "mymod");
+  const out = holderText(holder({ name: "Out[4]", kind: "output", del_label: "", to_cpu: false }));
+  assert.equal(out.where, "cuda:0 · output");
+  assert.equal(out.del.disabled, "held by the output history: use “clear outputs”");
+  const tb = holderText(holder({ name: "<traceback train_step>", kind: "traceback", del_label: "", to_cpu: false }));
+  assert.equal(tb.where, "cuda:0 · traceback");
+  assert.equal(tb.del.disabled, "held by the last traceback: use “clear traceback”");
+});
+
+test("an empty holder list shows the kernel's holders_note, or by default that nothing passed the threshold", () => {
+  const note = "no holder scan has run yet: `%cudamem leaks` or `%cudamem on` scans the notebook";
+  assert.deepEqual(holderList([], note), { rows: [], empty: note });
+  assert.deepEqual(holderList([], ""), { rows: [], empty: "nothing above the threshold" });
+  assert.deepEqual(holderList(undefined, undefined), { rows: [], empty: "nothing above the threshold" });
+  const shown = holderList([holder({})], note);
+  assert.equal(shown.empty, "", "the note stands in for the list, never beside it");
+  assert.deepEqual(shown.rows.map((r) => r.name), ["kept"]);
+  assert.deepEqual(codeParts(note), [{ text: "no holder scan has run yet: ", code: false },
+    { text: "%cudamem leaks", code: true }, { text: " or ", code: false }, { text: "%cudamem on", code: true },
+    { text: " scans the notebook", code: false }]);
+  assert.deepEqual(codeParts("nothing above the threshold (1.00 MiB)"),
+    [{ text: "nothing above the threshold (1.00 MiB)", code: false }]);
+  assert.deepEqual(codeParts("a ` b"), [{ text: "a ` b", code: false }], "an unpaired backtick stays");
 });

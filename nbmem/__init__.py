@@ -59,15 +59,23 @@ def _cell_number(cell: Any, what: str) -> int | None:
     return int(cell)
 
 
-def leaks(cell: int | None = None) -> Any:
-    """Holders as a DataFrame: what cell N added (``cell=N``), or everything held now (``None``).
+def leaks(cell: int | None = None, detail: bool = False) -> Any:
+    """Who holds memory, as a DataFrame: what cell N added (``cell=N``), or everything held now (``None``).
 
-    Columns: cell, name, holders, kind ("namespace", "module", "output", "traceback"), device, bytes
-    (storage + autograd graph), storage_bytes, graph_bytes, holds_graph, tensors (more than 1 for a
-    container of small tensors), view_bytes, line, hint, action. Byte columns are integers, NA where
-    unknown. A cell that was not measured is a LookupError.
+    A row per owner by default: the name you typed that keeps the memory (a variable, ``Out[n]``, a
+    module's attribute, the last exception's frame), with every tensor under it counted once, largest
+    first. ``detail=True`` gives a row per tensor storage instead (containers of small tensors as one
+    row), each with its ``owner``.
+
+    Columns: cell, name, holders (the member paths), kind ("namespace", "module", "output",
+    "traceback"), device, bytes (storage + autograd graph), storage_bytes, graph_bytes, holds_graph,
+    tensors, view_bytes, line, what (in words), also_held_by (other owners reaching some of it), owner,
+    hint, action (the cleanup that frees it). Byte columns are integers, NA where unknown. A cell that
+    was not measured is a LookupError.
     """
-    return _session().leaks(_cell_number(cell, "leaks"))
+    if not isinstance(detail, bool):
+        raise TypeError(f"nbmem.leaks(detail=...) takes True or False, got {detail!r:.40}")
+    return _session().leaks(_cell_number(cell, "leaks"), detail=detail)
 
 
 def lines(cell: int | None = None) -> Any:

@@ -17,8 +17,9 @@ from . import advice
 from .cells import cell_records, with_trace
 from .holdings import Baseline, Holdings, with_cpu_allocated
 from .options import Settings
+from .owners import Rows
 from .recording import Recording
-from .records import Boundary, CellReport, Finding, LineRecord
+from .records import Boundary, CellReport, LineRecord
 from .sources import Probe
 from .store import Store
 
@@ -107,7 +108,7 @@ class CellWatch:
                               marks=marks, source=o.source, cell_files=self.adapter.cell_files(o.cell),
                               names=self.adapter.cell_names()) if rec is not None else {}
         records = with_trace(records, replays)
-        found: tuple[Finding, ...] = ()
+        found = Rows((), ())
         unattributed: list[tuple[str, int]] = []
         notes: list[str] = []
         line_records: tuple[LineRecord, ...] = ()
@@ -134,8 +135,8 @@ class CellWatch:
         elif oom and error is not None:
             tips = advice.oom_advice(records, error, source=o.source, lines_recorded=o.lines, replays=replays,
                                      cell_files=self.adapter.cell_files(o.cell), names=self.adapter.cell_names())
-        report = CellReport(o.cell, records[0].duration_s, tuple(records), found, tuple(unattributed), err, tips,
-                            lines=line_records, notes=tuple(notes))
+        report = CellReport(o.cell, records[0].duration_s, tuple(records), found.owners, tuple(unattributed), err,
+                            tips, lines=line_records, notes=tuple(notes), held_bytes=found.total_bytes)
         return report, changed, broken
 
     def _line_notes(self, records: Any, replays: Any, rec: Recording | None) -> list[str]:

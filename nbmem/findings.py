@@ -9,12 +9,12 @@ graph several findings keep alive is named under each of them. ``owners`` groups
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from .formatting import fmt_bytes
 from .graphs import Graph
 from .naming import MAX_HOLDERS, OPTIMIZER_STEP, container
-from .records import CUDA_BLOCK_BYTES, Finding, HolderKind, is_output_name, root_name
+from .records import CUDA_BLOCK_BYTES, ROTATING_OUTPUTS, Finding, HolderKind, is_output_name, root_name
 from .scanner import Held, Scan
 from .walk import ROLE_GRAD, ROLE_OPTIM, ROLE_PARAM
 
@@ -26,12 +26,16 @@ def deletable(h: Held) -> tuple[str, ...]:
 
 
 def hint_for(h: Held, graph_bytes: int, *, lost: Sequence[str] = (), shared: Sequence[str] = (),
-             group: int = 0) -> str:
+             group: int = 0, gained: Sequence[str] = ()) -> str:
     """One line that says why the memory is held and what frees it, fitted to the kind of holder."""
     name = h.name
     if lost:
-        return (f"{', '.join(lost)} was deleted or rebound, but {name} still holds it: delete `{root_name(name)}` "
-                f"too to free it")
+        return f"{', '.join(f'`{n}`' for n in lost)} was deleted or rebound, but {still_holds(h.kind, name)}"
+    if gained:
+        names = [n for n in deletable(h) if n.isidentifier()]
+        what = f"`del {names[0]}` alone frees nothing; `%cudamem clean {names[0]}` removes both" if names else (
+            "`%cudamem clean --outputs` frees it")
+        return f"displayed, so the output history ({', '.join(gained)}) now also holds it: {what}"
     if h.kind is HolderKind.OUTPUT:
         graph = f" (with its autograd graph, {fmt_bytes(graph_bytes)})" if graph_bytes else ""
         return f"kept by the output history{graph}: %cudamem clean --outputs, or end the line with `;`"
@@ -70,17 +74,32 @@ def hint_for(h: Held, graph_bytes: int, *, lost: Sequence[str] = (), shared: Seq
     return f"`del {roots[0]}` frees it" if roots and roots[0].isidentifier() else ""
 
 
-def _is_view(h: Held) -> bool:
+def still_holds(kind: HolderKind, path: str) -> str:
+    """"… but X still holds it: <what frees it>", for each kind of holder, with a step a user can take."""
+    if kind is HolderKind.TRACEBACK:
+        return (f"the last exception's frames still hold it (`{path}`): `%cudamem clean --traceback` frees it "
+                f"(ends %debug for it)")
+    if kind is HolderKind.OUTPUT:
+        return f"the output history still holds it (`{path}`): `%cudamem clean --outputs` frees it"
+    if kind is HolderKind.MODULE:
+        return f"`{path}` still holds it: set it to None to free it"
+    return f"`{path}` still holds it: `%cudamem clean {root_name(path)}` frees it"
+
+
+def is_view(h: Held) -> bool:
+    """Whether its tensors span less than the storage (a slice of a bigger tensor keeps all of it)."""
     slack = CUDA_BLOCK_BYTES if h.device.startswith("cuda") else 1
     return h.span_bytes + slack <= h.nbytes
 
 
-def _finding(h: Held, cell: int, graphs: Mapping[int, Graph], lost: Sequence[str] = ()) -> Finding:
+def finding(h: Held, cell: int, graphs: Mapping[int, Graph], lost: Sequence[str] = (),
+            gained: Sequence[str] = ()) -> Finding:
+    """One storage as a row: its best name, its bytes (and its graph's), and a hint."""
     g = graphs.get(h.sid)
     gb = g.nbytes if g else 0
     return Finding(cell, h.name, h.holders, h.kind, h.device, h.nbytes, gb, h.holds_graph, 1,
-                   h.span_bytes if _is_view(h) else None, (), hint_for(h, gb, lost=lost), deletable(h),
-                   f"{h.device}:{h.sid}")
+                   h.span_bytes if is_view(h) else None, (), hint_for(h, gb, lost=lost, gained=gained), deletable(h),
+                   f"{h.device}:{h.sid}", owner=h.owner)
 
 
 def _group(members: list[Held], cell: int, graphs: Mapping[int, Graph]) -> Finding:
@@ -95,12 +114,13 @@ def _group(members: list[Held], cell: int, graphs: Mapping[int, Graph]) -> Findi
     gb = sum(saved.values())
     return Finding(cell, container, (container,), first.kind, first.device, sum(h.nbytes for h in members), gb,
                    any(h.holds_graph for h in members), len(members), None, (), hint_for(first, gb, group=len(members)),
-                   deletable(first), f"{first.device}:g{first.sid}")
+                   deletable(first), f"{first.device}:g{first.sid}", owner=first.owner)
 
 
 def _with_groups(candidates: Sequence[Held], cell: Callable[[Sequence[Held]], int], threshold: int,
                  graphs: Mapping[int, Graph], lost: Mapping[int, Sequence[str]],
-                 cache: dict[int, tuple[Held, int, Finding]] | None = None) -> list[Finding]:
+                 cache: dict[int, tuple[Held, int, Finding]] | None = None, *,
+                 gained: Mapping[int, Sequence[str]] | None = None) -> list[Finding]:
     """Findings for storages over the threshold, and for containers of small ones that together pass it.
 
     ``cache`` keeps the finding of a storage whose record and graph did not change since the last call.
@@ -116,7 +136,7 @@ def _with_groups(candidates: Sequence[Held], cell: Callable[[Sequence[Held]], in
             if hit is not None and hit[0] is h and hit[1] == gb:
                 f = hit[2]
             else:
-                f = _finding(h, cell([h]), graphs, lost.get(h.sid, ()))
+                f = finding(h, cell([h]), graphs, lost.get(h.sid, ()), (gained or {}).get(h.sid, ()))
                 if cache is not None:
                     cache[h.sid] = (h, gb, f)
             members[id(f)] = h
@@ -153,9 +173,18 @@ def _mark_shared(out: list[Finding], members: Mapping[int, Held], graphs: Mappin
         out[i] = replace(f, graph_shared_with=names, hint=hint_for(members[id(f)], f.graph_bytes, shared=names))
 
 
-def findings(cur: Scan, prev: Scan | None, cell: int, *, threshold_bytes: int,
-             graphs: Mapping[int, Graph]) -> list[Finding]:
-    """What ``cell`` added: new storages, and memory whose variable was deleted while something else keeps it.
+@dataclass(frozen=True)
+class Changes:
+    """The storages a cell changed, and why each is news."""
+
+    candidates: list[Held]
+    lost: dict[int, list[str]]  # storage id -> names deleted or rebound while something else keeps it
+    gained: dict[int, list[str]]  # storage id -> output-history names it gained (``Out[5]``, ``_5``)
+
+
+def changes(cur: Scan, prev: Scan | None, *, threshold_bytes: int, graphs: Mapping[int, Graph]) -> Changes:
+    """What a cell changed: new storages; memory whose variable was deleted while something else keeps it;
+    memory the output history now also keeps (``x`` displayed: ``del x`` alone no longer frees it).
 
     A new storage that took the place of a freed one under the same path, no larger (a rebinding to a
     same-size tensor, a gradient re-created by the next step), is not news, unless it keeps an autograd
@@ -169,8 +198,7 @@ def findings(cur: Scan, prev: Scan | None, cell: int, *, threshold_bytes: int,
     for h in prev_storages.values():
         for p in h.holders:
             prev_at.setdefault(p, h)
-    candidates: list[Held] = []
-    lost_by: dict[int, Sequence[str]] = {}
+    out = Changes([], {}, {})
     for sid, h in cur.storages.items():
         before = prev_storages.get(sid)
         if before is h:
@@ -179,16 +207,33 @@ def findings(cur: Scan, prev: Scan | None, cell: int, *, threshold_bytes: int,
             replaced = [prev_at[x] for x in h.holders if x in prev_at]
             g = graphs.get(sid)
             if g is not None and g.nbytes >= threshold_bytes:  # `loss` rebound to a loss that keeps its graph
-                candidates.append(h)
+                out.candidates.append(h)
             elif not any(r.sid not in cur.storages and r.nbytes >= h.nbytes for r in replaced):
-                candidates.append(h)
+                out.candidates.append(h)
             continue
         lost = [r for r in sorted(set(deletable(before)) - h.roots)
                 if not all(_through_kept(p, h.holders) for p in before.holders if root_name(p) == r)]
+        gained = [r for r in _kept_outputs(h) if r not in _kept_outputs(before)]
         if lost:
-            candidates.append(h)
-            lost_by[sid] = lost
-    return _with_groups(candidates, lambda _hs: cell, threshold_bytes, graphs, lost_by)
+            out.lost[sid] = lost
+        if gained and h.kind is not HolderKind.OUTPUT:
+            out.gained[sid] = gained
+        if lost or sid in out.gained:
+            out.candidates.append(h)
+    return out
+
+
+def _kept_outputs(h: Held) -> list[str]:
+    """The output history's lasting names for a storage: ``Out[n]`` and ``_n`` (``_`` moves on by itself)."""
+    return [r for r, k in zip(h.reached_from, h.reached_kinds)
+            if k is HolderKind.OUTPUT and (r.startswith("Out[") or (is_output_name(r) and r not in ROTATING_OUTPUTS))]
+
+
+def findings(cur: Scan, prev: Scan | None, cell: int, *, threshold_bytes: int,
+             graphs: Mapping[int, Graph], found: Changes | None = None) -> list[Finding]:
+    """What ``cell`` added, a row per storage over the threshold (containers of small ones grouped)."""
+    c = found or changes(cur, prev, threshold_bytes=threshold_bytes, graphs=graphs)
+    return _with_groups(c.candidates, lambda _hs: cell, threshold_bytes, graphs, c.lost, gained=c.gained)
 
 
 def _through_kept(lost: str, kept: Sequence[str]) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import html
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
@@ -35,6 +35,17 @@ def fmt_bytes(n: int | float | None, *, signed: bool = False) -> str:
         return f"{sign}{int(v)} B"
     digits = 2 if v < 10 else 1 if v < 100 else 0
     return f"{sign}{v:.{digits}f} {_UNITS[unit]}"
+
+
+def fmt_count(n: int) -> str:
+    """A count as people say it: 950, 12.3K, 2.1M, 169M, 6.74B (three significant digits)."""
+    if abs(n) < 1000:
+        return str(n)
+    for unit, scale in (("K", 1e3), ("M", 1e6), ("B", 1e9), ("T", 1e12)):
+        v = n / scale
+        if abs(v) < 999.5 or unit == "T":
+            return f"{v:.3g}{unit}"
+    return str(n)
 
 
 def fmt_seconds(s: float | None) -> str:
@@ -83,12 +94,24 @@ def _cell_style(c: Column) -> str:
     return "text-align:left;white-space:nowrap"
 
 
-def html_table(columns: Sequence[Column], rows: Sequence[Sequence[str]], *, caption: str = "") -> str:
-    """A table as wide as the notebook at most; cells are escaped here so callers pass plain text."""
+def html_table(columns: Sequence[Column], rows: Sequence[Sequence[str]], *, caption: str = "",
+               html: Sequence[Mapping[int, str]] | None = None) -> str:
+    """A table as wide as the notebook at most; cells are escaped here so callers pass plain text.
+
+    ``html[i][j]``, where given, is HTML nbmem built (already escaped) to show in row i, column j instead
+    of that cell's text: a ``<details>`` that expands an owner's "what" into its members, say.
+    """
     pad = "padding:2px 8px;vertical-align:top"
     head = "".join(f"<th style='{pad};{_cell_style(c)}'>{esc(c.title)}</th>" for c in columns)
-    body = "".join("<tr>" + "".join(f"<td style='{pad};{_cell_style(c)}'>{prose(v) if c.wide else esc(v)}</td>"
-                                    for c, v in zip(columns, r)) + "</tr>" for r in rows)
+    built = list(html or ())
+
+    def cell(i: int, j: int, c: Column, v: str) -> str:
+        own = built[i].get(j) if i < len(built) else None
+        return own if own is not None else prose(v) if c.wide else esc(v)
+
+    body = "".join("<tr>" + "".join(f"<td style='{pad};{_cell_style(c)}'>{cell(i, j, c, v)}</td>"
+                                    for j, (c, v) in enumerate(zip(columns, r))) + "</tr>"
+                   for i, r in enumerate(rows))
     cap = f"<caption style='text-align:left;font-weight:600'>{esc(caption)}</caption>" if caption else ""
     return (f"<table class='nbmem-table' style='max-width:100%;table-layout:auto;border-collapse:collapse'>{cap}"
             f"<thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>")

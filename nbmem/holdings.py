@@ -19,7 +19,7 @@ from . import findings as judge
 from . import owners
 from .linetrace import Replay
 from .options import Settings
-from .records import Boundary, CellRecord, Finding
+from .records import Boundary, CellRecord
 from .scanner import Scan, Scanner
 from .sources import Probe, heap_bytes
 
@@ -52,11 +52,11 @@ class Holdings:
         self.closed_scan: Scan | None = None  # the last scan a measured cell closed with
         self._scan_mark: Mark | None = None
         self._gaps: dict[str, int] = {}  # allocated bytes no name reached, per device, after the last scan
-        self._by_cell: dict[int, tuple[Finding, ...]] = {}
+        self._by_cell: dict[int, owners.Rows] = {}
         self._cells: deque[int] = deque()
         self._totals_cache: list[tuple[Scan, dict[str, int]]] = []
         self._finding_cache: dict[int, Any] = {}
-        self._current: tuple[Finding, ...] = ()
+        self._current = owners.Rows((), ())
         self._current_of: Scan | None = None  # the scan _current was computed from
 
     @property
@@ -133,19 +133,19 @@ class Holdings:
 
     # -- a cell's closing scan and its findings ---------------------------------------------------------
     def close_cell(self, cell: int, base: Baseline, before: Boundary, after: Boundary,
-                   replays: Mapping[str, Replay]) -> tuple[Scan, tuple[Finding, ...], bool]:
+                   replays: Mapping[str, Replay]) -> tuple[Scan, owners.Rows, bool]:
         """The cell's closing scan, what it added (owners), and whether anything could have changed."""
         cur = self._scan_after_cell(cell, base, before, after)
         self.closed_scan = cur
         prev = base.scan
-        found: tuple[Finding, ...] = ()
+        found = owners.Rows((), ())
         changed = cur is not prev  # the same scan object: nothing could have changed, nothing to redo
         if changed:
             s = self.settings
             graphs = self.scanner.graphs(judge.graph_candidates(cur, prev), exclude=cur.storages,
                                          budget_s=s.scan_budget_s)
-            found = owners.cell_owners(cur, prev, cell, threshold_bytes=s.threshold_bytes, graphs=graphs,
-                                       lines=_alloc_lines(cur, replays))
+            found = owners.cell_rows(cur, prev, cell, threshold_bytes=s.threshold_bytes, graphs=graphs,
+                                     lines=_alloc_lines(cur, replays))
             self._current_of = None  # everything held now: computed when someone looks
         self._remember(cell, found)
         return cur, found, changed
@@ -208,28 +208,28 @@ class Holdings:
             self._gaps[r.device] = gap
         return out
 
-    def _remember(self, cell: int, found: tuple[Finding, ...]) -> None:
+    def _remember(self, cell: int, found: owners.Rows) -> None:
         self._by_cell[cell] = found
         self._cells.append(cell)
         while len(self._cells) > CELLS_KEPT:
             self._by_cell.pop(self._cells.popleft(), None)
 
     # -- reading ------------------------------------------------------------------------------------------
-    def of_cell(self, cell: int) -> tuple[Finding, ...] | None:
-        """What cell N added (owner rows), or None when it was not scanned."""
+    def of_cell(self, cell: int) -> owners.Rows | None:
+        """What cell N added (owner rows and the detail), or None when it was not scanned."""
         return self._by_cell.get(cell)
 
-    def current(self) -> tuple[Finding, ...]:
-        """Owner rows above the threshold as of the latest scan (what the gauge lists)."""
+    def current(self) -> owners.Rows:
+        """Everything above the threshold as of the latest scan: owner rows (what the gauge lists), detail."""
         cur = self.last_scan
         if cur is None:
-            return ()
+            return owners.Rows((), ())
         if self._current_of is not cur:
             s = self.settings
             graphs = self.scanner.graphs([sid for sid, h in cur.storages.items() if h.holds_graph],
                                          exclude=cur.storages, budget_s=s.scan_budget_s)
-            self._current = owners.current_owners(cur, threshold_bytes=s.threshold_bytes, graphs=graphs,
-                                                  cache=self._finding_cache)
+            self._current = owners.current_rows(cur, threshold_bytes=s.threshold_bytes, graphs=graphs,
+                                                cache=self._finding_cache)
             self._current_of = cur
         return self._current
 

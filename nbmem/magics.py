@@ -17,7 +17,7 @@ keep the memory it added alive.
     %cudamem off                             stop measuring cells (the sampler and gauge keep running)
     %cudamem status                          what nbmem can and cannot see, and why
     %cudamem report                          one row per measured cell (= nbmem.report())
-    %cudamem leaks [--cell N]                who holds memory now, or what cell N added
+    %cudamem leaks [--cell N] [--detail]     who holds memory now, or what cell N added: a row per owner
     %cudamem clean NAME ... [--outputs] [--traceback] [--last-report] [--to-cpu NAME]
                    [--no-collect] [--no-empty-cache]
     %cudamem gauge [--inline | --sidebar]    show the live gauge again
@@ -88,7 +88,7 @@ COMMANDS: dict[str, frozenset[str]] = {
     "off": frozenset(),
     "status": frozenset(),
     "report": frozenset(),
-    "leaks": frozenset({"cell"}),
+    "leaks": frozenset({"cell", "detail"}),
     "clean": frozenset({"names", "outputs", "traceback", "last_report", "to_cpu", "no_collect", "no_empty_cache"}),
     "gauge": frozenset({"inline", "sidebar"}),
     "plot": frozenset(),
@@ -99,7 +99,7 @@ _FLAG_NAMES = {"names": "NAME", "reset_peak": "--reset-peak", "no_scan": "--no-s
                "lines": "--lines",
                "cell": "--cell", "outputs": "--outputs", "traceback": "--traceback", "last_report": "--last-report",
                "to_cpu": "--to-cpu", "no_collect": "--no-collect", "no_empty_cache": "--no-empty-cache",
-               "inline": "--inline", "sidebar": "--sidebar"}
+               "inline": "--inline", "sidebar": "--sidebar", "detail": "--detail"}
 
 
 def _set(value: Any) -> bool:
@@ -248,6 +248,8 @@ class NbmemMagics(Magics):
                    "line of the cell (Δ allocated, peak while the line ran, where its largest blocks came from). "
                    "Costs a few microseconds per allocation while the cell runs.")
     @argument("--cell", type=int, default=None, help="With `leaks`: what cell N added; with `lines`: cell N's lines.")
+    @argument("--detail", action="store_true",
+              help="With `leaks`: a row per tensor instead of a row per owner (the name you typed).")
     @argument("--outputs", action="store_true", help="With `clean`: clear the output history (Out, _N, _).")
     @argument("--traceback", action="store_true",
               help="With `clean`: drop the last exception's frames (ends %%debug for it).")
@@ -271,7 +273,8 @@ class NbmemMagics(Magics):
           on / off            measure every cell from now on / stop
           status              what nbmem can and cannot see, and why
           report              one row per measured cell (= nbmem.report())
-          leaks [--cell N]    who holds memory now, or what cell N added (= nbmem.leaks())
+          leaks [--cell N]    who holds memory now, or what cell N added, a row per owner (the name
+                              you typed); --detail, a row per tensor (= nbmem.leaks(detail=True))
           clean NAME ...      delete exactly these variables (and IPython's hidden references
                               to their objects, never another variable); --outputs, --traceback,
                               --last-report, --to-cpu NAME; then gc.collect() and empty_cache().
@@ -384,7 +387,7 @@ class NbmemMagics(Magics):
         if args.cell is not None and args.cell < 0:
             raise UsageError(f"--cell takes a cell number (the N of In[N]), got {args.cell}.")
         try:
-            return self.session.leaks_table(args.cell)
+            return self.session.leaks_table(args.cell, detail=args.detail)
         except LookupError as e:
             raise UsageError(f"%cudamem leaks: {e}") from None
 

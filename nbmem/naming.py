@@ -172,3 +172,9 @@ def container(path: str) -> str:
         elif ch == "." and depth == 0:
             return path[:i]
     return path
+
+
+def owner_of(root_path: str) -> str:
+    """The owner a root belongs to: itself, except a traceback frame's locals (``<traceback f>.batch``),
+    which belong to their frame."""
+    return root_name(root_path) if root_path.startswith("<traceback ") else root_path

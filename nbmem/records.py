@@ -242,14 +242,27 @@ class Finding:
     roots: tuple[str, ...] = ()  # top-level names `del` removes to free it
     id: str = ""  # a handle the gauge refers to
     line: int | None = None  # the cell's line that allocated it, where the allocator's trace tells
+    owner: str = ""  # the owner it belongs to (on an owner row, its own name)
+    description: str = ""  # an owner row's "what", in words ("Sequential: 42M parameters")
+    members: tuple[Finding, ...] = ()  # an owner row's biggest members: a row per storage (or small group)
+    more_bytes: int = 0  # an owner row's bytes in members not listed
+    also_held_by: tuple[str, ...] = ()  # other owners that reach some of its memory
 
     @property
     def bytes(self) -> int:
         return self.storage_bytes + self.graph_bytes
 
+    @property
+    def more(self) -> int:
+        """An owner row's members not listed (tensors counts them all)."""
+        return max(0, self.tensors - sum(m.tensors for m in self.members)) if self.members else 0
+
     def what(self) -> str:
         """The size, as a person reads it: views, groups and graphs said in words ("tensor" when it is
-        just one tensor's storage: the bytes column says how big)."""
+        just one tensor's storage: the bytes column says how big); an owner row says what it is."""
+        if self.description:
+            shared = f"; graph shared with {', '.join(self.graph_shared_with)}" if self.graph_shared_with else ""
+            return self.description + shared
         parts = [fmt_bytes(self.storage_bytes)]
         if self.tensors == 1 and self.view_bytes is None and not self.graph_bytes:
             return "tensor"
@@ -266,12 +279,13 @@ class Finding:
         return {"cell": self.cell, "name": self.name, "holders": list(self.holders), "kind": self.kind.value,
                 "device": self.device, "bytes": self.bytes, "storage_bytes": self.storage_bytes,
                 "graph_bytes": self.graph_bytes, "holds_graph": self.holds_graph, "tensors": self.tensors,
-                "view_bytes": self.view_bytes, "line": self.line, "hint": self.hint,
+                "view_bytes": self.view_bytes, "line": self.line, "what": self.what(),
+                "also_held_by": list(self.also_held_by), "owner": self.owner, "hint": self.hint,
                 "action": cleanup_text(self)}
 
 
 FINDING_COLUMNS = ("cell", "name", "holders", "kind", "device", "bytes", "storage_bytes", "graph_bytes",
-                   "holds_graph", "tensors", "view_bytes", "line", "hint", "action")
+                   "holds_graph", "tensors", "view_bytes", "line", "what", "also_held_by", "owner", "hint", "action")
 
 
 @dataclass(frozen=True, slots=True)
@@ -346,25 +360,88 @@ class Shown:
         p.text(str(self))
 
 
+#: Owner rows a cell report shows; the rest are counted, and ``nbmem.leaks(cell=N)`` lists them all.
+REPORT_ROWS = 8
+#: Rows ``%cudamem leaks`` shows.
+LEAKS_ROWS = 50
+MEMBER_TABLE = (Column("tensor", code=True), Column("bytes", numeric=True), Column("what"))
+
+
+def members_html(f: Finding) -> str | None:
+    """An owner row's "what", expanding (a ``<details>``, no JavaScript) into its biggest members; None
+    when it is one tensor under its own name."""
+    if not f.members or (len(f.members) == 1 and f.members[0].name == f.name and not f.more):
+        return None
+    rows = [[m.name, fmt_bytes(m.bytes), m.what()] for m in f.members]
+    more = f"<div>and {f.more:,} more ({esc(fmt_bytes(f.more_bytes))})</div>" if f.more else ""
+    return (f"<details><summary style='cursor:pointer'>{esc(f.what())}</summary>"
+            f"{html_table(MEMBER_TABLE, rows)}{more}</details>")
+
+
+@dataclass(frozen=True)
+class HolderTable:
+    """Owner rows (or detail rows) as a report shows them: the first ``limit``, then how many more."""
+
+    findings: tuple[Finding, ...]
+    limit: int
+    more_call: str  # where the rest are: "nbmem.leaks(cell=5)"
+    with_cell: bool = False
+
+    @property
+    def shown(self) -> tuple[Finding, ...]:
+        return self.findings[:self.limit]
+
+    def more_line(self) -> str:
+        rest = self.findings[self.limit:]
+        if not rest:
+            return ""
+        return f"and {len(rest):,} more ({fmt_bytes(sum(f.bytes for f in rest))}): `{self.more_call}` lists them all"
+
+    def _table(self) -> tuple[tuple[Column, ...], list[list[str]]]:
+        cols = LEAK_TABLE if self.with_cell else FINDING_TABLE
+        rows = [[str(f.cell), *finding_cells(f)] if self.with_cell else finding_cells(f) for f in self.shown]
+        return finding_table(cols, self.shown, rows)
+
+    def text(self) -> list[str]:
+        return [text_table(*self._table()), *filter(None, [self.more_line()])]
+
+    def html(self, caption: str) -> str:
+        more = self.more_line()
+        columns, rows = self._table()
+        what = next(i for i, c in enumerate(columns) if c.title == "what")
+        expand = [{what: x} if (x := members_html(f)) is not None else {} for f in self.shown]
+        return (html_table(columns, rows, caption=caption, html=expand)
+                + (f"<div>{prose(more)}</div>" if more else ""))
+
+
 @dataclass(frozen=True, repr=False)
 class Leaks(Shown):
-    """``%cudamem leaks``: findings as a table that fits the notebook (the DataFrame is ``nbmem.leaks()``)."""
+    """``%cudamem leaks``: a row per owner (or per tensor with ``detail``); the DataFrame is ``nbmem.leaks()``."""
 
     findings: tuple[Finding, ...]
     title: str
+    cell: int | None = None
+    detail: bool = False
+    total_bytes: int = 0
 
-    def _table(self) -> tuple[tuple[Column, ...], list[list[str]]]:
-        return finding_table(LEAK_TABLE, self.findings, [[str(f.cell), *finding_cells(f)] for f in self.findings])
+    def _table(self) -> HolderTable:
+        args = [f"cell={self.cell}"] if self.cell is not None else []
+        call = f"nbmem.leaks({', '.join([*args, 'detail=True'] if self.detail else args)})"
+        return HolderTable(self.findings, LEAKS_ROWS, call, with_cell=True)
+
+    def _caption(self) -> str:
+        total = f" ({fmt_bytes(self.total_bytes)} in all)" if self.total_bytes and not self.detail else ""
+        return self.title + total
 
     def __str__(self) -> str:
         if not self.findings:
             return f"{self.title}: nothing above the threshold"
-        return self.title + "\n" + text_table(*self._table())
+        return "\n".join([self._caption(), *self._table().text()])
 
     def _repr_html_(self) -> str:
         if not self.findings:
             return f"<div class='nbmem-report'>{esc(self.title)}: nothing above the threshold</div>"
-        return "<div class='nbmem-report'>" + html_table(*self._table(), caption=self.title) + "</div>"
+        return "<div class='nbmem-report'>" + self._table().html(self._caption()) + "</div>"
 
 
 # -- the report under a cell -------------------------------------------------------------------------------
@@ -438,10 +515,15 @@ class CellReport(Shown):
     advice: tuple[str, ...] = ()
     lines: tuple[LineRecord, ...] = ()
     notes: tuple[str, ...] = ()
+    held_bytes: int = 0  # the owners' bytes together (a graph several keep, once)
+
+    @property
+    def holders(self) -> HolderTable:
+        return HolderTable(self.findings, REPORT_ROWS, f"nbmem.leaks(cell={self.cell})")
 
     def last_report_cleanup(self) -> CleanupOf:
-        """What ``%cudamem clean --last-report`` removes: exactly the holders listed here."""
-        return merge_cleanups(self.findings)
+        """What ``%cudamem clean --last-report`` removes: exactly the owners the report shows."""
+        return merge_cleanups(self.holders.shown)
 
     def _peak_line(self, device: str) -> int | None:
         return next((r.peak_line for r in self.records if r.device == device), None)
@@ -457,8 +539,9 @@ class CellReport(Shown):
         err = f" · error: {self.error}" if self.error else ""
         return f"nbmem [{self.cell}] · {fmt_seconds(self.duration_s)}{err}"
 
-    def _finding_table(self) -> tuple[tuple[Column, ...], list[list[str]]]:
-        return finding_table(FINDING_TABLE, self.findings, [finding_cells(f) for f in self.findings])
+    def _holders_caption(self) -> str:
+        total = f" ({fmt_bytes(self.held_bytes)} in all)" if self.held_bytes and len(self.findings) > 1 else ""
+        return f"holders of memory this cell added{total}"
 
     def _clean_line(self) -> str:
         c = self.last_report_cleanup()
@@ -469,8 +552,7 @@ class CellReport(Shown):
         for dev, rows in self._line_tables():
             parts += [f"lines ({dev}):", text_table(LINE_TABLE, rows)]
         if self.findings:
-            parts += ["holders of memory this cell added:",
-                      text_table(*self._finding_table())]
+            parts += [self._holders_caption() + ":", *self.holders.text()]
             if self._clean_line():
                 parts.append(self._clean_line())
         for dev, b in self.unattributed:
@@ -484,7 +566,7 @@ class CellReport(Shown):
         for dev, rows in self._line_tables():
             parts.append(html_table(LINE_TABLE, rows, caption=f"lines ({dev})"))
         if self.findings:
-            parts.append(html_table(*self._finding_table(), caption="holders of memory this cell added"))
+            parts.append(self.holders.html(self._holders_caption()))
             if self._clean_line():
                 parts.append(f"<div>{prose(self._clean_line())}</div>")
         for dev, b in self.unattributed:

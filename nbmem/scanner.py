@@ -23,9 +23,9 @@ from typing import Any
 
 from . import reach
 from .graphs import Graph, GraphState, walk_graph
-from .naming import MAX_HOLDERS, PathBuilder, container, ranker
+from .naming import MAX_HOLDERS, PathBuilder, container, owner_of, ranker
 from .records import HolderKind, block_bytes, root_name
-from .walk import Root, Walk
+from .walk import ROLE_PARAM, Root, Walk
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,6 +45,7 @@ class Held:
     addr: int = 0  # the storage's data pointer when first seen (CUDA: matches the allocator's trace)
     container: str = ""  # the first holder without its last step: where a group of small tensors lives
     reached_from: tuple[str, ...] = ()  # every root with a path to it, the owner (the best path's root) first
+    reached_kinds: tuple[HolderKind, ...] = ()  # the kind of each of those roots
     elements: int = 0  # elements of its largest tensor
     trainable: bool = False  # its tensor requires grad (a parameter being trained)
     shape: tuple[int, ...] = ()  # its largest tensor's shape and dtype, for words ("float32 [4096, 1024]")
@@ -56,8 +57,9 @@ class Held:
 
     @property
     def owner(self) -> str:
-        """The root of its best path: the name a user typed (``model``, ``Out[4]``, ``<traceback f>``)."""
-        return self.reached_from[0] if self.reached_from else root_name(self.name)
+        """The name a user typed that reaches it best: a variable, ``Out[4]``, a module attribute, or the
+        frame of the last exception (``<traceback f>``: its locals are one owner)."""
+        return owner_of(self.reached_from[0] if self.reached_from else self.name)
 
     @property
     def roots(self) -> frozenset[str]:
@@ -375,6 +377,8 @@ class Scanner:
             if f.span > st.span or not st.dtype:
                 st.span = max(st.span, f.span)
                 _describe(st, f.tensor, w.TB)
+            elif f.role == ROLE_PARAM:
+                st.trainable = _requires_grad(f.tensor, w.TB)  # frozen or unfrozen since (a LoRA wrapper)
             if f.role:
                 st.roles.add(f.role)
             if f.grad_fn and (st.graph_tensor is None or st.graph_tensor() is None):
@@ -432,13 +436,14 @@ class Scanner:
                 self._paths.pop(sid, None) if not found else None
                 continue
             ranked = sorted(((p, k) for p, (k, _r) in found.items()), key=ranker(st.view_paths))
-            reached = list(dict.fromkeys(found[p][1] for p, _k in ranked))
+            reached = dict.fromkeys((found[p][1], k) for p, k in ranked)
+            roots = list(reached)[:2 * MAX_HOLDERS]
             top = ranked[:MAX_HOLDERS]
             self._held[sid] = Held(sid, st.device, st.nbytes, tuple(p for p, _ in top), tuple(k for _, k in top),
                                    top[0][1], st.graph_tensor is not None and st.graph_tensor() is not None,
                                    st.span or st.nbytes, frozenset(st.roles), st.first_cell, st.addr,
-                                   container(top[0][0]), tuple(reached[:2 * MAX_HOLDERS]), st.elements,
-                                   st.trainable, st.shape, st.dtype)
+                                   container(top[0][0]), tuple(r for r, _k in roots), tuple(k for _r, k in roots),
+                                   st.elements, st.trainable, st.shape, st.dtype)
 
     # -- graphs -----------------------------------------------------------------------------------------
     def graphs(self, sids: Iterable[int], *, exclude: Iterable[int] = (), budget_s: float | None = None
@@ -506,9 +511,16 @@ def _describe(st: _StorageState, t: Any, TB: Any) -> None:
         st.shape = tuple(int(x) for x in TB.shape.__get__(t))
         st.dtype = str(TB.dtype.__get__(t)).removeprefix("torch.")
         st.elements = int(TB.numel(t))
-        st.trainable = bool(TB.requires_grad.__get__(t))
     except Exception:
         pass
+    st.trainable = _requires_grad(t, TB)
+
+
+def _requires_grad(t: Any, TB: Any) -> bool:
+    try:
+        return bool(TB.requires_grad.__get__(t))
+    except Exception:
+        return False
 
 
 def _young_unlocated(torch: Any, storages: Storages, located: set[int]) -> dict[str, int]:

@@ -22,8 +22,10 @@ from typing import Any
 from .advice import RESTART_ADVICE
 from .cellwatch import CellWatch
 from .cleaner import Cleaner, CleanupRequest
+from .formatting import fmt_bytes
 from .holdings import Holdings
 from .options import Settings
+from .owners import Rows
 from .records import (
     CELL_COLUMNS,
     FINDING_COLUMNS,
@@ -77,6 +79,12 @@ class Session:
         self.probe.start()
         self.sampler.sample_once()
         self.sampler.start()
+        if self.probe.torch.torch() is not None and self.settings.scan:
+            # Tensors made before loading are held too: one bounded look, so the gauge opens knowing them.
+            try:
+                self.holdings.rescan(cell=0, walk="all", budget_s=self.settings.scan_budget_s)
+            except Exception as e:
+                self.fault("the first holder scan", e)
 
     def close(self) -> None:
         self.cells.abandon()
@@ -262,30 +270,47 @@ class Session:
     def measured_cells(self) -> list[int]:
         return sorted({r.cell for r in self.store.cell_list()})
 
-    def leak_list(self, cell: int | None = None) -> list[Finding]:
-        """What cell N added, or (None) everything held now after a full scan."""
+    def leak_rows(self, cell: int | None = None) -> Rows:
+        """What cell N added, or (None) everything held now after a full scan: owner rows and the detail."""
         if cell is not None:
             found = self.holdings.of_cell(cell)
             if found is None and cell not in self.measured_cells():
                 measured = self.measured_cells()
                 span = f"measured cells: {_spans(measured)}" if measured else "no cell has been measured yet"
                 raise LookupError(f"cell {cell} was not measured ({span}); `%cudamem on` measures every cell")
-            return list(found or ())
+            return found or Rows((), ())
         self.holdings.scan_all()
         self._publish_holders()
-        return list(self.findings())
+        return self.holdings.current()
 
-    def leaks(self, cell: int | None = None) -> Any:
-        return records_frame(self.leak_list(cell), columns=FINDING_COLUMNS)
+    def leak_list(self, cell: int | None = None, *, detail: bool = False) -> list[Finding]:
+        rows = self.leak_rows(cell)
+        return list(rows.detail if detail else rows.owners)
 
-    def leaks_table(self, cell: int | None = None) -> Leaks:
-        found = tuple(self.leak_list(cell))
+    def leaks(self, cell: int | None = None, *, detail: bool = False) -> Any:
+        return records_frame(self.leak_list(cell, detail=detail), columns=FINDING_COLUMNS)
+
+    def leaks_table(self, cell: int | None = None, *, detail: bool = False) -> Leaks:
+        rows = self.leak_rows(cell)
         title = f"holders of memory cell [{cell}] added" if cell is not None else "holders of memory now"
-        return Leaks(found, title)
+        return Leaks(rows.detail if detail else rows.owners, title, cell=cell, detail=detail,
+                     total_bytes=rows.total_bytes)
 
     def findings(self) -> tuple[Finding, ...]:
-        """The holders above the threshold as of the latest scan (what the gauge lists)."""
-        return self.holdings.current()
+        """The owners above the threshold as of the latest scan (what the gauge lists)."""
+        return self.holdings.current().owners
+
+    def holders_note(self) -> str:
+        """What to say where no owner is listed: nothing passed the threshold, or why that is not known."""
+        s = self.holdings.last_scan
+        if s is None:
+            if self.probe.torch.torch() is None:
+                return "torch is not imported yet: no tensors to hold"
+            return "no holder scan has run yet: `%cudamem leaks` or `%cudamem on` scans the notebook"
+        if s.truncated:
+            return (f"the last holder scan stopped at Nbmem.scan_budget before finishing "
+                    f"{', '.join(s.unfinished[:3])}: `%cudamem leaks` scans everything")
+        return f"nothing above the threshold ({fmt_bytes(self.settings.threshold_bytes)})"
 
     def tensor_totals(self) -> dict[str, int] | None:
         """Bytes of live tensor storages per device, as the latest scan found them; None before a scan."""

@@ -27,7 +27,7 @@ except ImportError as e:  # the magics turn this into "the gauge cannot be shown
 import traitlets
 
 from .cleaner import CleanupRefused, CleanupRequest
-from .records import CellRecord, CellReport, CleanupReport, Finding, Holders, Sample, Tick, cleanup_of
+from .records import CellRecord, CellReport, CleanupReport, Finding, HolderKind, Holders, Sample, Tick
 
 if TYPE_CHECKING:
     from .session import Session
@@ -168,29 +168,32 @@ def _line_text(report: CellReport, line: int | None) -> str:
 
 
 def can_move_to_cpu(f: Finding) -> bool:
-    """"to CPU" rebinds a top-level name to ``obj.cpu()``: only for a name that is itself the holder."""
-    return f.device != "cpu" and f.name in f.roots
+    """"to CPU" rebinds a top-level name to ``obj.cpu()``: only for a variable, the owner row's own name."""
+    return f.device != "cpu" and f.kind is HolderKind.NAMESPACE and f.name in f.roots
 
 
 def request_for(f: Finding, action: str) -> CleanupRequest | None:
-    """What a holder's button does, exactly: the same request ``nbmem.cleanup`` would make."""
+    """What a holder's button does, exactly: the same request ``nbmem.cleanup`` would make. *del* deletes
+    the owner name shown and nothing else; the row says who else holds it."""
     if action == "del":
-        c = cleanup_of(f)
-        return CleanupRequest(names=c.names) if c.names else None
+        return CleanupRequest(names=(f.name,)) if f.kind is HolderKind.NAMESPACE and f.name in f.roots else None
     if action == "to_cpu":
         return CleanupRequest(to_cpu=(f.name,)) if can_move_to_cpu(f) else None
     return None
 
 
 def holder_rows(findings: Sequence[Finding], limit: int = TOP_HOLDERS) -> list[dict[str, Any]]:
-    """The biggest holders of the last scan, with what their buttons do, in the buttons' own words."""
+    """The biggest owners of the last scan, with their members and what their buttons do, in the buttons'
+    own words."""
     top = sorted(findings, key=lambda f: -f.bytes)[:limit]
     rows = []
     for f in top:
         d = request_for(f, "del")
         rows.append({"id": f.id, "name": f.name, "kind": f.kind.value, "device": f.device, "bytes": f.bytes,
                      "what": f.what(), "graph": f.holds_graph, "roots": list(f.roots), "to_cpu": can_move_to_cpu(f),
-                     "del_label": ("del " + ", ".join(d.names)) if d is not None else "", "hint": f.hint})
+                     "del_label": ("del " + ", ".join(d.names)) if d is not None else "", "hint": f.hint,
+                     "members": [{"name": m.name, "bytes": m.bytes, "what": m.what()} for m in f.members],
+                     "more": f.more, "more_bytes": f.more_bytes, "also": list(f.also_held_by)})
     return rows
 
 
@@ -291,6 +294,7 @@ class Gauge(anywidget.AnyWidget):
     processes: traitlets.Dict[str, Any] = traitlets.Dict().tag(sync=True)
     last_cell: traitlets.Dict[str, Any] = traitlets.Dict().tag(sync=True)
     holders: traitlets.List[dict[str, Any]] = traitlets.List().tag(sync=True)
+    holders_note = traitlets.Unicode("").tag(sync=True)  # shown in place of an empty list: why it is empty
     action: traitlets.Dict[str, Any] = traitlets.Dict().tag(sync=True)
     note = traitlets.Unicode("").tag(sync=True)
     placement = traitlets.Unicode("inline").tag(sync=True)  # "auto": the page decides (js/layout.js viewKind)
@@ -330,7 +334,8 @@ class Gauge(anywidget.AnyWidget):
         latest_t = samples[-1].t_wall if samples else None
         self._latest = [x for x in samples if x.t_wall == latest_t]
         self._tensors = self._cpu_tensors()
-        self._publisher.put(holders=holder_rows(s.findings()), cells=cell_spans(records, time.time()),
+        self._publisher.put(holders=holder_rows(s.findings()), holders_note=s.holders_note(),
+                            cells=cell_spans(records, time.time()),
                             last_cell=last_cell_row(s.last_report) if s.last_report else {})
         if self._latest:
             self._publisher.poke()
@@ -350,7 +355,7 @@ class Gauge(anywidget.AnyWidget):
             self._publisher.poke()
         elif isinstance(event, Holders):
             self._tensors = self._cpu_tensors()
-            self._publisher.put(holders=holder_rows(event.findings))
+            self._publisher.put(holders=holder_rows(event.findings), holders_note=self.session.holders_note())
             self._publisher.poke()
 
     def _cpu_tensors(self) -> int | None:

@@ -2,7 +2,8 @@
 
     .venv/bin/python scripts/readme_pictures.py [OUTDIR]      # OUTDIR defaults to docs/img; ~1 min on 2 cores
 
-- quickstart-leak.png: notebooks/quickstart.ipynb after Run All, the leak cell with the report under it;
+- quickstart-leak.png: notebooks/quickstart.ipynb after Run All, the leak cell with the report under it (its
+  first owner row expanded);
 - gauge-training.png: notebooks/training.ipynb in the JupyterLab window, the gauge in the right sidebar while
   the training cell runs.
 
@@ -123,6 +124,7 @@ def quickstart_leak(page: Any, base: str, token: str, png: Path) -> None:
     cell = page.locator(".jp-NotebookPanel .jp-CodeCell", has_text="a quick look at some logits")
     cell.scroll_into_view_if_needed()
     cell.locator(".nbmem-report").wait_for()
+    cell.locator(".nbmem-report details summary").first.click()  # an owner row, expanded to its tensors
     page.mouse.move(0, 0)
     cell.screenshot(path=str(png))
 

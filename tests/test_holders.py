@@ -283,7 +283,7 @@ def test_a_name_deleted_while_a_container_still_holds_it():
     del ns["x"], x
     s2 = sc.update(roots(ns), cell=2, walk="changed", mentioned={"bag"})
     (f,) = findings(s2, s1, 2, threshold_bytes=MB, graphs={})
-    assert f.name == "bag[0]" and "x was deleted or rebound, but bag[0] still holds it" in f.hint
+    assert f.name == "bag[0]" and "`x` was deleted or rebound, but `bag[0]` still holds it" in f.hint
 
 
 def test_the_scan_keeps_no_strong_reference():

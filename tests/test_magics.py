@@ -432,8 +432,9 @@ def test_losing_a_name_is_news_only_when_it_kept_the_memory_itself(ip):
     ok(ip, "model = torch.nn.Linear(1024, 1024)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)")
     ok(ip, "model = torch.nn.Linear(8, 8)")
     f = nbmem.leaks(cell=last_cell(ip))
-    assert list(f["name"]) == ["opt.param_groups[0]['params'][0]"], f
-    assert "model was deleted or rebound" in f["hint"].iloc[0]
+    assert list(f["name"]) == ["opt"] and f["tensors"].iloc[0] == 2, "the old model's weight and bias, as one row"
+    assert list(f["holders"].iloc[0]) == ["opt.param_groups[0]['params'][0]", "opt.param_groups[0]['params'][1]"]
+    assert "`model` was deleted or rebound" in f["hint"].iloc[0]
 
 
 def test_a_scalar_rebound_to_one_that_keeps_its_graph_is_reported(ip):
@@ -458,7 +459,8 @@ def test_a_users_own_module_is_a_holder_but_an_installed_one_is_not(ip, tmp_path
         ok(ip, "import helpers_mine, helpers_installed")
         ok(ip, "helpers_mine.CACHE.append(torch.empty(2**20))\nhelpers_installed.CACHE.append(torch.empty(2**20))")
         f = nbmem.leaks(cell=last_cell(ip))
-        assert list(f["name"]) == ["helpers_mine.CACHE[0]"] and list(f["kind"]) == ["module"], f
+        assert list(f["name"]) == ["helpers_mine.CACHE"] and list(f["kind"]) == ["module"], f
+        assert list(f["holders"].iloc[0]) == ["helpers_mine.CACHE[0]"]
     finally:  # modules outlive the shell: later tests must not find their tensors
         for name in ("helpers_mine", "helpers_installed"):
             sys.modules.pop(name, None)

@@ -264,7 +264,8 @@ def test_a_monitored_cell_publishes_its_numbers_and_holders(ip: Any, gauge: Gaug
 def test_holder_names_are_passed_on_as_data(ip: Any, gauge: Gauge) -> None:
     ok(ip, "d = {'<img src=x onerror=alert(1)>': torch.zeros(2**20)}")
     gauge._publisher.flush()
-    assert "d['<img src=x onerror=alert(1)>']" in [h["name"] for h in gauge.holders]
+    (row,) = [h for h in gauge.holders if h["name"] == "d"]
+    assert [m["name"] for m in row["members"]] == ["d['<img src=x onerror=alert(1)>']"]
 
 
 # -- clicks ----------------------------------------------------------------------------------------
@@ -543,9 +544,12 @@ def test_the_del_button_says_which_variables_it_deletes(ip: Any, gauge: Gauge) -
     ok(ip, "model = torch.nn.Linear(1024, 1024)\nopt = torch.optim.SGD(model.parameters(), lr=0.1)")
     ok(ip, "model(torch.randn(4, 1024)).sum().backward()")
     gauge._publisher.flush()
-    row = next(h for h in gauge.holders if h["name"] == "model.weight.grad")
-    assert row["del_label"] == "del model, opt", "deleting a gradient's holders deletes the model and the optimizer"
-    out = next(h for h in gauge.holders if h["name"] == "model.weight")
-    click(gauge, request("del", out["id"]))
+    row = next(h for h in gauge.holders if h["name"] == "model")
+    assert row["del_label"] == "del model", "the button deletes the owner shown, and nothing else"
+    assert row["also"] == ["opt"] and "`%cudamem clean model opt`" in row["hint"]
+    assert {m["name"] for m in row["members"]} == {"model.weight", "model.bias", "model.weight.grad",
+                                                   "model.bias.grad"}
+    click(gauge, request("del", row["id"]))
     gauge._publisher.flush()
-    assert gauge.action["label"] == "del model, opt" and "model" not in ip.user_ns and "opt" not in ip.user_ns
+    assert gauge.action["label"] == "del model" and "model" not in ip.user_ns and "opt" in ip.user_ns
+    assert "model is still held by opt.param_groups" in gauge.action["still"]

@@ -85,10 +85,15 @@ def test_gauge_in_jupyterlab(lab: Any, page: Any, artifacts: Path) -> None:
     expect(cpu.locator("li[data-seg=tensors] [data-role=value]")).not_to_have_text("NA")
     expect(cpu.locator("[data-role=sparkline] svg path").first).to_be_attached()
 
-    # The hostile dict key is a holder, shown as literal text: no element made from it, no dialog.
+    # The hostile dict key is a member of the owner `hostile`, shown as literal text once the row is
+    # expanded: no element made from it, no dialog; the row stays open across the gauge's redraws.
     name = f"hostile[{HOSTILE!r}]"
-    hostile = gauge.locator("[data-role=holder]", has=page.locator("[data-role=name]", has_text=HOSTILE))
-    expect(hostile.locator("[data-role=name]")).to_have_text(name)
+    owner = page.locator("[data-role=name]", has_text=re.compile("^hostile$"))
+    hostile = gauge.locator("[data-role=holder]", has=owner)
+    hostile.locator("[data-role=members] summary").click()
+    expect(hostile.locator("[data-role=member] code")).to_have_text(name)
+    page.wait_for_timeout(800)
+    expect(hostile.locator("[data-role=member] code")).to_be_visible()
     assert gauge.locator("img").count() == 0
     assert page.locator("img[src=x]").count() == 0
 
@@ -184,7 +189,7 @@ def _gpu_state() -> dict[str, Any]:
     findings = [
         Finding(7, "model", ("model",), ns, "cuda:0", 3 * GiB, roots=("model",), id="cuda:0:a1"),
         Finding(7, "loss", ("loss", "losses[3]"), ns, "cuda:0", 100 * MiB, 800 * MiB, True, hint="graph",
-                roots=("loss", "losses"), id="cuda:0:b2"),
+                roots=("loss", "losses"), id="cuda:0:b2", also_held_by=("losses",)),
         Finding(6, "_", ("_", "Out[6]"), out, "cuda:0", 512 * MiB, id="cuda:0:c3"),
     ]
     return {"snapshot": snap, "history": history_columns(samples, now), "cells": cell_spans([rec], now),
@@ -232,14 +237,16 @@ def test_gpu_layout_from_fake_samples(page: Any, artifacts: Path) -> None:
     loss = gauge.locator("[data-role=holder][data-id='cuda:0:b2']")
     expect(loss.locator("[data-role=graph]")).to_be_visible()
     assert gauge.locator("[data-role=holder][data-id='cuda:0:c3'] [data-action=del]").is_disabled()
-    # The del button says which variables it deletes, before and while it asks to confirm.
+    # The del button says which variable it deletes (the owner shown, never another), before and while it
+    # asks to confirm; the row says who else holds the memory.
+    expect(loss.locator("[data-role=also]")).to_have_text("also held by losses")
     del_loss = loss.locator("[data-action=del]")
-    expect(del_loss).to_have_text("del loss, losses")
+    expect(del_loss).to_have_text("del loss")
     del_loss.click()
-    expect(del_loss).to_have_text("del loss, losses?")
+    expect(del_loss).to_have_text("del loss?")
     page.mouse.move(0, 0)
     page.wait_for_timeout(4200)  # the confirmation lapses without a second click
-    expect(del_loss).to_have_text("del loss, losses")
+    expect(del_loss).to_have_text("del loss")
     assert page.evaluate("window.sent") == []
 
     # "to CPU" asks twice, then sends exactly one request naming the finding, and shows it pending.

@@ -1,0 +1,162 @@
+"""Reports at the scale of real models: one row per owner (the name a user typed), the detail one call away."""
+
+from __future__ import annotations
+
+import nbmem
+from nbmem.magics import session_of
+from nbmem.records import REPORT_ROWS
+from tests.conftest import last_cell, ok
+
+MiB = 2**20
+
+# A peft-style stack without peft: a base model, a wrapper that adds small adapter tensors (each far under
+# the 1 MiB threshold), and a trainer-like object that holds the wrapper and an optimizer over it.
+STACK = """
+import torch
+from torch import nn
+
+class Block(nn.Module):
+    def __init__(self, d):
+        super().__init__()
+        self.q_proj = nn.Linear(d, d, bias=False)
+        self.k_proj = nn.Linear(d, d, bias=False)
+
+class TinyLM(nn.Module):
+    def __init__(self, d=512, layers=8, vocab=2048):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, d)
+        self.layers = nn.ModuleList(Block(d) for _ in range(layers))
+        self.lm_head = nn.Linear(d, vocab, bias=False)
+        self.lm_head.weight = self.embed.weight  # tied: one storage, two names
+
+class LoraWrapper(nn.Module):
+    def __init__(self, base, r=16):
+        super().__init__()
+        self.base_model = base
+        for p in base.parameters():
+            p.requires_grad_(False)
+        self.adapters = nn.ParameterList()
+        for block in base.layers:
+            for proj in (block.q_proj, block.k_proj):
+                d = proj.in_features
+                self.adapters.append(nn.Parameter(torch.zeros(r, d)))
+                self.adapters.append(nn.Parameter(torch.zeros(d, r)))
+
+class Trainer:
+    def __init__(self, model):
+        self.model = model
+        self.optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad])
+"""
+
+
+def rows(cell: int | None = None, **kw):
+    return nbmem.leaks(cell=cell, **kw)
+
+
+def test_a_40_layer_model_is_one_row_with_its_parameters_in_words(ip):
+    ok(ip, "model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(40)])")
+    f = rows(last_cell(ip))
+    assert list(f["name"]) == ["model"], f
+    row = f.iloc[0]
+    assert row["tensors"] == 80 and row["bytes"] == 40 * (4 * MiB + 4096)
+    assert row["what"] == "Sequential: 42M parameters", row["what"]
+    assert row["hint"] == "`del model` frees it" and row["action"] == "%cudamem clean model"
+    detail = rows(last_cell(ip), detail=True)
+    assert len(detail) == 40 and set(detail["owner"]) == {"model"} and detail["bytes"].sum() == 40 * 4 * MiB
+    report = session_of(ip).last_report
+    assert len(report.findings) == 1 and "<details>" in report._repr_html_()
+    assert "model.0.weight" in report._repr_html_(), "the HTML row expands to its biggest members"
+
+
+def test_a_model_kept_by_another_object_after_del_is_one_row_naming_the_keeper(ip):
+    ok(ip, "model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(40)])\n"
+           "class Keeper:\n    pass\nkeeper = Keeper()\nkeeper.model = model")
+    ok(ip, "del model")
+    f = rows(last_cell(ip))
+    assert list(f["name"]) == ["keeper"] and f["tensors"].iloc[0] == 80, f
+    assert f["hint"].iloc[0] == ("`model` was deleted or rebound, but `keeper.model` still holds it: "
+                                 "`%cudamem clean keeper` frees it")
+    assert f["what"].iloc[0] == "Keeper: 42M parameters"
+
+
+def test_thirty_losses_with_graphs_are_one_row_their_graphs_counted_once(ip):
+    ok(ip, "lin = torch.nn.Linear(1024, 1024)\nlosses = []")
+    ok(ip, "for _ in range(30):\n    losses.append(lin(torch.randn(256, 1024)).pow(2).mean())")
+    f = rows(last_cell(ip))
+    assert list(f["name"]) == ["losses"], f
+    row = f.iloc[0]
+    # each loss keeps its input (1 MiB) and the linear's output (1 MiB); lin's weight is lin's, not the graph's
+    assert row["tensors"] == 30 and row["graph_bytes"] == 30 * 2 * MiB and row["holds_graph"]
+    assert row["what"] == f"list of 30 scalars + their graphs ({60:.1f} MiB)"
+    assert "`.item()`" in row["hint"]
+    assert len(rows(last_cell(ip), detail=True)) == 30
+
+
+def test_a_peft_style_stack_names_the_model_not_the_optimizers_alias(ip):
+    ok(ip, STACK)
+    ok(ip, "base = TinyLM()")
+    ok(ip, "model = LoraWrapper(base)")  # 32 adapter tensors of 32 KiB: 1 MiB together, none over the threshold
+    f = rows(last_cell(ip))
+    assert list(f["name"]) == ["model"], f
+    assert f["tensors"].iloc[0] == 32 and f["bytes"].iloc[0] == 32 * 16 * 512 * 4
+    assert f["what"].iloc[0] == "LoraWrapper: 262K parameters", f["what"].iloc[0]
+    ok(ip, "del base")  # base lives on in model.base_model: one row, not one per parameter
+    f = rows(last_cell(ip))
+    assert list(f["name"]) == ["model"] and f["tensors"].iloc[0] == 17, f
+    assert f["hint"].iloc[0] == ("`base` was deleted or rebound, but `model.base_model` still holds it: "
+                                 "`%cudamem clean model` frees it")
+    ok(ip, "trainer = Trainer(model)\nmodel(torch.zeros(1, dtype=torch.long)) if False else None")
+    now = rows()
+    by_name = now.set_index("name")
+    assert "trainer" not in by_name.index, "the trainer holds only aliases of the model's parameters"
+    assert by_name.loc["model", "also_held_by"] == ["trainer"]
+    assert by_name.loc["model", "what"] == "LoraWrapper: 5.51M parameters (262K trainable)"
+    ok(ip, "del model")
+    f = rows(last_cell(ip))
+    assert list(f["name"]) == ["trainer"], f
+    assert f["hint"].iloc[0].startswith("`model` was deleted or rebound, but `trainer.model` still holds it")
+
+
+def test_tied_weights_and_views_are_counted_once(ip):
+    ok(ip, STACK)
+    ok(ip, "lm = TinyLM()\nembeddings = lm.embed.weight[:100]")  # a view of the tied storage, by another name
+    f = rows(last_cell(ip)).set_index("name")
+    params = 2048 * 512 + 8 * 2 * 512 * 512  # the tied matrix once, 16 projections
+    assert f.loc["lm", "bytes"] == params * 4 and f.loc["lm", "what"] == "TinyLM: 5.24M parameters"
+    assert "embeddings" not in f.index, "a view of memory lm already owns adds nothing"
+    assert session_of(ip).last_report.held_bytes == params * 4
+
+
+def test_a_report_shows_at_most_eight_owners_then_says_how_many_more(ip):
+    ok(ip, "\n".join(f"t{i} = torch.empty({(i + 2) * 2**18})" for i in range(12)))
+    report = session_of(ip).last_report
+    assert [f.name for f in report.holders.shown] == [f"t{i}" for i in range(11, 3, -1)], "largest first"
+    rest = sum((i + 2) * MiB for i in range(4))
+    call = f"nbmem.leaks(cell={report.cell})"
+    assert report.holders.more_line() == f"and 4 more ({rest / MiB:.1f} MiB): `{call}` lists them all"
+    assert str(report).count("\n") < 20 and report.holders.more_line() in str(report)
+    assert len(report.holders.shown) == REPORT_ROWS
+    # --last-report removes exactly the owners the report showed
+    assert str(report).splitlines()[-1] == ("`%cudamem clean --last-report` would run: "
+                                            + " ".join(f"t{i}" for i in range(11, 3, -1)))
+    ip.run_line_magic("cudamem", "clean --last-report")
+    assert {f"t{i}" for i in range(4)} <= set(ip.user_ns) and not {f"t{i}" for i in range(4, 12)} & set(ip.user_ns)
+
+
+def test_grouping_changes_rows_never_totals(ip):
+    ok(ip, STACK)
+    ok(ip, "lm = TinyLM()\nlosses = [lm.lm_head(torch.randn(64, 512)).sum() for _ in range(5)]\n"
+           "stats = {e: {'acc': torch.zeros(1000)} for e in range(300)}")
+    sess = session_of(ip)
+    cur = sess.holdings.scan_all()
+    owners = sess.holdings.current()
+    detail_storage = sum(h.nbytes for h in cur.storages.values())
+    assert sum(f.storage_bytes for f in owners.owners) <= detail_storage
+    from nbmem import owners as owners_mod
+
+    every = owners_mod.group(list(cur.storages.values()), lambda hs: 0, threshold_bytes=0, graphs={},
+                             types=cur.root_types)[0]
+    assert sum(f.storage_bytes for f in every) == detail_storage == cur.totals["cpu"]
+    # 300 per-epoch dicts of 4 KB tensors: each far under the threshold, together 1.1 MiB, under one owner
+    stats = next(f for f in owners.owners if f.name == "stats")
+    assert stats.tensors == 300 and stats.what() == "dict of 300 tensors"
