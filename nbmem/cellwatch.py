@@ -15,11 +15,13 @@ from typing import Any
 
 from . import advice
 from .cells import cell_records, with_trace
+from .formatting import spans
 from .holdings import Baseline, Holdings, with_cpu_allocated
 from .options import Settings
 from .owners import Rows
 from .recording import Recording
-from .records import Boundary, CellReport, LineRecord
+from .records import Boundary, LineRecord
+from .reports import CellReport
 from .sources import Probe
 from .store import Store
 
@@ -149,3 +151,15 @@ class CellWatch:
             return [f"lines were followed for this cell's first {rec.max_marks:,} lines of Python "
                     f"(Nbmem.trace_entries): its later allocations count toward its peak, not toward a line"]
         return []
+
+    def line_list(self, cell: int | None = None) -> tuple[int, tuple[LineRecord, ...]]:
+        """A cell's per-line records: cell N, or (None) the last cell measured with lines."""
+        if cell is None:
+            if not self.lines:
+                raise LookupError("no cell was measured with lines yet: put `%%cudamem --lines` on a cell, or "
+                                  "`%config Nbmem.lines = True` with `%cudamem on`")
+            cell = max(self.lines)
+        if cell not in self.lines:
+            have = spans(sorted(self.lines)) or "none"
+            raise LookupError(f"cell {cell} was not measured with lines (with lines: {have})")
+        return cell, self.lines[cell]

@@ -8,11 +8,11 @@ graph several findings keep alive is named under each of them. ``owners`` groups
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from .formatting import fmt_bytes
-from .graphs import Graph
+from .graphs import Graph, sharing
 from .naming import MAX_HOLDERS, OPTIMIZER_STEP, container
 from .records import CUDA_BLOCK_BYTES, ROTATING_OUTPUTS, Finding, HolderKind, is_output_name, root_name
 from .scanner import Held, Scan
@@ -36,6 +36,9 @@ def hint_for(h: Held, graph_bytes: int, *, lost: Sequence[str] = (), shared: Seq
         what = f"`del {names[0]}` alone frees nothing; `%cudamem clean {names[0]}` removes both" if names else (
             "`%cudamem clean --outputs` frees it")
         return f"displayed, so the output history ({', '.join(gained)}) now also holds it: {what}"
+    if ".<lru_cache>" in name:
+        fn = name.split(".<lru_cache>", 1)[0]
+        return f"a result cached by `{fn}` (functools.lru_cache): `{fn}.cache_clear()` frees it"
     if h.kind is HolderKind.OUTPUT:
         graph = f" (with its autograd graph, {fmt_bytes(graph_bytes)})" if graph_bytes else ""
         return f"kept by the output history{graph}: %cudamem clean --outputs, or end the line with `;`"
@@ -155,18 +158,13 @@ def _with_groups(candidates: Sequence[Held], cell: Callable[[Sequence[Held]], in
 
 def _mark_shared(out: list[Finding], members: Mapping[int, Held], graphs: Mapping[int, Graph]) -> None:
     """A graph whose saved tensors several findings keep alive is named under each of them."""
-    keepers: dict[int, list[int]] = {}  # saved storage -> findings (their index in out) that keep it
+    saved_by: dict[int, Iterable[int]] = {}
     for i, f in enumerate(out):
         h = members.get(id(f))
         g = graphs.get(h.sid) if h is not None else None
         if g is not None:
-            for s in g.saved:
-                keepers.setdefault(s, []).append(i)
-    shared: dict[int, dict[int, None]] = {}
-    for idx in keepers.values():
-        if len(idx) > 1:
-            for i in idx:
-                shared.setdefault(i, {}).update(dict.fromkeys(j for j in idx if j != i))
+            saved_by[i] = g.saved
+    shared = sharing(saved_by)
     for i, others in shared.items():
         f = out[i]
         names = tuple(out[j].name for j in others)[:MAX_HOLDERS]

@@ -126,3 +126,15 @@ def text_table(columns: Sequence[Column], rows: Sequence[Sequence[str]]) -> str:
                          for c, v, w in zip(columns, values, widths)).rstrip()
 
     return "\n".join([line([c.title for c in columns]), *(line(r) for r in rows)])
+
+
+def spans(numbers: Sequence[int]) -> str:
+    """``[1, 2, 3, 7]`` as ``1–3, 7`` (the first and last few runs when there are many)."""
+    runs: list[list[int]] = []
+    for c in numbers:
+        if runs and c == runs[-1][1] + 1:
+            runs[-1][1] = c
+        else:
+            runs.append([c, c])
+    text = [f"{a}–{b}" if b > a else str(a) for a, b in runs]
+    return ", ".join(text if len(text) <= 6 else [*text[:3], "…", *text[-2:]])

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,3 +107,18 @@ def _saved(node: Any, names: dict[int, tuple[str, ...]], keep: list[Any]) -> lis
             keep.append(x)
             out.append(x)
     return out
+
+
+def sharing(saved_by: Mapping[int, Iterable[int]]) -> dict[int, list[int]]:
+    """For rows keyed by index, each with the saved storages its graphs keep: which other rows keep some of
+    the same ones (a graph they share, counted under each)."""
+    keepers: dict[int, list[int]] = {}  # saved storage -> the rows that keep it
+    for i, saved in saved_by.items():
+        for s in saved:
+            keepers.setdefault(s, []).append(i)
+    shared: dict[int, dict[int, None]] = {}
+    for idx in keepers.values():
+        if len(idx) > 1:
+            for i in idx:
+                shared.setdefault(i, {}).update(dict.fromkeys(j for j in idx if j != i))
+    return {i: list(others) for i, others in shared.items()}

@@ -233,6 +233,25 @@ class Holdings:
             self._current_of = cur
         return self._current
 
+    def held_by(self, names: Sequence[str]) -> dict[str, set[int]]:
+        """The storages each of these top-level names reached at the last scan (before a cleanup)."""
+        out: dict[str, set[int]] = {}
+        if names and self.last_scan is not None:
+            for sid, h in self.last_scan.storages.items():
+                for name in h.roots & set(names):
+                    out.setdefault(name, set()).add(sid)
+        return out
+
+    def still_held(self, held_by: Mapping[str, set[int]]) -> tuple[tuple[str, tuple[str, ...]], ...]:
+        """(name, paths) for each deleted name whose memory the latest scan still finds, under other names."""
+        cur = self.last_scan
+        out = []
+        for name, sids in held_by.items():
+            others = sorted({p for s in sids if cur is not None and s in cur.storages for p in cur.storages[s].holders})
+            if others:
+                out.append((name, tuple(others[:4])))
+        return tuple(out)
+
     def forget_current(self) -> None:
         self._current_of = None
 

@@ -75,7 +75,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from traitlets import Bool, Enum, Float, Int, TraitType
 from traitlets.config import Configurable
 
-from .cleaner import CleanupRefused, CleanupRequest
+from .cleanup_request import CleanupRefused, CleanupRequest
 from .options import OPTION_BY_NAME, OPTIONS, Option, OptionError, Settings
 from .session import Session
 from .shell import ShellAdapter
@@ -293,8 +293,9 @@ class NbmemMagics(Magics):
             args = parse_argstring(self.cudamem, line)
         except UsageError:
             raise
-        except SystemExit:  # argparse's own exit on a bad flag
-            raise UsageError(f"%cudamem: could not read {line!r}; `%cudamem?` lists the options.") from None
+        except (SystemExit, ValueError) as e:  # argparse's own exit on a bad flag; shlex on an unclosed quote
+            why = f" ({e})" if isinstance(e, ValueError) else ""
+            raise UsageError(f"%cudamem: could not read {line[:80]!r}{why}; `%cudamem?` lists the options.") from None
         if args.all_flagged:
             raise UsageError("%cudamem clean: --all-flagged is now --last-report, which removes exactly the holders "
                              "the last cell report listed (its 'would run' line).")
@@ -419,9 +420,7 @@ class NbmemMagics(Magics):
                 if not listed and not req:
                     raise UsageError(f"%cudamem clean --last-report: the last report shown (cell [{last.cell}]) "
                                      "listed nothing to remove. Nothing was run.")
-                req = CleanupRequest(tuple(dict.fromkeys(req.names + listed.names)), req.to_cpu,
-                                     req.outputs or listed.outputs, req.traceback or listed.traceback,
-                                     req.collect, req.empty_cache)
+                req = req.plus(listed)
             if not req and not args.last_report:
                 raise UsageError("%cudamem clean: say what goes: names (`%cudamem clean x`), --outputs, "
                                  "--traceback, --to-cpu NAME or --last-report. Nothing was removed.")

@@ -21,6 +21,7 @@ from typing import Any
 from . import findings as judge
 from .formatting import fmt_bytes, fmt_count
 from .graphs import Graph
+from .graphs import sharing as graph_sharing
 from .naming import MAX_HOLDERS, container, owner_of
 from .records import Finding, HolderKind, root_name
 from .scanner import Held, Scan
@@ -174,7 +175,7 @@ def _hint(owner: str, kind: HolderKind, members: Sequence[Held], graph_bytes: in
     if gone:
         return (f"{', '.join(f'`{n}`' for n in gone)} was deleted or rebound, but "
                 f"{judge.still_holds(kind, through or owner)}")
-    if kind is not HolderKind.NAMESPACE:
+    if kind is not HolderKind.NAMESPACE or all(".<lru_cache>" in h.name for h in members):
         return judge.hint_for(members[0], graph_bytes, group=len(members))
     shown = list(dict.fromkeys(n for h in members for n in gained.get(h.sid, ())))
     if shown:
@@ -253,6 +254,8 @@ def describe(owner: str, kind: HolderKind, members: Sequence[Held], graph_bytes:
     if all(ROLE_OPTIM in h.roles or ROLE_GRAD in h.roles for h in members) and len(members) > 1:
         what = "optimizer state" if all(ROLE_OPTIM in h.roles for h in members) else "gradients"
         return f"{type_name + ': ' if type_name else ''}{what}, {len(members):,} tensors{graph}"
+    if type_name == "_lru_cache_wrapper":
+        return f"results cached by {owner}(): {len(members):,} tensor{'s' if len(members) > 1 else ''}{graph}"
     if len(members) == 1:
         h = members[0]
         words = tensor_words(h)
@@ -281,15 +284,7 @@ def tensor_words(h: Held) -> str:
 
 def _mark_shared(rows: list[Finding], saved_by: Mapping[int, set[int]]) -> None:
     """A graph whose saved tensors several owners keep alive is named under each of them."""
-    keepers: dict[int, list[int]] = {}
-    for i, saved in saved_by.items():
-        for s in saved:
-            keepers.setdefault(s, []).append(i)
-    shared: dict[int, dict[int, None]] = {}
-    for idx in keepers.values():
-        if len(idx) > 1:
-            for i in idx:
-                shared.setdefault(i, {}).update(dict.fromkeys(j for j in idx if j != i))
+    shared = graph_sharing(saved_by)
     for i, others in shared.items():
         names = tuple(rows[j].name for j in others)[:MAX_HOLDERS]
         rows[i] = replace(rows[i], graph_shared_with=names)

@@ -14,6 +14,7 @@ object's ``__getattr__``, ``__getattribute__``, ``__len__``, ``__iter__``, ``__e
 
 from __future__ import annotations
 
+import enum
 import gc
 import sys
 import types
@@ -65,7 +66,7 @@ SKIP_MODULES = ("IPython", "ipykernel", "nbmem", "traitlets", "zmq", "tornado", 
                 "pygments", "prompt_toolkit", "jedi", "sidecar", "psutil", "pynvml", "concurrent", "socket", "ssl",
                 "selectors", "subprocess", "multiprocessing", "torch._C", "torch._ops", "torch.library",
                 "torch._tensor_str", "torch.fx", "torch._dynamo", "torch._inductor", "sympy", "typing",
-                "enum", "abc", "inspect", "importlib", "collections.abc", "re", "_weakrefset", "weakref")
+                "enum", "abc", "inspect", "importlib", "collections.abc", "re")
 
 
 def type_name(t: type) -> str:
@@ -120,7 +121,8 @@ def layout(t: type) -> Layout:
                 continue
             if k == "__dict__" and not seen_dict:
                 seen_dict = True
-                if type(d) is GETSET:
+                # A C getter, or a C type's slot for its dict (types.SimpleNamespace): no user code either way.
+                if type(d) is GETSET or (type(d) is MEMBER and not is_heap(c)):
                     dict_get = d.__get__
                 else:
                     shadowed = True  # e.g. a lazy proxy's property: reading it would run its code
@@ -237,23 +239,42 @@ def _clip(s: str, n: int = LABEL_MAX) -> str:
     return s if len(s) <= n else s[: n - 1] + "…"
 
 
+_qualname: Callable[[type], Any] = type.__dict__["__qualname__"].__get__
+_KEY_ATOMS = (bool, float, complex, type(None))
+
+
 def key_label(k: Any, depth: int = 0) -> str:
-    """A dict key as a user would type it, for exact built-in types; ``<TypeName>`` otherwise."""
+    """A dict key as a user would type it: exact built-in types, tuples and frozensets of them, and enum
+    members (``Split.TRAIN``, from the member's own ``_name_`` and its class's qualified name); else
+    ``<TypeName>``. Nothing of the key's own code runs: its type is compared by identity, containers are
+    read through their base type's C methods, and no ``__repr__`` but the built-in types' is called."""
     t = type(k)
     try:
         if t is str:
             return _clip(repr(k[:LABEL_MAX]))
         if t is int:
             return str(k) if -(10**30) < k < 10**30 else "<int>"
-        if t in (bool, float, complex, type(None)):
+        if is_one_of(t, _KEY_ATOMS):
             return repr(k)
         if t is bytes:
             return _clip(repr(k[:LABEL_MAX]))
-        if t is tuple and depth < 2:
-            parts = [key_label(x, depth + 1) for x in islice(tuple.__iter__(k), 5)]
-            if tuple.__len__(k) > 5:
+        if (t is tuple or t is frozenset) and depth < 2:
+            items = tuple.__iter__(k) if t is tuple else frozenset.__iter__(k)
+            parts = [key_label(x, depth + 1) for x in islice(items, 5)]
+            if t.__len__(k) > 5:
                 parts.append("…")
+            if t is frozenset:
+                return _clip("frozenset({" + ", ".join(parts) + "})") if parts else "frozenset()"
             return _clip("(" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")")
+        if derives(t, weakref.ref):  # a WeakKeyDictionary's key: name what it points to, if it still lives
+            target = weakref.ref.__call__(k)
+            return "<dead weakref>" if target is None else f"<weakref to {type_name(type(target))}>"
+        if derives(t, enum.Enum):
+            d = instance_dict(k, layout(t))
+            name = d.get("_name_") if d is not None else None
+            qual = _qualname(t)
+            if type(name) is str and type(qual) is str:
+                return _clip(f"{qual.rpartition('<locals>.')[2]}.{name}")  # as typed where it is in scope
     except Exception:
         pass
     return f"<{type_name(t)}>"

@@ -12,9 +12,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from .lineclock import LineClock
 from .linetrace import Replay, replay, with_marked_frames
 from .records import Boundary, CellRecord
-from .sources import LineClock, TorchSource, Trace
+from .sources import TorchSource, Trace
 
 Fault = Callable[[str, BaseException], None]
 Marks = list[tuple[int, Any, int]]

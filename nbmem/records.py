@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import datetime as _dt
 import re
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Iterable
+from dataclasses import asdict, dataclass
 from enum import StrEnum
 from typing import Any
 
-from .formatting import Column, esc, fmt_bytes, fmt_seconds, html_table, is_na, prose, text_table
+from .formatting import fmt_bytes
 
 
 class HolderKind(StrEnum):
@@ -202,20 +202,6 @@ class CellRecord:
             d[k] = getattr(self, k)
         return {c: d[c] for c in CELL_COLUMNS}
 
-    def summary_cells(self) -> list[str]:
-        peak = fmt_bytes(self.peak_allocated_bytes) if not is_na(self.peak_allocated_bytes) else (
-            self.peak_note or "NA")
-        if self.device == "cpu" and self.allocated_after_bytes is None:
-            peak = "NA"
-        return [self.device, fmt_bytes(self.delta_allocated_bytes, signed=True),
-                fmt_bytes(self.delta_reserved_bytes, signed=True), peak,
-                fmt_bytes(self.delta_process_used_bytes, signed=True), fmt_bytes(self.delta_rss_bytes, signed=True)]
-
-
-SUMMARY_COLUMNS = (Column("device"), Column("Δallocated", numeric=True), Column("Δreserved", numeric=True),
-                   Column("peak allocated", numeric=True), Column("Δ NVML process", numeric=True),
-                   Column("Δ RSS", numeric=True))
-
 
 # -- findings -------------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
@@ -328,122 +314,6 @@ def merge_cleanups(findings: Iterable[Finding]) -> CleanupOf:
     return CleanupOf(tuple(names), outputs, traceback)
 
 
-FINDING_TABLE = (Column("name", code=True), Column("kind"), Column("device"), Column("bytes", numeric=True),
-                 Column("what"), Column("line", code=True), Column("hint", wide=True))
-
-
-def finding_cells(f: Finding) -> list[str]:
-    return [f.name, f.kind.value, f.device, fmt_bytes(f.bytes), f.what(), "" if f.line is None else str(f.line),
-            f.hint]
-
-
-LEAK_TABLE = (Column("cell", numeric=True), *FINDING_TABLE)
-
-
-def finding_table(columns: tuple[Column, ...], findings: Sequence[Finding],
-                  rows: list[list[str]]) -> tuple[tuple[Column, ...], list[list[str]]]:
-    """The columns and rows to show: the line column only when some finding has a line (a --lines cell)."""
-    if any(f.line is not None for f in findings):
-        return columns, rows
-    keep = [c.title != "line" for c in columns]
-    return (tuple(c for c, k in zip(columns, keep) if k),
-            [[v for v, k in zip(row, keep) if k] for row in rows])
-
-
-class Shown:
-    """A record a person reads: the shell and ``repr`` print its text (``__str__``); notebooks use its HTML."""
-
-    def __repr__(self) -> str:
-        return str(self)
-
-    def _repr_pretty_(self, p: Any, cycle: bool) -> None:
-        p.text(str(self))
-
-
-#: Owner rows a cell report shows; the rest are counted, and ``nbmem.leaks(cell=N)`` lists them all.
-REPORT_ROWS = 8
-#: Rows ``%cudamem leaks`` shows.
-LEAKS_ROWS = 50
-MEMBER_TABLE = (Column("tensor", code=True), Column("bytes", numeric=True), Column("what"))
-
-
-def members_html(f: Finding) -> str | None:
-    """An owner row's "what", expanding (a ``<details>``, no JavaScript) into its biggest members; None
-    when it is one tensor under its own name."""
-    if not f.members or (len(f.members) == 1 and f.members[0].name == f.name and not f.more):
-        return None
-    rows = [[m.name, fmt_bytes(m.bytes), m.what()] for m in f.members]
-    more = f"<div>and {f.more:,} more ({esc(fmt_bytes(f.more_bytes))})</div>" if f.more else ""
-    return (f"<details><summary style='cursor:pointer'>{esc(f.what())}</summary>"
-            f"{html_table(MEMBER_TABLE, rows)}{more}</details>")
-
-
-@dataclass(frozen=True)
-class HolderTable:
-    """Owner rows (or detail rows) as a report shows them: the first ``limit``, then how many more."""
-
-    findings: tuple[Finding, ...]
-    limit: int
-    more_call: str  # where the rest are: "nbmem.leaks(cell=5)"
-    with_cell: bool = False
-
-    @property
-    def shown(self) -> tuple[Finding, ...]:
-        return self.findings[:self.limit]
-
-    def more_line(self) -> str:
-        rest = self.findings[self.limit:]
-        if not rest:
-            return ""
-        return f"and {len(rest):,} more ({fmt_bytes(sum(f.bytes for f in rest))}): `{self.more_call}` lists them all"
-
-    def _table(self) -> tuple[tuple[Column, ...], list[list[str]]]:
-        cols = LEAK_TABLE if self.with_cell else FINDING_TABLE
-        rows = [[str(f.cell), *finding_cells(f)] if self.with_cell else finding_cells(f) for f in self.shown]
-        return finding_table(cols, self.shown, rows)
-
-    def text(self) -> list[str]:
-        return [text_table(*self._table()), *filter(None, [self.more_line()])]
-
-    def html(self, caption: str) -> str:
-        more = self.more_line()
-        columns, rows = self._table()
-        what = next(i for i, c in enumerate(columns) if c.title == "what")
-        expand = [{what: x} if (x := members_html(f)) is not None else {} for f in self.shown]
-        return (html_table(columns, rows, caption=caption, html=expand)
-                + (f"<div>{prose(more)}</div>" if more else ""))
-
-
-@dataclass(frozen=True, repr=False)
-class Leaks(Shown):
-    """``%cudamem leaks``: a row per owner (or per tensor with ``detail``); the DataFrame is ``nbmem.leaks()``."""
-
-    findings: tuple[Finding, ...]
-    title: str
-    cell: int | None = None
-    detail: bool = False
-    total_bytes: int = 0
-
-    def _table(self) -> HolderTable:
-        args = [f"cell={self.cell}"] if self.cell is not None else []
-        call = f"nbmem.leaks({', '.join([*args, 'detail=True'] if self.detail else args)})"
-        return HolderTable(self.findings, LEAKS_ROWS, call, with_cell=True)
-
-    def _caption(self) -> str:
-        total = f" ({fmt_bytes(self.total_bytes)} in all)" if self.total_bytes and not self.detail else ""
-        return self.title + total
-
-    def __str__(self) -> str:
-        if not self.findings:
-            return f"{self.title}: nothing above the threshold"
-        return "\n".join([self._caption(), *self._table().text()])
-
-    def _repr_html_(self) -> str:
-        if not self.findings:
-            return f"<div class='nbmem-report'>{esc(self.title)}: nothing above the threshold</div>"
-        return "<div class='nbmem-report'>" + self._table().html(self._caption()) + "</div>"
-
-
 # -- the report under a cell -------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class LineRecord:
@@ -464,120 +334,6 @@ class LineRecord:
 
 LINE_COLUMNS = ("cell", "device", "line", "source", "delta_allocated_bytes", "peak_allocated_bytes", "events",
                 "top_frame")
-LINE_TABLE = (Column("line", numeric=True), Column("source", code=True), Column("Δallocated", numeric=True),
-              Column("peak", numeric=True), Column("allocated at", code=True))
-
-
-def line_cells(r: LineRecord, peak_line: int | None) -> list[str]:
-    mark = " ◀ peak" if r.line == peak_line else ""
-    return [str(r.line), r.source.strip()[:80], fmt_bytes(r.delta_allocated_bytes, signed=True),
-            fmt_bytes(r.peak_allocated_bytes) + mark, r.top_frame]
-
-
-@dataclass(frozen=True, repr=False)
-class Lines(Shown):
-    """``%cudamem lines``: a cell's lines (the DataFrame is ``nbmem.lines()``)."""
-
-    cell: int
-    records: tuple[LineRecord, ...]
-    peak_lines: Mapping[str, int | None]
-
-    def _tables(self) -> list[tuple[str, list[list[str]]]]:
-        devs = dict.fromkeys(r.device for r in self.records)
-        return [(d, [line_cells(r, self.peak_lines.get(d)) for r in self.records if r.device == d]) for d in devs]
-
-    def __str__(self) -> str:
-        parts = [f"nbmem [{self.cell}] lines"]
-        for dev, rows in self._tables():
-            parts += [f"{dev}:", text_table(LINE_TABLE, rows)]
-        return "\n".join(parts)
-
-    def _repr_html_(self) -> str:
-        return ("<div class='nbmem-report'>" + "".join(
-            html_table(LINE_TABLE, rows, caption=f"nbmem [{self.cell}] lines ({dev})") for dev, rows in self._tables())
-            + "</div>")
-
-
-UNATTRIBUTED = ("allocated, but no name reaches it: memory torch keeps in C++, such as the cuBLAS workspaces the "
-                "first matrix multiply on a device makes, or tensors a C extension holds")
-
-
-@dataclass(frozen=True, repr=False)
-class CellReport(Shown):
-    """What one cell did, shown under it: the cell records, findings, lines and advice."""
-
-    cell: int
-    duration_s: float
-    records: tuple[CellRecord, ...]
-    findings: tuple[Finding, ...] = ()
-    unattributed: tuple[tuple[str, int], ...] = ()
-    error: str = ""
-    advice: tuple[str, ...] = ()
-    lines: tuple[LineRecord, ...] = ()
-    notes: tuple[str, ...] = ()
-    held_bytes: int = 0  # the owners' bytes together (a graph several keep, once)
-
-    @property
-    def holders(self) -> HolderTable:
-        return HolderTable(self.findings, REPORT_ROWS, f"nbmem.leaks(cell={self.cell})")
-
-    def last_report_cleanup(self) -> CleanupOf:
-        """What ``%cudamem clean --last-report`` removes: exactly the owners the report shows."""
-        return merge_cleanups(self.holders.shown)
-
-    def _peak_line(self, device: str) -> int | None:
-        return next((r.peak_line for r in self.records if r.device == device), None)
-
-    def _line_tables(self) -> list[tuple[str, list[list[str]]]]:
-        out = []
-        for dev in dict.fromkeys(r.device for r in self.lines):
-            peak = self._peak_line(dev)
-            out.append((dev, [line_cells(r, peak) for r in self.lines if r.device == dev]))
-        return out
-
-    def _head(self) -> str:
-        err = f" · error: {self.error}" if self.error else ""
-        return f"nbmem [{self.cell}] · {fmt_seconds(self.duration_s)}{err}"
-
-    def _holders_caption(self) -> str:
-        total = f" ({fmt_bytes(self.held_bytes)} in all)" if self.held_bytes and len(self.findings) > 1 else ""
-        return f"holders of memory this cell added{total}"
-
-    def _clean_line(self) -> str:
-        c = self.last_report_cleanup()
-        return f"`%cudamem clean --last-report` would run: {cleanup_text(c)[len('%cudamem clean '):]}" if c else ""
-
-    def __str__(self) -> str:
-        parts = [self._head(), text_table(SUMMARY_COLUMNS, [r.summary_cells() for r in self.records])]
-        for dev, rows in self._line_tables():
-            parts += [f"lines ({dev}):", text_table(LINE_TABLE, rows)]
-        if self.findings:
-            parts += [self._holders_caption() + ":", *self.holders.text()]
-            if self._clean_line():
-                parts.append(self._clean_line())
-        for dev, b in self.unattributed:
-            parts.append(f"unattributed on {dev}: {fmt_bytes(b)} ({UNATTRIBUTED})")
-        parts += [f"- {a}" for a in (*self.notes, *self.advice)]
-        return "\n".join(parts)
-
-    def _repr_html_(self) -> str:
-        parts = [f"<div class='nbmem-report'><div style='font-weight:600'>{esc(self._head())}</div>",
-                 html_table(SUMMARY_COLUMNS, [r.summary_cells() for r in self.records])]
-        for dev, rows in self._line_tables():
-            parts.append(html_table(LINE_TABLE, rows, caption=f"lines ({dev})"))
-        if self.findings:
-            parts.append(self.holders.html(self._holders_caption()))
-            if self._clean_line():
-                parts.append(f"<div>{prose(self._clean_line())}</div>")
-        for dev, b in self.unattributed:
-            parts.append(f"<div>unattributed on {esc(dev)}: {esc(fmt_bytes(b))} ({esc(UNATTRIBUTED)})</div>")
-        items = (*self.notes, *self.advice)
-        if items:
-            parts.append("<ul style='margin:2px 0'>" + "".join(f"<li>{prose(a)}</li>" for a in items) + "</ul>")
-        parts.append("</div>")
-        return "".join(parts)
-
-
 # -- cleanup -------------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class CleanupStep:
@@ -595,55 +351,6 @@ def known_sum(values: Iterable[int | None]) -> int | None:
     """Sum of the known values; None (unknown) when none is known, rather than a made-up 0."""
     known = [v for v in values if v is not None]
     return sum(known) if known else None
-
-
-CLEANUP_COLUMNS = (Column("step"), Column("target", code=True), Column("freed allocated", numeric=True),
-                   Column("freed reserved", numeric=True), Column("note", wide=True))
-
-
-@dataclass(frozen=True, repr=False)
-class CleanupReport(Shown):
-    """What a cleanup removed, step by step, and the bytes each step gave back."""
-
-    steps: tuple[CleanupStep, ...]
-    still_held: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (deleted name, names still holding its memory)
-
-    @property
-    def freed_allocated_bytes(self) -> int | None:
-        return known_sum(s.freed_allocated_bytes for s in self.steps)
-
-    @property
-    def freed_reserved_bytes(self) -> int | None:
-        """None when no step could measure reserved memory (no CUDA): unknown, not zero."""
-        return known_sum(s.freed_reserved_bytes for s in self.steps)
-
-    @property
-    def errors(self) -> tuple[str, ...]:
-        return tuple(f"{s.action}: {s.error}" for s in self.steps if s.error)
-
-    def _rows(self) -> list[list[str]]:
-        return [[s.action, s.target, fmt_bytes(s.freed_allocated_bytes), fmt_bytes(s.freed_reserved_bytes),
-                 "; ".join(x for x in (s.note, f"failed: {s.error}" if s.error else "") if x)] for s in self.steps]
-
-    def _head(self) -> str:
-        return (f"nbmem cleanup: freed {fmt_bytes(self.freed_allocated_bytes)} allocated, "
-                f"{fmt_bytes(self.freed_reserved_bytes)} reserved")
-
-    def _held_lines(self) -> list[str]:
-        return [f"{name}: its memory is still held by {', '.join(others)} "
-                f"({'not named' if len(others) == 1 else 'none of them named'}, so not removed)"
-                for name, others in self.still_held]
-
-    def __str__(self) -> str:
-        return "\n".join([self._head(), text_table(CLEANUP_COLUMNS, self._rows()), *self._held_lines()])
-
-    def _repr_html_(self) -> str:
-        held = "".join(f"<div>{esc(x)}</div>" for x in self._held_lines())
-        return ("<div class='nbmem-report'>" + html_table(CLEANUP_COLUMNS, self._rows(), caption=self._head())
-                + held + "</div>")
-
-    def row(self) -> dict[str, Any]:
-        return {"freed_allocated_bytes": self.freed_allocated_bytes, "freed_reserved_bytes": self.freed_reserved_bytes}
 
 
 # -- what the engine tells its subscribers ------------------------------------------------------------------
@@ -669,26 +376,3 @@ class Fault:
     where: str
     error: str
     count: int
-
-
-@dataclass(frozen=True, repr=False)
-class Status(Shown):
-    """What nbmem can and cannot see, and why; shown by ``%cudamem status``."""
-
-    devices: tuple[str, ...]
-    cannot: tuple[str, ...]
-    sampler_running: bool
-    interval_s: float
-    monitoring: bool
-    faults: tuple[Fault, ...] = ()
-    scan: tuple[str, ...] = field(default=())  # how the last holder scans went (skipped objects, unfinished roots)
-
-    def __str__(self) -> str:
-        lines = [f"nbmem: sampling every {self.interval_s:g} s ({'running' if self.sampler_running else 'stopped'}); "
-                 f"per-cell monitoring {'on' if self.monitoring else 'off'}",
-                 "sees: " + (", ".join(self.devices) or "nothing")]
-        lines += [f"cannot see: {c}" for c in self.cannot]
-        lines += [f"scan: {s}" for s in self.scan]
-        lines += [f"fault in {f.where} (x{f.count}): {f.error}" for f in self.faults]
-        return "\n".join(lines)
-

@@ -164,7 +164,7 @@ class Scanner:
     def __init__(self, torch: Callable[[], Any]) -> None:
         self._torch = torch
         self._types = reach.TypeCache()
-        self._sig_types = reach.TypeCache()  # per type: how _signature reads an instance's size
+        self._sig_types = reach.TypeCache()  # per type: how `signature` reads an instance's size
         self._roots: dict[str, _RootState] = {}
         self.storages = Storages()
         self._paths: dict[int, dict[str, tuple[HolderKind, str]]] = {}  # sid -> path -> (kind, root path)
@@ -174,53 +174,6 @@ class Scanner:
         self.last: Scan | None = None
 
     # -- roots ------------------------------------------------------------------------------------------
-    def _signature(self, obj: Any) -> tuple[int, int, int]:
-        """Identity and size of a root: equal signatures mean the same object of the same length."""
-        t = type(obj)
-        size = -1
-        try:
-            how = self._sig_types.get(t)
-            if how is None:  # per type, once: which container length, or where the instance dict is
-                base = next((b for b in (dict, list, tuple, deque, set, frozenset) if reach.derives(t, b)), None)
-                how = (base, None if base is not None or reach.is_atom_type(t) else reach.layout(t))
-                self._sig_types.put(t, how)
-            base, lay = how
-            if base is not None:
-                size = base.__len__(obj)
-            elif lay is not None and reach.is_tracked(obj):
-                d = reach.instance_dict(obj, lay)
-                if d is not None:
-                    size = len(d)
-                    for sub in ("_parameters", "_buffers", "_modules", "state"):
-                        inner = d.get(sub)
-                        if inner is not None and reach.derives(type(inner), dict):
-                            size += 1_000_003 * dict.__len__(inner)
-        except Exception:
-            size = -2
-        return id(obj), id(t), size
-
-    def _validate(self, rs: _RootState, TB: Any) -> bool:
-        """Whether the tensors a cached root held still have the storages (and grads) they had."""
-        states = self.storages.states
-        for ref, sid, grad_sid in rs.tensors:
-            t = ref()
-            st = states.get(sid)
-            if t is None or st is None:
-                return False
-            try:
-                if TB.untyped_storage(t) is not st.ref():
-                    return False
-                if TB.is_leaf.__get__(t):
-                    g = TB._grad.__get__(t)
-                    gs = states.get(grad_sid)
-                    if (g is None) != (gs is None):
-                        return False
-                    if g is not None and gs is not None and TB.untyped_storage(g) is not gs.ref():
-                        return False
-            except Exception:
-                return False
-        return True
-
     def _set_root(self, path: str, rs: _RootState | None) -> set[int]:
         """Replace what one root holds; returns the storages whose holder lists changed."""
         dirty: set[int] = set()
@@ -296,7 +249,7 @@ class Scanner:
         now: dict[str, tuple[Root, tuple[int, int, int]]] = {}
         for r in roots:
             if r.path not in now:
-                now[r.path] = (r, self._signature(r.obj))
+                now[r.path] = (r, signature(r.obj, self._sig_types))
         dirty: set[int] = set()
         for gone in [p for p in self._roots if p not in now]:
             dirty |= self._set_root(gone, None)
@@ -347,9 +300,9 @@ class Scanner:
                 if path not in walked_before:
                     todo.append(r)
             elif walk == "invalid":
-                if not self._validate(rs, TB):
+                if not still_valid(rs, self.storages, TB):
                     todo.append(r)
-            elif root_name(path) in mentioned or (validate and not self._validate(rs, TB)):
+            elif root_name(path) in mentioned or (validate and not still_valid(rs, self.storages, TB)):
                 todo.append(r)
         todo.sort(key=lambda r: (root_name(r.path) not in mentioned,
                                  self._roots[r.path].seconds if r.path in self._roots else 0.0))
@@ -503,6 +456,55 @@ class Scanner:
             if st is not None and st.graph is not None:
                 located.update(st.graph.saved)
         return _young_unlocated(torch, self.storages, located)
+
+
+def signature(obj: Any, sig_types: reach.TypeCache) -> tuple[int, int, int]:
+    """Identity and size of a root: equal signatures mean the same object of the same length."""
+    t = type(obj)
+    size = -1
+    try:
+        how = sig_types.get(t)
+        if how is None:  # per type, once: which container length, or where the instance dict is
+            base = next((b for b in (dict, list, tuple, deque, set, frozenset) if reach.derives(t, b)), None)
+            how = (base, None if base is not None or reach.is_atom_type(t) else reach.layout(t))
+            sig_types.put(t, how)
+        base, lay = how
+        if base is not None:
+            size = base.__len__(obj)
+        elif lay is not None and reach.is_tracked(obj):
+            d = reach.instance_dict(obj, lay)
+            if d is not None:
+                size = len(d)
+                for sub in ("_parameters", "_buffers", "_modules", "state"):
+                    inner = d.get(sub)
+                    if inner is not None and reach.derives(type(inner), dict):
+                        size += 1_000_003 * dict.__len__(inner)
+    except Exception:
+        size = -2
+    return id(obj), id(t), size
+
+
+def still_valid(rs: _RootState, storages: Storages, TB: Any) -> bool:
+    """Whether the tensors a cached root held still have the storages (and grads) they had."""
+    states = storages.states
+    for ref, sid, grad_sid in rs.tensors:
+        t = ref()
+        st = states.get(sid)
+        if t is None or st is None:
+            return False
+        try:
+            if TB.untyped_storage(t) is not st.ref():
+                return False
+            if TB.is_leaf.__get__(t):
+                g = TB._grad.__get__(t)
+                gs = states.get(grad_sid)
+                if (g is None) != (gs is None):
+                    return False
+                if g is not None and gs is not None and TB.untyped_storage(g) is not gs.ref():
+                    return False
+        except Exception:
+            return False
+    return True
 
 
 def _describe(st: _StorageState, t: Any, TB: Any) -> None:

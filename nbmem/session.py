@@ -21,8 +21,9 @@ from typing import Any
 
 from .advice import RESTART_ADVICE
 from .cellwatch import CellWatch
-from .cleaner import Cleaner, CleanupRequest
-from .formatting import fmt_bytes
+from .cleaner import Cleaner
+from .cleanup_request import CleanupRequest
+from .formatting import fmt_bytes, spans
 from .holdings import Holdings
 from .options import Settings
 from .owners import Rows
@@ -31,19 +32,14 @@ from .records import (
     FINDING_COLUMNS,
     LINE_COLUMNS,
     CellRecord,
-    CellReport,
-    CleanupReport,
     Fault,
     Finding,
     GpuDevice,
     Holders,
-    Leaks,
-    LineRecord,
-    Lines,
     Sample,
-    Status,
     Tick,
 )
+from .reports import CellReport, CleanupReport, Leaks, Lines, Status
 from .sampler import Sampler
 from .sources import Probe
 from .store import Store, records_frame, ticks_for
@@ -246,23 +242,11 @@ class Session:
         self._publish_holders()
 
     # -- lines ---------------------------------------------------------------------------------------------
-    def line_list(self, cell: int | None = None) -> tuple[int, tuple[LineRecord, ...]]:
-        """A cell's per-line records: cell N, or (None) the last cell measured with lines."""
-        have = self.cells.lines
-        if cell is None:
-            if not have:
-                raise LookupError("no cell was measured with lines yet: put `%%cudamem --lines` on a cell, or "
-                                  "`%config Nbmem.lines = True` with `%cudamem on`")
-            cell = max(have)
-        if cell not in have:
-            raise LookupError(f"cell {cell} was not measured with lines (with lines: {_spans(sorted(have)) or 'none'})")
-        return cell, have[cell]
-
     def lines(self, cell: int | None = None) -> Any:
-        return records_frame(self.line_list(cell)[1], columns=LINE_COLUMNS)
+        return records_frame(self.cells.line_list(cell)[1], columns=LINE_COLUMNS)
 
     def lines_table(self, cell: int | None = None) -> Lines:
-        n, recs = self.line_list(cell)
+        n, recs = self.cells.line_list(cell)
         peaks = {r.device: r.peak_line for r in self.store.cell_list() if r.cell == n}
         return Lines(n, recs, peaks)
 
@@ -276,7 +260,7 @@ class Session:
             found = self.holdings.of_cell(cell)
             if found is None and cell not in self.measured_cells():
                 measured = self.measured_cells()
-                span = f"measured cells: {_spans(measured)}" if measured else "no cell has been measured yet"
+                span = f"measured cells: {spans(measured)}" if measured else "no cell has been measured yet"
                 raise LookupError(f"cell {cell} was not measured ({span}); `%cudamem on` measures every cell")
             return found or Rows((), ())
         self.holdings.scan_all()
@@ -344,20 +328,10 @@ class Session:
         request.check(self.adapter)
         if self.cuda_broken:
             self.notify(RESTART_ADVICE)
-        held_by: dict[str, set[int]] = {}
-        last = self.holdings.last_scan
-        if request.names and last is not None:
-            for sid, h in last.storages.items():
-                for name in h.roots & set(request.names):
-                    held_by.setdefault(name, set()).add(sid)
+        held_by = self.holdings.held_by(request.names)
         rep = Cleaner(self.adapter, self._measure, self._empty_cache).run(request)
-        cur = self.holdings.rescan(cell=0, walk="changed")
-        still: list[tuple[str, tuple[str, ...]]] = []
-        for name, sids in held_by.items():
-            others = sorted({p for s in sids if s in cur.storages for p in cur.storages[s].holders})
-            if others:
-                still.append((name, tuple(others[:4])))
-        rep = replace(rep, still_held=tuple(still))
+        self.holdings.rescan(cell=0, walk="changed")
+        rep = replace(rep, still_held=self.holdings.still_held(held_by))
         self.holdings.forget_current()
         self._publish_holders()
         self._publish(rep)
@@ -375,15 +349,3 @@ class Session:
 
     def cell_list(self) -> list[CellRecord]:
         return self.store.cell_list()
-
-
-def _spans(cells: list[int]) -> str:
-    """``[1, 2, 3, 7]`` as ``1–3, 7`` (the first and last few runs when there are many)."""
-    runs: list[list[int]] = []
-    for c in cells:
-        if runs and c == runs[-1][1] + 1:
-            runs[-1][1] = c
-        else:
-            runs.append([c, c])
-    text = [f"{a}–{b}" if b > a else str(a) for a, b in runs]
-    return ", ".join(text if len(text) <= 6 else [*text[:3], "…", *text[-2:]])

@@ -26,7 +26,11 @@ from .records import HolderKind
 BULK_MIN = 64
 # Walk strategies, decided once per type.
 (_SKIP, _TENSOR, _DICT, _SEQ, _SET, _NNMOD, _FUNC, _METHOD, _PARTIAL, _PYMOD, _CLASS, _GEN, _CELL, _EXC,
- _OBJ) = range(15)
+ _LRU, _REFS, _OBJ) = range(17)
+#: C objects whose only way in is what they reference (gc.get_referents, C code): iterators over a
+#: container (``iter(batches)``, ``zip(xs, ys)``, ``itertools.cycle(loader)``) and a dict's views.
+_ITERATOR_MODULES = ("itertools", "_collections", "collections")
+_VIEWS = frozenset({"zip", "map", "filter", "enumerate", "reversed", "dict_keys", "dict_values", "dict_items"})
 #: A sparse tensor's parts, as labelled in paths.
 SPARSE_LABELS = frozenset({".indices()", ".values()", ".crow_indices()", ".col_indices()", ".ccol_indices()",
                            ".row_indices()"})
@@ -55,6 +59,46 @@ class _TypeInfo:
     strategy: int
     layout: reach.Layout | None = None
     optimizer: bool = False
+
+
+def classify(t: type, tensor_base: type, module_base: type | None, optim_base: type | None) -> _TypeInfo:
+    """How a walk reads instances of ``t``: decided once per type, from type-level data only."""
+    if reach.is_atom_type(t):
+        return _TypeInfo(_SKIP)
+    d = reach.derives
+    if d(t, tensor_base):
+        return _TypeInfo(_TENSOR, reach.layout(t))
+    if t is types.FunctionType:
+        return _TypeInfo(_FUNC)
+    if t is types.MethodType:
+        return _TypeInfo(_METHOD)
+    if t is types.ModuleType or d(t, types.ModuleType):
+        return _TypeInfo(_PYMOD)
+    if d(t, type):
+        return _TypeInfo(_CLASS)
+    if reach.is_one_of(t, (types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType)):
+        return _TypeInfo(_GEN)
+    if t is types.CellType:
+        return _TypeInfo(_CELL)
+    if reach.is_one_of(t, _INERT_TYPES) or reach.derives(t, weakref.ref):
+        return _TypeInfo(_SKIP)
+    lay = reach.layout(t)
+    if module_base is not None and d(t, module_base):
+        return _TypeInfo(_NNMOD, lay)
+    for base, s in ((dict, _DICT), (list, _SEQ), (tuple, _SEQ), (deque, _SEQ), (set, _SET), (frozenset, _SET)):
+        if d(t, base):
+            return _TypeInfo(s, lay)
+    if d(t, BaseException):
+        return _TypeInfo(_EXC, lay)
+    mod, name = reach.type_module(t), reach.type_name(t)
+    if mod == "functools" and name in ("partial", "_lru_cache_wrapper"):
+        return _TypeInfo(_PARTIAL if name == "partial" else _LRU, lay)
+    if not reach.is_heap(t) and (name in _VIEWS or (name.endswith("iterator") and mod == "builtins")
+                                 or (mod in _ITERATOR_MODULES and not lay.slots and lay.dict_get is None)):
+        return _TypeInfo(_REFS)
+    if reach.is_library_module(mod) or (not reach.is_heap(t) and not lay.slots and lay.dict_get is None):
+        return _TypeInfo(_SKIP)
+    return _TypeInfo(_OBJ, lay, optimizer=optim_base is not None and d(t, optim_base))
 
 
 class _Found:
@@ -109,39 +153,7 @@ class Walk:
         return got
 
     def _classify(self, t: type) -> _TypeInfo:
-        if reach.is_atom_type(t):
-            return _TypeInfo(_SKIP)
-        d = reach.derives
-        if d(t, self.TB):
-            return _TypeInfo(_TENSOR, reach.layout(t))
-        if t is types.FunctionType:
-            return _TypeInfo(_FUNC)
-        if t is types.MethodType:
-            return _TypeInfo(_METHOD)
-        if t is types.ModuleType or d(t, types.ModuleType):
-            return _TypeInfo(_PYMOD)
-        if d(t, type):
-            return _TypeInfo(_CLASS)
-        if reach.is_one_of(t, (types.GeneratorType, types.CoroutineType, types.AsyncGeneratorType)):
-            return _TypeInfo(_GEN)
-        if t is types.CellType:
-            return _TypeInfo(_CELL)
-        if reach.is_one_of(t, _INERT_TYPES) or reach.derives(t, weakref.ref):
-            return _TypeInfo(_SKIP)
-        lay = reach.layout(t)
-        if self._module_base is not None and d(t, self._module_base):
-            return _TypeInfo(_NNMOD, lay)
-        for base, s in ((dict, _DICT), (list, _SEQ), (tuple, _SEQ), (deque, _SEQ), (set, _SET), (frozenset, _SET)):
-            if d(t, base):
-                return _TypeInfo(s, lay)
-        if d(t, BaseException):
-            return _TypeInfo(_EXC, lay)
-        mod = reach.type_module(t)
-        if reach.type_name(t) == "partial" and mod == "functools":
-            return _TypeInfo(_PARTIAL)
-        if reach.is_library_module(mod) or (not reach.is_heap(t) and not lay.slots and lay.dict_get is None):
-            return _TypeInfo(_SKIP)
-        return _TypeInfo(_OBJ, lay, optimizer=self._optim_base is not None and d(t, self._optim_base))
+        return classify(t, self.TB, self._module_base, self._optim_base)
 
     # -- nodes ----------------------------------------------------------------------------------------
     def root(self, r: Root) -> None:
@@ -242,6 +254,16 @@ class Walk:
                 add(v, node, L_TEXT, f".args[{i}]", root)
             for k, v in reach.dict_items(p.keywords.__get__(obj) or {}):
                 add(v, node, L_TEXT, f".keywords[{reach.key_label(k)}]", root)
+        elif s == _LRU:  # a cache of results: in its own dict (maxsize=None), else linked from the wrapper
+            own = reach.instance_dict(obj, info.layout) if info.layout else None
+            for v in reach.referents(obj):
+                if v is not own and type(v) is not type and type(v) is not types.FunctionType:
+                    add(v, node, L_TEXT, ".<lru_cache>" if type(v) is dict else ".<lru_cache>[…]", root)
+            self._instance(obj, node, root, info, plain=False)
+        elif s == _REFS:
+            for v in reach.referents(obj):
+                if type(v) is not type:
+                    add(v, node, L_TEXT, ".<iterator>", root)
         elif s == _PYMOD:
             if self._sys_modules is None:
                 self._sys_modules = {id(m) for m in list(sys.modules.values())}

@@ -26,8 +26,9 @@ except ImportError as e:  # the magics turn this into "the gauge cannot be shown
     raise ImportError(f"nbmem's gauge needs anywidget: pip install anywidget ({e})") from e
 import traitlets
 
-from .cleaner import CleanupRefused, CleanupRequest
-from .records import CellRecord, CellReport, CleanupReport, Finding, HolderKind, Holders, Sample, Tick
+from .cleanup_request import CleanupRefused, CleanupRequest
+from .records import CellRecord, Finding, HolderKind, Holders, Sample, Tick
+from .reports import CellReport, CleanupReport
 
 if TYPE_CHECKING:
     from .session import Session

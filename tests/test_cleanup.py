@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from IPython.core.error import UsageError
 
 import nbmem
-from nbmem.cleaner import CleanupRefused
+from nbmem.cleanup_request import CleanupRefused
 from nbmem.magics import _ACTIVE
 from nbmem.records import is_cache_name
 from tests.conftest import last_cell, ok, run
@@ -295,3 +295,24 @@ def test_cleanup_removes_exactly_the_names_asked_for_property(shell, case):
 def user_names_of(ns, sh) -> set[str]:
     hidden = sh.user_ns_hidden
     return {k for k, v in ns.items() if not (k.startswith("_") or (k in hidden and hidden[k] is v))}
+
+
+def test_a_refusal_of_a_thousand_names_names_a_few_and_counts_the_rest(ip):
+    names = [f"n{i}" for i in range(1000)]
+    with pytest.raises(ValueError) as e:
+        nbmem.cleanup(names=names)
+    assert str(e.value) == ("no variable named 'n0', 'n1', 'n2', 'n3', 'n4' (and 995 more) in this notebook. "
+                            "Nothing was removed.")
+    with pytest.raises(ValueError, match=r"\(and 995 more\)") as e:
+        nbmem.cleanup(names=[f"{i}x" for i in range(1000)])
+    assert len(str(e.value)) < 400
+
+
+def test_memory_a_deleted_name_left_to_the_last_exception_says_how_to_free_it(ip):
+    ok(ip, "batch = torch.ones(2**20)\ndef step(b):\n    raise RuntimeError('x')")
+    assert not run(ip, "step(batch)").success
+    ok(ip, "del batch")
+    f = nbmem.leaks(cell=last_cell(ip))
+    assert list(f["name"]) == ["<traceback step>"], f
+    assert f["hint"].iloc[0] == ("`batch` was deleted or rebound, but the last exception's frames still hold it "
+                                 "(`<traceback step>.b`): `%cudamem clean --traceback` frees it (ends %debug for it)")

@@ -542,3 +542,79 @@ def test_a_parameter_is_part_of_its_model_whichever_root_was_walked_first():
     # the model deleted: only the optimizer holds the weight, and says so
     hints = {f.name: f.hint for f in finds({"opt": opt})}
     assert hints["opt.param_groups[0]['params'][0]"].startswith("a parameter only `opt` still holds")
+
+
+# -- odd holders: each of these was missed or mislabelled before -------------------------------------------
+def test_a_holder_deep_in_a_linked_structure_is_named_with_its_middle_counted():
+    class Node:
+        def __init__(self, prev):
+            self.prev, self.state = prev, None
+
+    head = None
+    for i in range(1500):
+        head = Node(head)
+        if i == 0:
+            head.state = torch.empty(MB)  # on the oldest node: 1,499 steps from the root
+    h = by_holder(scan({"head": head}), "head" + ".prev" * 7 + "…(1,486 more)" + ".prev" * 6 + ".state")
+    assert h.nbytes == 4 * MB
+
+
+def test_enum_frozenset_and_weakref_keys_are_written_out_without_running_their_code():
+    import enum
+
+    class Split(enum.Enum):
+        TRAIN = "train"
+
+        def __repr__(self):
+            RAN.append("Split.__repr__")
+            return "no"
+
+        def __hash__(self):
+            return 1
+
+    class Key:
+        pass
+
+    key = Key()
+    wkd = weakref.WeakKeyDictionary()
+    wkd[key] = torch.empty(8)
+    s = scan({"by_split": {Split.TRAIN: torch.empty(8)}, "by_set": {frozenset({"a"}): torch.empty(8)},
+              "wkd": wkd, "key": key})
+    by_holder(s, "by_split[Split.TRAIN]")
+    by_holder(s, "by_set[frozenset({'a'})]")
+    by_holder(s, "wkd.data[<weakref to Key>]")  # a weak key, a strong value: the value is held
+
+
+def test_caches_state_bags_iterators_and_class_registries_are_reached():
+    @functools.cache
+    def features(n):
+        return torch.empty(n)
+
+    @functools.lru_cache(maxsize=2)
+    def bounded(n):
+        return torch.empty(n)
+
+    features(8), bounded(16)
+
+    class Registry:
+        items = {"a": torch.empty(8)}  # noqa: RUF012
+
+    Registry.__module__ = "__main__"
+    batches = [torch.empty(8), torch.empty(8)]
+    s = scan({"features": features, "bounded": bounded, "state": types.SimpleNamespace(w=torch.empty(8)),
+              "it": iter(batches), "pairs": zip(batches, batches, strict=False), "vals": {"x": torch.empty(8)}.values(),
+              "Registry": Registry})
+    for path in ("features.<lru_cache>[8]", "bounded.<lru_cache>[…]", "state.w", "it.<iterator>[0]",
+                 "pairs.<iterator>[1].<iterator>[1]", "vals.<iterator>['x']", "Registry.items['a']"):
+        by_holder(s, path)
+    (f,) = [f for f in finds({"features": features}, threshold=0)]
+    assert f.hint == "a result cached by `features` (functools.lru_cache): `features.cache_clear()` frees it"
+
+
+def test_weak_values_are_not_holders():
+    t = torch.empty(MB)
+    wvd = weakref.WeakValueDictionary(a=t)
+    ws = weakref.WeakSet([t])
+    s = scan({"wvd": wvd, "ws": ws})
+    assert not s.storages, "only weak references reach it"
+    del t

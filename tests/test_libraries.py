@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from nbmem import libraries, linetrace, reach
-from nbmem.sources import LineClock
+from nbmem.lineclock import LineClock
 
 STDLIB = os.path.join(sysconfig.get_paths()["stdlib"], "json", "decoder.py")
 SITE = os.path.dirname(os.path.dirname(torch.__file__))

@@ -231,7 +231,7 @@ def test_the_line_clock_marks_the_users_lines_on_the_cells_thread_only():
     import json
     import threading
 
-    from nbmem.sources import LineClock
+    from nbmem.lineclock import LineClock
 
     ns: dict = {"json": json, "threading": threading}
     code = compile("def f():\n    return 1\nt = threading.Thread(target=f)\nt.start(); t.join()\n"
@@ -314,7 +314,7 @@ def test_the_line_clock_is_bounded_and_hands_its_tool_id_back_as_it_found_it():
     import json
     import sys
 
-    from nbmem.sources import LineClock
+    from nbmem.lineclock import LineClock
 
     mon = sys.monitoring
     code = compile("for i in range(1000):\n    y = i\n", CELL, "exec")

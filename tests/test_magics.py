@@ -404,7 +404,8 @@ def test_a_new_name_for_memory_already_there_is_not_news_but_a_moved_holder_is(i
 
 
 def test_the_line_column_shows_only_when_a_finding_has_a_line():
-    from nbmem.records import CellReport, Finding, HolderKind, Leaks
+    from nbmem.records import Finding, HolderKind
+    from nbmem.reports import CellReport, Leaks
 
     plain = Finding(3, "x", ("x",), HolderKind.NAMESPACE, "cpu", 4 * MiB, roots=("x",))
     lined = Finding(3, "y", ("y",), HolderKind.NAMESPACE, "cuda:0", 4 * MiB, roots=("y",), line=2)
@@ -464,3 +465,25 @@ def test_a_users_own_module_is_a_holder_but_an_installed_one_is_not(ip, tmp_path
     finally:  # modules outlive the shell: later tests must not find their tensors
         for name in ("helpers_mine", "helpers_installed"):
             sys.modules.pop(name, None)
+
+
+def test_a_displayed_variable_is_news_in_the_cell_that_showed_it(ip):
+    ok(ip, "x = torch.empty(2 * 2**20)")
+    ok(ip, "x")  # Out[n], _n and _ now hold x too: `del x` alone would free nothing
+    n = last_cell(ip)
+    f = nbmem.leaks(cell=n)
+    assert list(f["name"]) == ["x"] and f["bytes"].iloc[0] == 8 * 2**20, f
+    assert f["hint"].iloc[0] == (f"displayed, so the output history (Out[{n}], _{n}) now also holds it: "
+                                 "`del x` alone frees nothing; `%cudamem clean x` removes both")
+    ok(ip, "x")  # shown again: Out[n+1] is new news; nothing else changed
+    assert list(nbmem.leaks(cell=last_cell(ip))["name"]) == ["x"]
+    ip.run_line_magic("cudamem", "clean x")
+    assert nbmem.leaks().empty, "clean x took the output history's references to x with it"
+
+
+def test_an_unclosed_quote_is_a_usage_error_and_the_cell_does_not_run(ip):
+    with pytest.raises(UsageError, match=r"could not read \"'x\" \(No closing quotation\)"):
+        ip.run_cell_magic("cudamem", "'x", "ran = True")
+    assert "ran" not in ip.user_ns
+    with pytest.raises(UsageError, match="No closing quotation"):
+        ip.run_line_magic("cudamem", "clean 'x")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import nbmem
 from nbmem.magics import session_of
-from nbmem.records import REPORT_ROWS
+from nbmem.reports import REPORT_ROWS
 from tests.conftest import last_cell, ok
 
 MiB = 2**20

@@ -90,3 +90,9 @@ def test_the_cleanup_section_says_what_the_code_does(ip):
     ok(ip, "x = torch.empty(2**20)\nalias = x")
     rep = __import__("nbmem").cleanup(names=["x"])
     assert "alias" in ip.user_ns and rep.still_held == (("x", ("alias",)),)
+
+
+def test_the_package_metadata_points_nowhere_it_cannot_back():
+    """No placeholder URL: a project link is added when the project has a public home, not before."""
+    meta = (ROOT / "pyproject.toml").read_text()
+    assert "example.invalid" not in meta and "example.com" not in meta

@@ -27,16 +27,8 @@ from IPython.core.error import UsageError
 from nbmem import widget
 from nbmem.formatting import fmt_bytes
 from nbmem.magics import _magics
-from nbmem.records import (
-    AllocatorReading,
-    CellRecord,
-    CellReport,
-    CleanupReport,
-    CleanupStep,
-    Finding,
-    HolderKind,
-    Sample,
-)
+from nbmem.records import AllocatorReading, CellRecord, CleanupStep, Finding, HolderKind, Sample
+from nbmem.reports import CellReport, CleanupReport
 from nbmem.session import Session
 from nbmem.sources import NvmlSource, Probe, TorchSource
 from nbmem.widget import Gauge, Publisher, history_columns, show_gauge
@@ -553,3 +545,28 @@ def test_the_del_button_says_which_variables_it_deletes(ip: Any, gauge: Gauge) -
     gauge._publisher.flush()
     assert gauge.action["label"] == "del model" and "model" not in ip.user_ns and "opt" in ip.user_ns
     assert "model is still held by opt.param_groups" in gauge.action["still"]
+
+
+def test_the_gauge_never_claims_a_notebook_holds_nothing_before_looking(shell: Any) -> None:
+    ok(shell, "import torch\nkept = torch.empty(2**20)")  # made before nbmem was loaded
+    shell.config.Nbmem.scan = False
+    ok(shell, "%load_ext nbmem")
+    g = Gauge(_magics(shell).session, start=False)
+    try:
+        assert g.holders == [] and g.holders_note == ("no holder scan has run yet: `%cudamem leaks` or "
+                                                      "`%cudamem on` scans the notebook")
+    finally:
+        g.close()
+    shell.run_line_magic("unload_ext", "nbmem")
+    shell.config.Nbmem.scan = True
+    ok(shell, "%load_ext nbmem")
+    g = Gauge(_magics(shell).session, start=False)
+    try:
+        assert [h["name"] for h in g.holders] == ["kept"], "loading looks once, so the gauge opens knowing it"
+        ok(shell, "%cudamem leaks")
+        ok(shell, "del kept")
+        ok(shell, "%cudamem leaks")
+        g._publisher.flush()
+        assert g.holders == [] and g.holders_note == "nothing above the threshold (1.00 MiB)"
+    finally:
+        g.close()

@@ -169,7 +169,8 @@ window.mount = (state) => {
 
 def _gpu_state() -> dict[str, Any]:
     """What the publisher would send for a CPU and two GPUs, built by the real column builders."""
-    from nbmem.records import CellRecord, CellReport, Finding, HolderKind, Sample
+    from nbmem.records import CellRecord, Finding, HolderKind, Sample
+    from nbmem.reports import CellReport
     from nbmem.widget import cell_spans, history_columns, holder_rows, last_cell_row, snapshot_columns
 
     now = 1_800_000_000.0
