@@ -5,11 +5,12 @@ Pure functions over a cell's records, its replayed trace and the exception; they
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping, Sequence
 
 from .formatting import fmt_bytes
 from .linetrace import Replay, line_of_exception
-from .records import CellRecord
+from .records import Boundary, CellRecord
 
 OOM_ADVICE = (
     "evaluate under torch.no_grad() (or torch.inference_mode()): no activations are kept for backward",
@@ -37,9 +38,58 @@ def breaks_cuda(error: BaseException | None) -> bool:
     return any(s in text for s in _CUDA_BROKEN)
 
 
+_ASKED = re.compile(r"tried to allocate ([\d.]+) ?(B|KiB|MiB|GiB|TiB)", re.I)
+_UNITS = {"b": 1, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def requested_bytes(error: BaseException) -> int | None:
+    """The bytes an out-of-memory error says were asked for ("Tried to allocate 2.00 GiB"), or None."""
+    m = _ASKED.search(str(error))
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()]) if m else None
+
+
+def fragmentation(records: Sequence[CellRecord], asked: int | None, largest_free: Mapping[str, int]) -> list[str]:
+    """Lines for devices where the cache had room for the request in total but not in one block."""
+    out = []
+    for r in records:
+        free_block = largest_free.get(r.device)
+        if asked is None or free_block is None or r.reserved_after_bytes is None or r.allocated_after_bytes is None:
+            continue
+        cached = r.reserved_after_bytes - r.allocated_after_bytes
+        if cached >= asked > free_block:
+            out.append(f"{r.device}: fragmentation: {fmt_bytes(cached)} reserved but unallocated, yet its largest "
+                       f"free block is {fmt_bytes(free_block)} and {fmt_bytes(asked)} was asked for; "
+                       f"PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (set before CUDA starts) lets blocks grow "
+                       f"into one another, or `torch.cuda.empty_cache()` between phases")
+    return out
+
+
+def headroom(records: Sequence[CellRecord], after: Boundary, threshold_bytes: int) -> list[str]:
+    """"peak 12.3 GiB of 79.1 GiB free for this process: room for ~2.4× this cell's growth", per GPU where
+    the cell grew by at least the threshold. Free for this process: what its allocator holds plus what the
+    device has free (other processes and the CUDA context are not this process's to take)."""
+    out = []
+    for r in records:
+        nv = after.nvml.get(r.device)
+        if (not r.device.startswith("cuda") or nv is None or nv.used_bytes is None or nv.total_bytes is None
+                or r.peak_allocated_bytes is None or r.allocated_before_bytes is None
+                or r.reserved_after_bytes is None):
+            continue
+        growth = r.peak_allocated_bytes - r.allocated_before_bytes
+        if growth < max(threshold_bytes, 1):
+            continue
+        capacity = r.reserved_after_bytes + (nv.total_bytes - nv.used_bytes)
+        room = capacity - r.allocated_before_bytes
+        out.append(f"{r.device}: peak {fmt_bytes(r.peak_allocated_bytes)} of {fmt_bytes(capacity)} free for this "
+                   f"process: room for ~{room / growth:.1f}× this cell's growth")
+    return out
+
+
 def oom_advice(records: Sequence[CellRecord], error: BaseException, *, source: str, lines_recorded: bool,
-               replays: Mapping[str, Replay], cell_files: frozenset[str], names: Mapping[str, str]) -> tuple[str, ...]:
-    """Which line asked, what was live by line, what is cached but free, and the usual remedies."""
+               replays: Mapping[str, Replay], cell_files: frozenset[str], names: Mapping[str, str],
+               largest_free: Mapping[str, int] | None = None) -> tuple[str, ...]:
+    """Which line asked, what was live by line, what is cached but free (fragmentation when it is the cause),
+    and the usual remedies."""
     out = []
     line, user = line_of_exception(error, cell_files, names)
     src = source.splitlines()
@@ -52,10 +102,10 @@ def oom_advice(records: Sequence[CellRecord], error: BaseException, *, source: s
             out.append(f"{dev}: live when it failed, by the line that allocated it: {live}")
     if not lines_recorded:
         out.append("%%cudamem --lines on this cell shows which line allocated what was live")
+    fragmented = fragmentation(records, requested_bytes(error), largest_free or {})
     for r in records:
         if r.reserved_after_bytes is not None and r.allocated_after_bytes is not None:
             cached = r.reserved_after_bytes - r.allocated_after_bytes
             out.append(f"{r.device}: allocated {fmt_bytes(r.allocated_after_bytes)}, reserved "
-                       f"{fmt_bytes(r.reserved_after_bytes)} ({fmt_bytes(cached)} cached but free: "
-                       f"fragmentation if large)")
-    return (*out, *OOM_ADVICE)
+                       f"{fmt_bytes(r.reserved_after_bytes)} ({fmt_bytes(cached)} cached but free)")
+    return (*out, *fragmented, *OOM_ADVICE)

@@ -22,7 +22,7 @@ from .owners import Rows
 from .recording import Recording
 from .records import Boundary, LineRecord
 from .reports import CellReport
-from .sources import Probe
+from .sources import Probe, largest_free_block
 from .store import Store
 
 
@@ -136,10 +136,21 @@ class CellWatch:
             tips = (advice.RESTART_ADVICE,)
         elif oom and error is not None:
             tips = advice.oom_advice(records, error, source=o.source, lines_recorded=o.lines, replays=replays,
-                                     cell_files=self.adapter.cell_files(o.cell), names=self.adapter.cell_names())
+                                     cell_files=self.adapter.cell_files(o.cell), names=self.adapter.cell_names(),
+                                     largest_free=self._largest_free(records))
+        elif not error:
+            notes += advice.headroom(records, after, self._settings().threshold_bytes)
         report = CellReport(o.cell, records[0].duration_s, tuple(records), found.owners, tuple(unattributed), err,
                             tips, lines=line_records, notes=tuple(notes), held_bytes=found.total_bytes)
         return report, changed, broken
+
+    def _largest_free(self, records: Any) -> dict[str, int]:
+        """Each GPU's largest free cached block, read after an out-of-memory error (the allocator's segments)."""
+        segs = self.probe.torch.segments()
+        if segs is None:
+            return {}
+        return {r.device: largest_free_block(segs, int(r.device.partition(":")[2]))
+                for r in records if r.device.startswith("cuda:")}
 
     def _line_notes(self, records: Any, replays: Any, rec: Recording | None) -> list[str]:
         if not any(r.device.startswith("cuda") for r in records):

@@ -364,6 +364,62 @@ class TorchSource:
             assert t is not None
             t.cuda.reset_peak_memory_stats(index)
 
+    # -- the allocator's segments and the device's free memory (fits, out-of-memory advice, pools) ------
+    def segments(self) -> list[dict[str, Any]] | None:
+        """The allocator's segments and their blocks (``torch.cuda.memory_snapshot()``: every device, each
+        segment with its ``device``, ``segment_pool_id`` and ``blocks``), or None when CUDA is not up or the
+        read failed. A host-side walk of the allocator's state: no kernel runs, nothing changes."""
+        if not self.cuda_initialized():
+            return None
+        t = self.torch()
+        assert t is not None
+        try:
+            return list(t.cuda.memory_snapshot())
+        except Exception:
+            return None
+
+    def device_free(self, index: int) -> tuple[int, int] | None:
+        """(free, total) bytes of the device as the driver sees them (``cudaMemGetInfo``), CUDA being up."""
+        if not self.cuda_initialized():
+            return None
+        t = self.torch()
+        assert t is not None
+        try:
+            free, total = t.cuda.mem_get_info(index)
+        except Exception:
+            return None
+        return int(free), int(total)
+
+    def give_back_cached(self, index: int) -> None:
+        """``torch.cuda.empty_cache()`` on one device: only on an explicit request (cleanup, a fit)."""
+        t = self.torch()
+        if t is not None and self.cuda_initialized():
+            with t.cuda.device(index):
+                t.cuda.synchronize()
+                t.cuda.empty_cache()
+
+    def clear_cublas_workspaces(self) -> bool:
+        """Drop cuBLAS's per-handle workspaces (a fit that made them takes them back); False where torch cannot."""
+        t = self.torch()
+        clear = getattr(getattr(t, "_C", None), "_cuda_clearCublasWorkspaces", None)
+        if clear is None or not self.cuda_initialized():
+            return False
+        clear()
+        return True
+
+
+def largest_free_block(segments: list[dict[str, Any]], device: int) -> int:
+    """The largest inactive block of one device's segments: the biggest single request the cache could
+    serve without asking the driver for more."""
+    best = 0
+    for seg in segments:
+        if seg.get("device") != device:
+            continue
+        for b in seg.get("blocks", ()):
+            if b.get("state") == "inactive":
+                best = max(best, int(b.get("size", 0)))
+    return best
+
 
 @dataclass(frozen=True)
 class Trace:
