@@ -13,10 +13,12 @@ __all__ = [
     "Gauge",
     "__version__",
     "cleanup",
+    "fit",
     "leaks",
     "lines",
     "load_ipython_extension",
     "plot",
+    "plot_fit",
     "report",
     "samples",
     "status",
@@ -101,6 +103,50 @@ def cleanup(names: Any = (), outputs: bool = False, traceback: bool = False, col
     from .cleanup_request import CleanupRequest
 
     return _session().cleanup(CleanupRequest.of(names, to_cpu, outputs, traceback, collect, empty_cache))
+
+
+def fit(body: Any, name: str, values: Any, *, restore: bool = True, warmup: bool = True) -> Any:
+    """Will it fit? The largest ``name`` that ``body`` can run at on this GPU, never above the real limit.
+
+    ``body`` is a cell's source (run in the notebook's namespace with ``name`` bound to each value, as
+    ``%%cudamem --fit name=...`` does) or a function called with each value. ``values``: 2 to 5 positive
+    whole numbers, small enough to run (e.g. ``[8, 16, 32]``). The smallest runs once first, uncounted (a
+    warm-up, so one-time allocations such as optimizer state are not taken for growth). The modules and
+    optimizers it reaches are copied to host memory before and restored bit for bit after (``restore=False``
+    skips that; the fit then trains them).
+
+    Returns a ``FitResult``: ``largest_value``, ``power_of_two``, ``fixed_bytes``, ``bytes_per_unit``,
+    ``lines`` (where memory grows), ``room`` (the memory it fits into and the margin), ``notes``;
+    ``.to_frame()`` and ``.row()`` for code. ``largest_value`` is None with ``reason`` when there is no
+    prediction. A machine without CUDA raises ``RuntimeError`` saying so, and nothing runs.
+    """
+    from .fitting import FitRefused
+
+    if not isinstance(name, str) or not name.isidentifier():
+        raise TypeError(f"nbmem.fit(name=...) takes a variable name, got {name!r:.40}")
+    try:
+        vals = sorted({int(v) for v in values})
+    except (TypeError, ValueError):
+        raise TypeError(f"nbmem.fit(values=...) takes whole numbers, got {values!r:.60}") from None
+    if not 2 <= len(vals) <= 5 or vals[0] < 1:
+        raise ValueError(f"nbmem.fit(values=...) takes 2 to 5 different positive values, got {values!r:.60}")
+    sess = _session()
+    if isinstance(body, str) and name not in sess.adapter.mentioned(body):
+        raise ValueError(f"nbmem.fit: the body does not use `{name}`; it runs with {name} bound to each value")
+    try:
+        return sess.fit(body, name, vals, warmup=warmup, restore=restore)
+    except FitRefused as e:
+        raise RuntimeError(f"nbmem.fit: {e}; nothing was run") from None
+
+
+def plot_fit(result: Any = None, ax: Any = None) -> Any:
+    """The last fit (or ``result``) drawn: each run's peak, the model over the value, the memory it fits in."""
+    from .prediction import plot_fit as _plot
+
+    result = result if result is not None else _session().last_fit
+    if result is None:
+        raise LookupError("no fit has run yet: `%%cudamem --fit batch=8,16,32` on a cell, or nbmem.fit(...)")
+    return _plot(result, ax=ax)
 
 
 def samples() -> Any:

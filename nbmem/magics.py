@@ -9,6 +9,7 @@ Load it once per kernel::
 keep the memory it added alive.
 
     %%cudamem [--lines] [--reset-peak] [--no-scan] [--quiet]
+    %%cudamem --fit NAME=V1,V2[,...] [--no-restore]   will it fit? the largest NAME this cell can run at
 
 ``%cudamem`` (a line) takes a command; each command accepts only its own options:
 
@@ -56,6 +57,18 @@ largest blocks live then; holders get the line that allocated them, and an out-o
 names the line that asked and what each line had live. GPU only; it costs a few microseconds per
 allocation while the cell runs.
 
+Will it fit: ``%%cudamem --fit batch=8,16,32`` on a cell whose code uses ``batch`` (any name, 2 to 5
+values) runs the cell once per value (and once more at the smallest first, uncounted: a warm-up), with the
+name bound, under the allocator's trace, and predicts the largest value that fits into this GPU's free
+memory, never above it: a timeline of every allocation fitted to the value and replayed through a model
+of the caching allocator (its blocks, segments and pools), from what the notebook already holds. It
+prints fixed bytes, bytes per unit, the lines whose memory grows, the memory it fits into with the margin
+stated, and the prediction with the power of two below it (``nbmem.fit()`` returns the same record;
+``nbmem.plot_fit()`` draws it). The modules and optimizers the cell reaches are copied to host memory
+first and restored bit for bit after (``--no-restore`` skips that, and says the fit trained them); what
+the cell's runs bound is put back as it was. A value predicted not to fit is never run; an out-of-memory
+in a run is caught and freed. GPU only: on a machine without CUDA it says so and the cell does not run.
+
 Options: ``%config Nbmem.<name> = value``, or ``c.Nbmem.<name>`` in ipython_config.py; ``%config Nbmem``
 lists them with their allowed values. A value outside those is refused with one line, and the old
 value stays.
@@ -65,6 +78,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import re
 import weakref
 from collections.abc import Iterator
 from typing import Any
@@ -76,6 +90,7 @@ from traitlets import Bool, Enum, Float, Int, TraitType
 from traitlets.config import Configurable
 
 from .cleanup_request import CleanupRefused, CleanupRequest
+from .fitting import FitRefused
 from .options import OPTION_BY_NAME, OPTIONS, Option, OptionError, Settings
 from .session import Session
 from .shell import ShellAdapter
@@ -94,12 +109,16 @@ COMMANDS: dict[str, frozenset[str]] = {
     "plot": frozenset(),
     "lines": frozenset({"cell"}),
 }
-CELL_OPTIONS = frozenset({"reset_peak", "no_scan", "quiet", "lines"})
+CELL_OPTIONS = frozenset({"reset_peak", "no_scan", "quiet", "lines", "fit", "no_restore"})
+#: What --fit goes with: it runs the cell several times, so a cell's own measurement options do not apply.
+FIT_OPTIONS = frozenset({"fit", "no_restore", "quiet"})
+_FIT = re.compile(r"\s*([A-Za-z_]\w*)\s*=\s*(\S+)\s*\Z")
 _FLAG_NAMES = {"names": "NAME", "reset_peak": "--reset-peak", "no_scan": "--no-scan", "quiet": "--quiet",
                "lines": "--lines",
                "cell": "--cell", "outputs": "--outputs", "traceback": "--traceback", "last_report": "--last-report",
                "to_cpu": "--to-cpu", "no_collect": "--no-collect", "no_empty_cache": "--no-empty-cache",
-               "inline": "--inline", "sidebar": "--sidebar", "detail": "--detail"}
+               "inline": "--inline", "sidebar": "--sidebar", "detail": "--detail", "fit": "--fit",
+               "no_restore": "--no-restore"}
 
 
 def _set(value: Any) -> bool:
@@ -247,6 +266,12 @@ class NbmemMagics(Magics):
               help="Cell form and `on`: record the Python stack of each CUDA allocation and report memory per "
                    "line of the cell (Δ allocated, peak while the line ran, where its largest blocks came from). "
                    "Costs a few microseconds per allocation while the cell runs.")
+    @argument("--fit", default=None, metavar="NAME=V1,V2,...",
+              help="Cell form: run the cell once per value with NAME bound (2 to 5 positive whole numbers) and "
+                   "predict the largest NAME that fits in this GPU's free memory, never above it. GPU only.")
+    @argument("--no-restore", action="store_true",
+              help="With --fit: do not copy the model's and optimizer's state to host memory and back (the fit "
+                   "then trains them).")
     @argument("--cell", type=int, default=None, help="With `leaks`: what cell N added; with `lines`: cell N's lines.")
     @argument("--detail", action="store_true",
               help="With `leaks`: a row per tensor instead of a row per owner (the name you typed).")
@@ -304,6 +329,8 @@ class NbmemMagics(Magics):
                 raise UsageError(f"%%cudamem takes options only, not {args.command!r}: put `%%cudamem` alone "
                                  f"on the first line, or use the line form `%cudamem {args.command}`.")
             self._only(args, CELL_OPTIONS, "%%cudamem")
+            if args.fit is not None or args.no_restore:
+                return self._fit_cell(cell, args)
             return self._measure_cell(cell, args)
         if args.command is None:
             raise UsageError("%cudamem needs a command: " + ", ".join(COMMANDS) + ". Example: `%cudamem on`. "
@@ -353,6 +380,24 @@ class NbmemMagics(Magics):
                 outer.error_in_exec = error
             else:
                 raise error
+
+    def _fit_cell(self, body: str, args: Any) -> Any:
+        if args.fit is None:
+            raise UsageError("%%cudamem: --no-restore goes with --fit NAME=V1,V2,... Nothing was run.")
+        self._only(args, FIT_OPTIONS, "%%cudamem --fit")
+        name, values = parse_fit(args.fit)
+        if name not in self.session.adapter.mentioned(body):
+            raise UsageError(f"%%cudamem --fit: the cell does not use `{name}`: a fit binds {name} to each value "
+                             f"and runs the cell, so its code must read it (e.g. `x = torch.randn({name}, 512)`). "
+                             "Nothing was run.")
+        try:
+            result = self.session.fit(body, name, values, cell=self.shell.execution_count - 1,
+                                      restore=not args.no_restore)
+        except FitRefused as e:
+            raise UsageError(f"%%cudamem --fit: {e}. The cell did not run.") from None
+        if not args.quiet:
+            self._display(result)
+        return None
 
     # -- line commands -----------------------------------------------------------------------------
     def _set(self, name: str, value: Any) -> None:
@@ -454,6 +499,25 @@ class NbmemMagics(Magics):
                 pass
             self.gauge = None
         self.session.close()
+
+
+def parse_fit(spec: str) -> tuple[str, tuple[int, ...]]:
+    """``batch=8,16,32`` as (``batch``, (8, 16, 32)); a UsageError that names the fix otherwise."""
+    m = _FIT.match(spec)
+    if not m:
+        raise UsageError(f"%%cudamem --fit takes NAME=V1,V2,... (e.g. --fit batch=8,16,32), not {spec[:60]!r}.")
+    name, raw = m.group(1), m.group(2).split(",")
+    if not all(v.strip().isdigit() and int(v) > 0 for v in raw):
+        raise UsageError(f"%%cudamem --fit {name}=...: the values must be positive whole numbers, comma-separated "
+                         f"(e.g. {name}=8,16,32), not {m.group(2)[:60]!r}.")
+    values = tuple(sorted({int(v) for v in raw}))
+    if len(values) < 2:
+        raise UsageError(f"%%cudamem --fit {name}=...: give 2 to 5 different values (e.g. {name}=8,16,32): one "
+                         "value shows no growth. Nothing was run.")
+    if len(values) > 5:
+        raise UsageError(f"%%cudamem --fit {name}=...: give 2 to 5 different values: each one runs the cell. "
+                         "Nothing was run.")
+    return name, values
 
 
 def _magics(shell: Any = None) -> NbmemMagics:

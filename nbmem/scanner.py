@@ -163,7 +163,7 @@ class Scanner:
 
     def __init__(self, torch: Callable[[], Any]) -> None:
         self._torch = torch
-        self._types = reach.TypeCache()
+        self.type_cache = reach.TypeCache()  # per type: how a walk reads it (shared with fits' walks)
         self._sig_types = reach.TypeCache()  # per type: how `signature` reads an instance's size
         self._roots: dict[str, _RootState] = {}
         self.storages = Storages()
@@ -255,7 +255,7 @@ class Scanner:
             dirty |= self._set_root(gone, None)
         with torch._C.DisableTorchFunction():
             todo = self._todo(now, walk, mentioned, walked_before, validate, TB)
-            w = Walk(torch, self._types, deadline)
+            w = Walk(torch, self.type_cache, deadline)
             unfinished: list[str] = []
             walked: list[str] = []
             per_root: dict[int, tuple[bool, int, float]] = {}

@@ -19,6 +19,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
+from . import fitting
 from .advice import RESTART_ADVICE
 from .cellwatch import CellWatch
 from .cleaner import Cleaner
@@ -27,6 +28,7 @@ from .formatting import fmt_bytes, spans
 from .holdings import Holdings
 from .options import Settings
 from .owners import Rows
+from .prediction import FitResult
 from .records import (
     CELL_COLUMNS,
     FINDING_COLUMNS,
@@ -67,6 +69,7 @@ class Session:
         self._told: set[str] = set()
         self.last_report: CellReport | None = None
         self.last_shown_report: CellReport | None = None  # what `--last-report` cleans: what the user saw
+        self.last_fit: FitResult | None = None
         self._listeners: list[Listener] = []
         self._lock = threading.Lock()
 
@@ -336,6 +339,20 @@ class Session:
         self._publish_holders()
         self._publish(rep)
         return rep
+
+    # -- will it fit? -------------------------------------------------------------------------------------
+    def fit(self, body: str | Callable[[int], object], name: str, values: Sequence[int], *, cell: int = 0,
+            warmup: bool = True, restore: bool = True) -> FitResult:
+        """Run ``body`` once per value (a cell's source, ``name`` bound; or a function of the value) and
+        predict the largest value that fits; the modules and optimizers it reaches are restored after."""
+        try:
+            result = fitting.fit_in_notebook(self.adapter, self.probe.torch, self.holdings.scanner.type_cache, body,
+                                             name, values, cell=cell, warmup=warmup, restore=restore,
+                                             budget_s=self.settings.scan_budget_s)
+        finally:
+            self.holdings.closed_scan = None  # the fit ran code: the next cell's baseline is scanned again
+        self.last_fit = result
+        return result
 
     # -- frames ------------------------------------------------------------------------------------------
     def samples(self) -> Any:

@@ -13,7 +13,7 @@ import ast
 import sys
 import traceback as _tb
 import types
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from . import libraries, reach
@@ -283,3 +283,49 @@ class ShellAdapter:
         if res is not None and getattr(res, "error_in_exec", None) is not None:
             res.error_in_exec = None
         return bool(tbs)
+
+    def namespace_items(self, names: Iterable[str]) -> list[tuple[str, Any]]:
+        """The user's variables among ``names`` (a fit walks them for the state it must restore)."""
+        ns = self.shell.user_ns
+        return [(n, ns[n]) for n in names if n in ns and not self._own(n, ns[n])]
+
+    def fit_namespace(self, body: str, name: str, cell: int) -> FitNamespace:
+        """The namespace a fit runs ``body`` in, ``name`` bound to each value in turn."""
+        return FitNamespace(self.shell, body, name, cell)
+
+
+class FitNamespace:
+    """The notebook's namespace during a fit. The body runs in it (compiled once, as IPython would transform
+    it, its last value not displayed and so not kept in ``Out``) with one name bound; after each run it is put
+    back as it was: names the body made are removed, names it rebound or deleted are bound again, and at
+    the end the fit's name is what it was before (or gone, if it was not there)."""
+
+    def __init__(self, shell: Any, body: str, name: str, cell: int) -> None:
+        self.shell = shell
+        self.name = name
+        self.filename = f"<nbmem fit of In[{cell}]>"
+        text = shell.transform_cell(body) if hasattr(shell, "transform_cell") else body
+        self.code = compile(text, self.filename, "exec")
+        self.sources = dict(enumerate(text.splitlines(), start=1))
+        self._before: dict[str, Any] = dict(shell.user_ns)
+
+    def run(self, value: int) -> None:
+        self.shell.user_ns[self.name] = value
+        exec(self.code, self.shell.user_ns)
+
+    def clean(self) -> None:
+        ns = self.shell.user_ns
+        before = self._before
+        for k in [k for k in ns if k not in before]:
+            del ns[k]
+        for k, v in before.items():
+            if ns.get(k, _MISSING) is not v:
+                ns[k] = v
+
+    def close(self) -> None:
+        """Put the namespace back and let go of it."""
+        self.clean()
+        self._before = {}
+
+
+_MISSING = object()

@@ -15,6 +15,7 @@ import time
 import types
 import weakref
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -410,3 +411,27 @@ class Walk:
                 return True
             p = self.parent[p]
         return False
+
+
+def reachable_state(torch: Any, roots: Sequence[Root], types_: reach.TypeCache, *,
+                    budget_s: float | None = None) -> tuple[list[Any], list[Any]]:
+    """The outermost ``nn.Module``s and every optimizer reachable from ``roots``: the state a cell's code
+    can change, which a fit copies and restores. Found by a walk (no user code runs); the caller holds the
+    objects only while it needs them."""
+    deadline = None if budget_s is None else time.perf_counter() + budget_s
+    w = Walk(torch, types_, deadline)
+    with torch._C.DisableTorchFunction():
+        for r in roots:
+            if not w.run_root(r)[0]:
+                break
+    modules: list[Any] = []
+    optimizers: list[Any] = []
+    for node, obj in enumerate(w.keep):
+        info = w.info(type(obj))
+        if info.optimizer:
+            optimizers.append(obj)
+        elif info.strategy == _NNMOD:
+            p = w.parent[node]
+            if p < 0 or w.info(type(w.keep[p])).strategy != _NNMOD:
+                modules.append(obj)
+    return modules, optimizers

@@ -1,0 +1,735 @@
+"""Will it fit? nbmem's prediction against the real out-of-memory boundary, on the GPU (issue 23).
+
+    PYTHONPATH=. python3 benchmarks/bench_fit.py                 # needs CUDA; about 3-4 minutes on an H100
+    PYTHONPATH=. python3 benchmarks/bench_fit.py --only mlp --states fresh
+    PYTHONPATH=. python3 benchmarks/bench_fit.py --out DIR       # also writes results.json, traces, a plot
+    PYTHONPATH=. python3 benchmarks/bench_fit.py --replay DIR/traces.json.gz   # no GPU: the analysis again
+
+Each row is one model family in one state of the notebook: ``fresh`` (model and optimizer made, no step
+run yet), ``stepped`` (one training step already run, so optimizer state and workspaces exist), ``half``
+(stepped, and the process already holds half the GPU, partly fragmented). A body is a notebook cell: it
+binds ``x``, ``out``, ``loss`` in a namespace that outlives it, and runs one training step.
+
+- real: the largest value for which the body runs 3 times in a row without CUDA out of memory, found by
+  bisection with real OOMs in this process, from the state of the row (restored between tries and freed,
+  ``empty_cache``), to 1 %;
+- nbmem: ``nbmem.fitting.fit`` at three small values (warm-up included), state restored afterwards;
+- line: the straight-line baseline of issue 23, a line through ``max_memory_allocated()`` at the same
+  three values, solved for free + reserved;
+- batch-probe (PyPI, 0.4.0) and torch-kitsune (0.7.0), where installed: optional comparisons only.
+
+The target: nbmem never above the real boundary and within 10 % below it, on every row.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import gc
+import gzip
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+GiB, MiB = 2**30, 2**20
+
+
+@dataclass
+class Family:
+    """A model, its optimizer, and the cell body that trains it one step at a value."""
+
+    name: str
+    var: str
+    values: tuple[int, ...]
+    make: Callable[[Any], Any]  # device -> model
+    body: Callable[[Any, Any, dict[str, Any], int], None]  # (model, opt, ns, value)
+    optimizer: Callable[[Any], Any]
+    kitsune_shape: tuple[int, ...] | None = None  # the input without its batch dimension, for torch-kitsune
+    kitsune_optimizer: str = "adamw"
+
+
+def families(torch: Any, dev: str = "cuda") -> dict[str, Family]:
+    nn, F = torch.nn, torch.nn.functional
+
+    def adamw(m: Any) -> Any:
+        return torch.optim.AdamW(m.parameters(), lr=1e-4)
+
+    def sgd(m: Any) -> Any:
+        return torch.optim.SGD(m.parameters(), lr=1e-2, momentum=0.9)
+
+    # -- an MLP -------------------------------------------------------------------------------------------------
+    def mlp(device: Any) -> Any:
+        layers: list[Any] = [nn.Linear(512, 1024), nn.GELU()]
+        for _ in range(3):
+            layers += [nn.Linear(1024, 1024), nn.GELU()]
+        return nn.Sequential(*layers, nn.Linear(1024, 10)).to(device)
+
+
+    def classify(model: Any, opt: Any, ns: dict[str, Any]) -> None:
+        """One training step of a classifier on ns["x"], ns["y"], its tensors kept in ns as a notebook keeps them."""
+        ns["out"] = model(ns["x"])
+        ns["loss"] = F.cross_entropy(ns["out"], ns["y"])
+        ns["loss"].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    def mlp_body(model: Any, opt: Any, ns: dict[str, Any], b: int) -> None:
+        ns["x"] = torch.randn(b, 512, device=dev)
+        ns["y"] = torch.randint(0, 10, (b,), device=dev)
+        classify(model, opt, ns)
+
+    # -- a small transformer LM, bf16 autocast (causal SDPA: flash attention) -------------------------------------
+    V, D, T = 8192, 256, 128
+    LM_VOCAB = 1024
+
+    class Block(nn.Module):
+        """A pre-norm transformer block; ``flash``: causal SDPA (memory linear in the sequence), else the
+        scores written out (quadratic: what the sequence-length fit is about)."""
+
+        def __init__(self, d: int, h: int, flash: bool = True) -> None:
+            super().__init__()
+            self.h, self.flash = h, flash
+            self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+            self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+            self.ff = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+
+        def forward(self, x: Any) -> Any:
+            b, t, d = x.shape
+            q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.h, d // self.h).permute(2, 0, 3, 1, 4)
+            if self.flash:
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                s = (q @ k.transpose(-2, -1)) / math.sqrt(d // self.h)
+                s = s.masked_fill(torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1), float("-inf"))
+                y = s.softmax(-1) @ v
+            x = x + self.proj(y.transpose(1, 2).reshape(b, t, d))
+            return x + self.ff(self.ln2(x))
+
+    class LM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(LM_VOCAB, D)
+            self.pos = nn.Embedding(1024, D)
+            self.blocks = nn.Sequential(*[Block(D, 4) for _ in range(4)])
+            self.head = nn.Linear(D, LM_VOCAB)
+
+        def forward(self, idx: Any) -> Any:
+            return self.head(self.blocks(self.emb(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))))
+
+    def lm_body(model: Any, opt: Any, ns: dict[str, Any], b: int) -> None:
+        ns["x"] = torch.randint(0, LM_VOCAB, (b, T + 1), device=dev)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            ns["out"] = model(ns["x"][:, :-1])
+        ns["loss"] = F.cross_entropy(ns["out"].float().reshape(-1, LM_VOCAB), ns["x"][:, 1:].reshape(-1))
+        ns["loss"].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    # -- a CNN with BatchNorm ----------------------------------------------------------------------------------
+    def cnn(device: Any) -> Any:
+        def block(i: int, o: int) -> list[Any]:
+            return [nn.Conv2d(i, o, 3, padding=1, bias=False), nn.BatchNorm2d(o), nn.ReLU()]
+
+        return nn.Sequential(*block(3, 32), *block(32, 32), nn.MaxPool2d(2), *block(32, 64), *block(64, 64),
+                             nn.MaxPool2d(2), *block(64, 128), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                             nn.Linear(128, 10)).to(device)
+
+    def cnn_body(model: Any, opt: Any, ns: dict[str, Any], b: int) -> None:
+        ns["x"] = torch.randn(b, 3, 64, 64, device=dev)
+        ns["y"] = torch.randint(0, 10, (b,), device=dev)
+        classify(model, opt, ns)
+
+    # -- a recurrent net (cuDNN LSTM) ----------------------------------------------------------------------------
+    class RNN(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lstm = nn.LSTM(256, 512, num_layers=2, batch_first=True)
+            self.head = nn.Linear(512, 10)
+
+        def forward(self, x: Any) -> Any:
+            h, _ = self.lstm(x)
+            return self.head(h[:, -1])
+
+    def rnn_body(model: Any, opt: Any, ns: dict[str, Any], b: int) -> None:
+        ns["x"] = torch.randn(b, 64, 256, device=dev)
+        ns["y"] = torch.randint(0, 10, (b,), device=dev)
+        classify(model, opt, ns)
+
+    # -- the peak moves: a 1 GiB table of per-item biases (its Adam step dominates small batches) ----------------
+    class Moving(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.table = nn.Parameter(torch.zeros(2**28))
+            self.mlp = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 10))
+
+        def forward(self, x: Any, item: Any) -> Any:
+            return self.mlp(x) + self.table[item].unsqueeze(1)
+
+    def moving_body(model: Any, opt: Any, ns: dict[str, Any], b: int) -> None:
+        ns["x"] = torch.randn(b, 256, device=dev)
+        ns["item"] = torch.randint(0, 2**28, (b,), device=dev)
+        ns["y"] = torch.randint(0, 10, (b,), device=dev)
+        ns["out"] = model(ns["x"], ns["item"])
+        ns["loss"] = F.cross_entropy(ns["out"], ns["y"])
+        ns["loss"].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    # -- an embedding bag over 2^20 rows: its backward's buffers follow the distinct rows a batch touches ---------
+    class Bag(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(2**20, 256)
+            self.mlp = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 10))
+
+        def forward(self, idx: Any) -> Any:
+            return self.mlp(self.emb(idx).mean(1))
+
+    def bag_body(model: Any, opt: Any, ns: dict[str, Any], b: int) -> None:
+        ns["x"] = torch.randint(0, 2**20, (b, 16), device=dev)
+        ns["y"] = torch.randint(0, 10, (b,), device=dev)
+        classify(model, opt, ns)
+
+    # -- the sequence length: attention scores written out (quadratic), bf16 autocast ------------------------
+    class SeqLM(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(V, D)
+            self.pos = nn.Embedding(32768, D)
+            self.blocks = nn.Sequential(*[Block(D, 4, flash=False) for _ in range(4)])
+            self.head = nn.Linear(D, V)
+
+        def forward(self, idx: Any) -> Any:
+            h = self.emb(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+            return self.head(self.blocks(h))
+
+    def seq_body(model: Any, opt: Any, ns: dict[str, Any], t: int) -> None:
+        ns["x"] = torch.randint(0, V, (4, t + 1), device=dev)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            ns["out"] = model(ns["x"][:, :-1])
+        ns["loss"] = F.cross_entropy(ns["out"].float().reshape(-1, V), ns["x"][:, 1:].reshape(-1))
+        ns["loss"].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return {
+        "mlp": Family("mlp", "batch", (256, 512, 1024), mlp, mlp_body, adamw, (512,)),
+        "lm-bf16": Family("lm-bf16", "batch", (8, 16, 32), lambda d: LM().to(d), lm_body, adamw),
+        "cnn-bn": Family("cnn-bn", "batch", (32, 64, 128), cnn, cnn_body, sgd, (3, 64, 64), "sgd_momentum"),
+        "lstm": Family("lstm", "batch", (64, 128, 256), lambda d: RNN().to(d), rnn_body, adamw, (64, 256)),
+        "moving-peak": Family("moving-peak", "batch", (1024, 2048, 4096), lambda d: Moving().to(d), moving_body,
+                              adamw),
+        "lm-seq": Family("lm-seq", "seq", (128, 256, 512), lambda d: SeqLM().to(d), seq_body, adamw),
+        "embedding": Family("embedding", "batch", (1024, 2048, 4096), lambda d: Bag().to(d), bag_body, adamw),
+    }
+
+
+@dataclass
+class Row:
+    family: str
+    state: str
+    var: str
+    values: tuple[int, ...]
+    real: int | None = None
+    real_hi: int | None = None
+    nbmem: int | None = None
+    nbmem_pow2: int | None = None
+    method: str = ""
+    line: int | None = None
+    probe: int | None = None
+    probe_max: int | None = None
+    kitsune: int | None = None
+    t_nbmem: float | None = None
+    t_real: float | None = None
+    t_line: float | None = None
+    t_probe: float | None = None
+    t_kitsune: float | None = None
+    alloc_before: int | None = None
+    alloc_after: int | None = None
+    restored_bytes: int | None = None
+    capacity: int | None = None
+    peak_where: tuple[str, str] = ("", "")
+    notes: list[str] = field(default_factory=list)
+    error: str = ""
+
+
+def ratio(a: int | None, b: int | None) -> str:
+    return "NA" if a is None or not b else f"{a / b:.3f}"
+
+
+def fmt(n: int | None) -> str:
+    return "NA" if n is None else f"{n:,}"
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--only", default="", help="comma-separated families (default: all)")
+    ap.add_argument("--states", default="fresh,stepped", help="states for every family (half is extra)")
+    ap.add_argument("--half", default="mlp", help="the family also run with half the GPU held ('' for none)")
+    ap.add_argument("--seq", action=argparse.BooleanOptionalAction, default=True, help="the sequence-length row")
+    ap.add_argument("--extra", default="embedding", help="families run last, fresh only, if time is left")
+    ap.add_argument("--batch-probe", action=argparse.BooleanOptionalAction, default=True,
+                    help="batch-probe (PyPI) on the fresh rows, where installed")
+    ap.add_argument("--kitsune", action=argparse.BooleanOptionalAction, default=True,
+                    help="torch-kitsune on the fresh rows (in a CPU child process), where installed")
+    ap.add_argument("--budget-s", type=float, default=240.0, help="stop starting rows after this long")
+    ap.add_argument("--out", default="", help="a folder for results.json and the fits' traces")
+    ap.add_argument("--replay", nargs="+", default=[], metavar="TRACES",
+                    help="no GPU: nbmem's prediction again, by the analysis as it is now, from the traces.json.gz "
+                         "of earlier runs (--out), beside the real boundaries they measured")
+    ap.add_argument("--kitsune-only", default="", help=argparse.SUPPRESS)  # the child that asks torch-kitsune
+    a = ap.parse_args()
+    if a.replay:
+        return replay(a.replay)
+    import torch
+
+    if a.kitsune_only:
+        return kitsune_child(torch, a.kitsune_only.split(","))
+
+    from nbmem import fitting
+    from nbmem.formatting import fmt_bytes
+    from nbmem.prediction import plot_fit
+
+    if not torch.cuda.is_available():
+        try:
+            fitting.fit(lambda v: None, [1, 2])
+        except fitting.FitRefused as e:
+            print(f"bench_fit: {e}")
+        print("\n=== summary ===\nbench_fit: needs CUDA (nothing measured)")
+        return 0
+    torch.backends.cuda.matmul.allow_tf32 = True
+    torch.backends.cudnn.allow_tf32 = True
+    started = time.perf_counter()
+    fams = families(torch)
+    only = [f for f in a.only.split(",") if f] or [f for f in fams if f not in ("lm-seq", "embedding")]
+    # Every family fresh first, then the sequence length and half the GPU held, then the other states: what a
+    # spent time budget leaves out is the least new.
+    states = [s for s in a.states.split(",") if s]
+    plan = [(f, states[0]) for f in only] if states else []
+    if a.seq:
+        plan.append(("lm-seq", "fresh"))
+    if a.half:
+        plan += [(f, "half") for f in a.half.split(",")]
+    plan += [(f, s) for s in states[1:] for f in only]
+    plan += [(f, states[0]) for f in a.extra.split(",") if f and states]
+    competitors = load_competitors()
+    if not a.batch_probe:
+        competitors["batch-probe"] = "not asked for (--no-batch-probe)"
+    if not a.kitsune:
+        competitors["torch-kitsune"] = "not asked for (--no-kitsune)"
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, "
+          f"{fmt_bytes(torch.cuda.mem_get_info()[1])}; comparisons: " +
+          "; ".join(f"{k}: {v if isinstance(v, str) else 'installed'}" for k, v in competitors.items()), flush=True)
+    # torch-kitsune predicts from formulas on the CPU (its input shapes run through the model there): it runs
+    # in a child process beside the GPU rows, and its answers are collected at the end.
+    kit = None
+    if not isinstance(competitors.get("torch-kitsune", ""), str):
+        asked = [f for f in dict.fromkeys(f for f, s in plan if s == "fresh") if fams[f].kitsune_shape]
+        kit = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--kitsune-only", ",".join(asked)],
+                               stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    rows: list[Row] = []
+    saved: list[dict[str, Any]] = []
+    print(malloc_probe(torch), flush=True)
+    for fam_name, state in plan:
+        fam = fams[fam_name]
+        if time.perf_counter() - started > a.budget_s:
+            rows.append(Row(fam_name, state, fam.var, fam.values, error="not run: time budget spent"))
+            continue
+        row = Row(fam_name, state, fam.var, fam.values)
+        rows.append(row)
+        try:
+            compare = competitors if state == "fresh" and fam.var == "batch" else {}
+            measure(torch, fitting, fam, state, row, compare, saved, bool(a.out))
+        except Exception as e:  # a row that breaks is reported; the others go on
+            row.error = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+            traceback.print_exc()
+        finally:
+            gc.collect()
+            torch.cuda.empty_cache()
+        print(f"  {fam_name}/{state}: real {fmt(row.real)}, nbmem {fmt(row.nbmem)} ({ratio(row.nbmem, row.real)}), "
+              f"line {fmt(row.line)} ({ratio(row.line, row.real)}), {row.error}", flush=True)
+    if kit is not None:
+        try:
+            out, _ = kit.communicate(timeout=max(5.0, a.budget_s + 20 - (time.perf_counter() - started)))
+            answers = json.loads(out.strip().splitlines()[-1]) if out.strip() else {}
+        except subprocess.TimeoutExpired:  # what it answered so far still counts
+            kit.kill()
+            out, _ = kit.communicate()
+            answers = json.loads(out.strip().splitlines()[-1]) if out.strip() else {}
+        for r in rows:
+            got = answers.get(r.family)
+            if r.state != "fresh":
+                continue
+            if isinstance(got, list):
+                r.kitsune, r.t_kitsune = got
+            elif isinstance(got, str):
+                r.notes.append(f"torch-kitsune: {got}")
+            elif fams[r.family].kitsune_shape is None:
+                r.notes.append("torch-kitsune: takes a float input of one shape (this model takes token ids)")
+            else:
+                r.notes.append("torch-kitsune: no answer within the benchmark's time (its shape propagation runs "
+                               "the model on the CPU at batches up to 4,096)")
+    print_table(rows, competitors)
+    if a.out:
+        os.makedirs(a.out, exist_ok=True)
+        with open(os.path.join(a.out, "results.json"), "w") as f:
+            json.dump([r.__dict__ for r in rows], f, indent=1, default=str)
+        shown = next((s for s in saved if s["family"] == "moving-peak"), saved[0] if saved else None)
+        if shown is not None:
+            plot_fit(shown["result"]).savefig(os.path.join(a.out, "fit.png"), dpi=90)
+        for s in saved:
+            s.pop("result", None)
+        with gzip.open(os.path.join(a.out, "traces.json.gz"), "wt") as f:
+            json.dump(saved, f)
+    print(f"\n=== summary ===\nbench_fit: {len(rows)} rows in {time.perf_counter() - started:.0f} s")
+    return 0
+
+
+def replay(paths: list[str]) -> int:
+    """The fit's analysis over recorded runs (pure: the same traces give the same prediction), against the real
+    boundary and the straight line those runs measured."""
+    from nbmem import allocmodel, fitmodel
+    from nbmem import prediction as fit
+
+    head = ("family", "state", "var", "real (to)", "nbmem then", "nbmem now", "now/real", "line", "line/real",
+            "method", "t analysis")
+    table = []
+    ok = good = above = 0
+    for path in paths:
+        with gzip.open(path, "rt") as f:
+            for s in json.load(f):
+                segs = tuple(allocmodel.SegmentState(x["address"], x["total_bytes"], x["stream"], x["small"],
+                                              tuple(tuple(b) for b in x["blocks"]), x["usable"]) for x in s["segments"])
+                runs = [fitmodel.RunTrace(r["value"], r["entries"], r["counted"], r["allocated_before_bytes"],
+                                     r["reserved_before_bytes"], r["oom"]) for r in s["runs"]]
+                t = time.perf_counter()
+                res = fit.analyse(runs, fitmodel.Room(**s["room"]), name=s["family"], segments=segs)
+                dt = time.perf_counter() - t
+                line = straight_line(tuple(s["values"]), s["line_peaks"], s["line_room"])
+                real, now = s["real"], res.largest_value
+                if real and now:
+                    ok += 1
+                    good += 0.9 * real <= now <= real
+                    above += now > real
+                table.append((s["family"], s["state"], "seq" if s["family"] == "lm-seq" else "batch",
+                              f"{fmt(real)} ({fmt(s['real_hi'])})", fmt(s["nbmem"]), fmt(now), ratio(now, real),
+                              fmt(line), ratio(line, real), res.method, f"{dt:.2f}s"))
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *table)]
+    print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
+    for row in table:
+        print("  ".join(str(x).ljust(w) for x, w in zip(row, widths)).rstrip())
+    print(f"\nnbmem now within 10 % below the real boundary and never above it: {good} of {ok} rows; above: {above}")
+    print("\n=== summary ===\nbench_fit: replayed", ok, "rows")
+    return 0
+
+
+def malloc_probe(torch: Any) -> str:
+    """How much of cudaMemGetInfo's free memory one cudaMalloc can take (it sets how tight the margin may be)."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    lo, hi = 0, 2048  # MiB short of free: lo fails, hi fits (found below)
+    while True:
+        try:
+            x = torch.empty(free - hi * MiB, dtype=torch.uint8, device="cuda")
+            del x
+            break
+        except torch.cuda.OutOfMemoryError:
+            lo, hi = hi, hi * 2
+    while hi - lo > 2:
+        mid = (lo + hi) // 2
+        try:
+            x = torch.empty(free - mid * MiB, dtype=torch.uint8, device="cuda")
+            del x
+            hi = mid
+        except torch.cuda.OutOfMemoryError:
+            lo = mid
+        torch.cuda.empty_cache()
+    torch.cuda.empty_cache()
+    return f"one cudaMalloc takes at most free − {hi} MiB (free {free / GiB:.2f} GiB)"
+
+
+def kitsune_child(torch: Any, names: list[str]) -> int:
+    """torch-kitsune's largest batch for each family (CPU only), printed as one JSON line."""
+    from kitsune.predict import predict_memory
+
+    torch.set_num_threads(4)
+    fams = families(torch, "cpu")
+    out: dict[str, Any] = {}
+    for name in names:
+        fam = fams[name]
+        t = time.perf_counter()
+        try:
+            got = predict_memory(fam.make("cpu"), input_shape=fam.kitsune_shape, batch_size=1,
+                                 optimizer=fam.kitsune_optimizer, training=True, gpu="h100", find_max_batch_size=True)
+            out[name] = [got.max_batch_size, time.perf_counter() - t]
+        except Exception as e:
+            out[name] = f"failed ({type(e).__name__}: {str(e)[:60]})"
+        print(json.dumps(out), flush=True)
+    return 0
+
+
+def load_competitors() -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    try:
+        import batch_probe
+
+        out["batch-probe"] = batch_probe
+    except Exception as e:
+        out["batch-probe"] = f"not installed ({type(e).__name__})"
+    try:
+        from kitsune.predict import predict_memory
+
+        out["torch-kitsune"] = predict_memory
+    except Exception as e:
+        out["torch-kitsune"] = f"not installed ({type(e).__name__})"
+    return out
+
+
+def _slim(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Trace entries without their stacks (the innermost user frame is kept), for the saved traces."""
+    from nbmem.linetrace import deepest_user_frame
+
+    out = []
+    for e in entries:
+        d = {k: e[k] for k in ("action", "addr", "size", "stream") if k in e}
+        where = deepest_user_frame(e.get("frames") or [])
+        if where:
+            file, _, rest = where.partition(":")
+            d["frames"] = [{"filename": os.path.basename(file), "line": int(rest.split(" ")[0]), "name": "body"}]
+        out.append(d)
+    return out
+
+
+def measure(torch: Any, fitting: Any, fam: Family, state: str, row: Row, competitors: dict[str, Any],
+            saved: list[dict[str, Any]], keep_traces: bool) -> None:
+    """One row: the state, nbmem's fit, the straight line, the real boundary, and the comparisons."""
+    from nbmem import prediction as fitmod
+    from nbmem.sources import TorchSource
+
+    model = fam.make("cuda")
+    opt = fam.optimizer(model)
+    ns: dict[str, Any] = {}
+    hold: list[Any] = []
+    if state in ("stepped", "half"):
+        fam.body(model, opt, ns, fam.values[0])
+        ns.clear()
+    if state == "half":
+        free, total = torch.cuda.mem_get_info()
+        hold.append(torch.empty(int(total * 0.5) - 4 * GiB, dtype=torch.uint8, device="cuda"))
+        # and 4 GiB of 20 MiB segments, each left split by one 6 MiB tensor of three (two in three freed)
+        small = [torch.empty(6 * MiB, dtype=torch.uint8, device="cuda") for _ in range(600)]
+        hold += small[::3]
+        del small
+    gc.collect()
+    torch.cuda.empty_cache()
+    start = fitting.snapshot_state([model], [opt])
+
+    def run(v: int) -> None:
+        fam.body(model, opt, ns, v)
+
+    def clean() -> None:
+        ns.clear()
+
+    # nbmem, capturing what it analysed (for --out)
+    captured: dict[str, Any] = {}
+    real_analyse = fitting.analyse
+
+    def capture(runs: Any, room: Any, **kw: Any) -> Any:
+        captured.update(runs=runs, room=room, segments=kw.get("segments", ()))
+        return real_analyse(runs, room, **kw)
+
+    fitting.analyse = capture
+    try:
+        row.alloc_before = torch.cuda.memory_allocated()
+        t = time.perf_counter()
+        res = fitting.fit(run, fam.values, name=fam.var, clean=clean, modules=[model], optimizers=[opt], stacks=True)
+        row.t_nbmem = time.perf_counter() - t
+        row.alloc_after = torch.cuda.memory_allocated()
+    finally:
+        fitting.analyse = real_analyse
+    row.nbmem, row.nbmem_pow2, row.method = res.largest_value, res.power_of_two, res.method
+    row.restored_bytes, row.capacity, row.peak_where = res.restored_bytes, res.room.capacity_bytes, res.peak_where
+    row.notes = [n for n in res.notes if n not in fitmod.ASSUMPTIONS]
+    if res.largest_value is None:
+        row.notes.append(f"no prediction: {res.reason}")
+    print(str(res), flush=True)
+
+    # the straight line through max_memory_allocated() at the same values
+    t = time.perf_counter()
+    gc.collect()
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info()
+    room = free + torch.cuda.memory_reserved()
+    peaks = []
+    for v in fam.values:
+        torch.cuda.reset_peak_memory_stats()
+        run(v)
+        peaks.append(torch.cuda.max_memory_allocated())
+        clean()
+    fitting.restore_state(start)
+    row.line = straight_line(fam.values, peaks, room)
+    row.t_line = time.perf_counter() - t
+
+    # the real boundary (with --out, the trace of the largest run that fitted and of the smallest that did not)
+    trials: list[dict[str, Any]] = []
+    edges: dict[str, Any] = {}
+    source = TorchSource()
+
+    def three_in_a_row(v: int) -> bool:
+        ok = True
+        gc.collect()
+        torch.cuda.empty_cache()
+        free, _ = torch.cuda.mem_get_info()
+        reserved = torch.cuda.memory_reserved()
+        trace = source.start_trace(stacks=False, max_entries=1_000_000) if keep_traces else None
+        try:
+            for _ in range(3):
+                run(v)
+            torch.cuda.synchronize()
+        except Exception as e:
+            if not fitting.is_out_of_memory(e):
+                raise
+            ok = False
+        finally:
+            entries = (source.finish_trace(trace, read=True) or [[]])[0] if trace is not None else []
+            ns.clear()
+            fitting.restore_state(start)
+            gc.collect()
+            torch.cuda.empty_cache()
+        trials.append({"value": v, "ok": ok, "free": free, "reserved": reserved})
+        key = "ok" if ok else "fail"
+        if keep_traces and (key not in edges or (v > edges[key]["value"]) == ok):
+            edges[key] = {"value": v, "free": free, "reserved": reserved, "entries": _slim(entries)}
+        return ok
+
+    t = time.perf_counter()
+    row.real, row.real_hi = boundary(three_in_a_row, row.nbmem or row.line or fam.values[-1])
+    row.t_real = time.perf_counter() - t
+
+    if "batch-probe" in competitors and not isinstance(competitors["batch-probe"], str):
+        t = time.perf_counter()
+        try:
+            def work(n: int) -> None:
+                try:
+                    run(n)
+                    torch.cuda.synchronize()
+                finally:
+                    ns.clear()
+
+            got = competitors["batch-probe"].probe(work, low=1, high=max(2 * (row.real_hi or row.real or 1), 64),
+                                                   headroom=0.2, backend="torch", verbose=False)
+            row.probe, row.probe_max = got, round(got / 0.8)
+        except Exception as e:
+            row.notes.append(f"batch-probe failed: {type(e).__name__}: {str(e)[:80]}")
+        finally:
+            ns.clear()
+            fitting.restore_state(start)
+            gc.collect()
+            torch.cuda.empty_cache()
+        row.t_probe = time.perf_counter() - t
+    if keep_traces and captured:
+        saved.append({"family": fam.name, "state": state, "values": list(fam.values), "real": row.real,
+                      "real_hi": row.real_hi, "trials": trials, "room": dataclasses.asdict(captured["room"]),
+                      "segments": [dataclasses.asdict(s) for s in captured["segments"]],
+                      "runs": [{"value": r.value, "counted": r.counted, "oom": r.oom,
+                                "allocated_before_bytes": r.allocated_before_bytes,
+                                "reserved_before_bytes": r.reserved_before_bytes, "entries": _slim(list(r.entries))}
+                               for r in captured["runs"]],
+                      "line_peaks": peaks, "line_room": room, "nbmem": row.nbmem, "edges": edges, "result": res})
+    ns.clear()
+    hold.clear()
+
+
+def straight_line(values: tuple[int, ...], peaks: list[int], room: int) -> int | None:
+    """Issue 23's baseline: least squares through (value, max_memory_allocated), solved for the room."""
+    n = len(values)
+    mx, my = sum(values) / n, sum(peaks) / n
+    sxx = sum((v - mx) ** 2 for v in values)
+    b = sum((v - mx) * (p - my) for v, p in zip(values, peaks)) / sxx
+    a = my - b * mx
+    return None if b <= 0 else int((room - a) / b)
+
+
+def boundary(ok: Callable[[int], bool], start: int, rel: float = 0.01) -> tuple[int | None, int | None]:
+    """The largest value that runs (and the smallest above it that did not), from ``start``, to ``rel``."""
+    start = max(1, int(start))
+    if ok(start):
+        lo, step = start, 0.02
+        while True:
+            v = int(lo * (1 + step)) + 1
+            if not ok(v):
+                hi = v
+                break
+            lo, step = v, step * 2
+    else:
+        hi, step = start, 0.05
+        while True:
+            v = int(hi * (1 - step))
+            if v < 1:
+                return None, hi
+            if ok(v):
+                lo = v
+                break
+            hi, step = v, min(0.5, step * 2)
+    while hi - lo > max(1, int(lo * rel)):
+        mid = (lo + hi) // 2
+        if ok(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo, hi
+
+
+def print_table(rows: list[Row], competitors: dict[str, Any]) -> None:
+    head = ("family", "state", "var", "real (to)", "nbmem", "nb/real", "line", "line/real", "b-probe", "kitsune",
+            "t real", "t nbmem", "t line", "t probe", "alloc before→after")
+    table = []
+    for r in rows:
+        if r.error and r.real is None and r.nbmem is None:
+            table.append((r.family, r.state, r.var, r.error, *[""] * 11))
+            continue
+        table.append((r.family, r.state, r.var, f"{fmt(r.real)} ({fmt(r.real_hi)})", fmt(r.nbmem),
+                      ratio(r.nbmem, r.real), fmt(r.line), ratio(r.line, r.real),
+                      "" if r.probe is None else f"{r.probe:,} (max {r.probe_max:,})",
+                      "" if r.kitsune is None else f"{r.kitsune:,}",
+                      *("" if x is None else f"{x:.1f}s" for x in (r.t_real, r.t_nbmem, r.t_line, r.t_probe)),
+                      f"{fmt(r.alloc_before)}→{fmt(r.alloc_after)}"))
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *table)]
+    print()
+    print("  ".join(h.ljust(w) for h, w in zip(head, widths)))
+    for t in table:
+        print("  ".join(str(x).ljust(w) for x, w in zip(t, widths)).rstrip())
+    ok = [r for r in rows if r.real is not None and r.nbmem is not None]
+    good = [r for r in ok if r.nbmem <= r.real and r.nbmem >= 0.9 * r.real]
+    above = [r for r in ok if r.nbmem > r.real]
+    print(f"\nnbmem within 10 % below the real boundary and never above it: {len(good)} of {len(ok)} rows"
+          + (f"; ABOVE on {', '.join(f'{r.family}/{r.state}' for r in above)}" if above else ""))
+    lines = [r for r in rows if r.real is not None and r.line is not None]
+    print(f"straight line within ±10 %: {sum(1 for r in lines if abs(r.line / r.real - 1) <= 0.1)} of {len(lines)}; "
+          f"above the real boundary: {sum(1 for r in lines if r.line > r.real)}")
+    for k, v in competitors.items():
+        if isinstance(v, str):
+            print(f"{k}: {v}")
+    print("batch-probe: its answer is 80 % of the largest batch its own binary search ran once (max in brackets); "
+          "torch-kitsune: its formula against its table's H100 (80 GB), capped at 4,096")
+    for r in rows:
+        for n in r.notes:
+            print(f"  {r.family}/{r.state}: {n}")
+        if r.peak_where[0] or r.peak_where[1]:
+            print(f"  {r.family}/{r.state}: peak at {r.values[0]}: {r.peak_where[0]}; at {fmt(r.nbmem)}: "
+                  f"{r.peak_where[1]}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

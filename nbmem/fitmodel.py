@@ -1,0 +1,589 @@
+"""The fit's model of a body: its runs lined up, each allocation's size as a function of the value, and the
+whole timeline replayed through the allocator model at any value.
+
+Pure analysis over the runs' allocator trace entries (``fit`` explains the method and says what it finds).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from difflib import SequenceMatcher
+from typing import Any
+
+from .allocmodel import CachingAllocatorModel, SegmentState
+from .formatting import fmt_bytes
+from .records import block_bytes
+
+#: The margin kept below the room: kernels CUDA loads for sizes not run yet, cuDNN/cuBLAS handles and other
+#: processes take device memory outside the allocator while the user's run goes on.
+MARGIN_FRACTION = 0.02
+MIN_MARGIN_BYTES = 256 << 20
+#: Runs whose event counts differ by more than this factor do not share one structure (a loop over the value);
+#: below it, a few allocations more at larger values (a library workspace, a split-K matrix product) are
+#: left to the alignment.
+EVENT_COUNT_RATIO = 1.5
+
+
+def margin_bytes_for(free_bytes: int, reserved_bytes: int) -> int:
+    """The default margin: ``MARGIN_FRACTION`` of the room, at least ``MIN_MARGIN_BYTES``."""
+    return max(MIN_MARGIN_BYTES, int(MARGIN_FRACTION * (free_bytes + reserved_bytes)))
+
+
+
+# -- the runs -------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RunTrace:
+    """One run of the body at one value: the allocator's trace entries on one device while it ran."""
+
+    value: int
+    entries: Sequence[Mapping[str, Any]]
+    counted: bool = True  # False: a warm-up run (its one-time allocations are kept; its sizes are not fitted)
+    allocated_before_bytes: int | None = None
+    reserved_before_bytes: int | None = None
+    oom: bool = False  # the run stopped with CUDA out of memory; its trace ends there
+
+
+@dataclass(frozen=True, slots=True)
+class Room:
+    """The device memory a fit has to stay inside, read before its first run."""
+
+    device: str
+    free_bytes: int  # what cudaMalloc can still get (cudaMemGetInfo)
+    reserved_bytes: int  # this process's allocator segments: what it holds and caches
+    allocated_bytes: int  # of which in use: what the notebook already holds
+    margin_bytes: int
+    total_bytes: int | None = None
+
+    @property
+    def capacity_bytes(self) -> int:
+        """What the allocator's segments may add up to: free + reserved − margin."""
+        return self.free_bytes + self.reserved_bytes - self.margin_bytes
+
+    @property
+    def others_bytes(self) -> int | None:
+        """Other processes and CUDA contexts (this one's too): the device's total minus free and reserved."""
+        return None if self.total_bytes is None else self.total_bytes - self.free_bytes - self.reserved_bytes
+
+
+ALLOC, FREE, EXTERNAL = 0, 1, 2
+Site = Hashable  # a cell line (int), a frame's text (str) or None where no stack was recorded
+
+
+@dataclass(slots=True)
+class Alloc:
+    size: int
+    stream: int
+    addr: int
+    born: int  # position among the run's events
+    died: int | None  # position of its free; None: the run left it allocated
+    site: Site
+
+
+class Run:
+    """A run's allocations and frees, in order; a free of a block allocated before the run is external."""
+
+    def __init__(self, trace: RunTrace, site_of: Callable[[Sequence[Mapping[str, Any]] | None], Site]) -> None:
+        self.value = trace.value
+        self.counted = trace.counted
+        self.oom = trace.oom
+        self.events: list[tuple[int, int]] = []
+        self.allocs: list[Alloc] = []
+        self.externals: list[tuple[int, int, int, Site]] = []  # addr, size, stream, site
+        live: dict[int, int] = {}
+        level = peak = 0
+        segments = seg_peak = 0
+        self.peak_event = -1
+        for e in trace.entries:
+            action = e.get("action")
+            if action == "segment_alloc" or action == "segment_map":
+                segments += int(e.get("size", 0))
+                seg_peak = max(seg_peak, segments)
+                continue
+            if action == "segment_free" or action == "segment_unmap":
+                segments -= int(e.get("size", 0))
+                continue
+            if action != "alloc" and action != "free_requested":
+                continue
+            addr = int(e.get("addr", 0))
+            size = int(e.get("size", 0))
+            stream = int(e.get("stream", 0))
+            pos = len(self.events)
+            if action == "alloc":
+                if size <= 0:
+                    continue
+                old = live.pop(addr, None)
+                if old is not None:  # reused before its free was seen: the free was not recorded
+                    self.allocs[old].died = pos
+                live[addr] = len(self.allocs)
+                self.events.append((ALLOC, len(self.allocs)))
+                self.allocs.append(Alloc(size, stream, addr, pos, None, site_of(e.get("frames"))))
+                level += block_bytes(size)
+                if level > peak:
+                    peak, self.peak_event = level, pos
+            else:
+                k = live.pop(addr, None)
+                if k is None:
+                    self.events.append((EXTERNAL, len(self.externals)))
+                    self.externals.append((addr, size, stream, site_of(e.get("frames"))))
+                    level -= block_bytes(size)
+                else:
+                    self.allocs[k].died = pos
+                    self.events.append((FREE, k))
+                    level -= block_bytes(self.allocs[k].size)
+        self.peak_growth_bytes = peak
+        self.segment_growth_bytes = seg_peak
+        self.peak_allocated_bytes = (None if trace.allocated_before_bytes is None
+                                     else trace.allocated_before_bytes + peak)
+        self.peak_reserved_bytes = (None if trace.reserved_before_bytes is None
+                                    else trace.reserved_before_bytes + seg_peak)
+
+
+def _tokens(run: Run, exact: bool) -> list[tuple[Any, ...]]:
+    """What an event is, whatever the value: action, stream, line and lifetime (and size, at one value)."""
+    out: list[tuple[Any, ...]] = []
+    for kind, i in run.events:
+        if kind == EXTERNAL:
+            _, size, stream, site = run.externals[i]
+            out.append((kind, stream, site, 0, size if exact else 0))
+            continue
+        a = run.allocs[i]
+        life = -1 if a.died is None else a.died - a.born
+        out.append((kind, a.stream, a.site, life, a.size if exact else 0))
+    return out
+
+
+#: The size-aware alignment looks this far off the diagonal (beyond the runs' difference in allocations), and
+#: fills at most this many cells before the runs are lined up by their events' shapes alone.
+ALIGN_BAND = 64
+ALIGN_MAX_CELLS = 4_000_000
+#: Slack for growth that is neither fixed nor in proportion (a padded or rounded size).
+GROWTH_SLACK_BYTES = 64 << 10
+
+
+def _size_score(sa: int, va: int, sb: int, vb: int) -> int:
+    """How well ``sa`` bytes at ``va`` line up with ``sb`` bytes at ``vb``: 3 for the same size or the same size
+    per unit, 1 for growth at most with the value's square, 0 where one cannot be the other."""
+    if sa == sb or sa * vb == sb * va:
+        return 3
+    if va == vb:
+        return 0
+    (vs, ss), (vl, sl) = sorted(((va, sa), (vb, sb)))
+    return 1 if ss < sl <= ss * (vl / vs) ** 2 + GROWTH_SLACK_BYTES else 0
+
+
+def _align_sizes(a: Run, b: Run) -> dict[int, int] | None:
+    """The order-keeping pairing of the two runs' allocations with the best total ``_size_score`` (same stream,
+    line, and kept or not; a bonus for the same lifetime), by dynamic programming in a band around the diagonal;
+    None when the band would be too large."""
+    xa, xb = a.allocs, b.allocs
+    n, m = len(xa), len(xb)
+    band = abs(n - m) + ALIGN_BAND
+    if n * (2 * band + 1) > ALIGN_MAX_CELLS:
+        return None
+    unreachable = -1
+    prev: dict[int, int] = {j: 0 for j in range(0, min(m, band) + 1)}
+    moves: list[dict[int, int]] = [{}]
+    for i in range(1, n + 1):
+        ai = xa[i - 1]
+        c = i * m // max(1, n)
+        lo, hi = max(0, c - band), min(m, c + band)
+        cur: dict[int, int] = {}
+        how: dict[int, int] = {}
+        for j in range(lo, hi + 1):
+            best, move = prev.get(j, unreachable), 1  # A's allocation has no counterpart
+            if j == 0:
+                cur[j], how[j] = max(best, 0), 1
+                continue
+            left = cur.get(j - 1, unreachable)
+            if left > best:
+                best, move = left, 2  # B's allocation has no counterpart
+            diag = prev.get(j - 1, unreachable)
+            if diag >= 0:
+                bj = xb[j - 1]
+                # What one run keeps (state, a notebook variable) is never what another frees at once.
+                if ai.stream == bj.stream and ai.site == bj.site and (ai.died is None) == (bj.died is None):
+                    w = _size_score(ai.size, a.value, bj.size, b.value)
+                    if w and ai.died is not None and bj.died is not None and ai.died - ai.born == bj.died - bj.born:
+                        w += 1  # the same lifetime, in events: more likely the same tensor
+                    if w and diag + w > best:
+                        best, move = diag + w, 0
+            cur[j], how[j] = best, move
+        moves.append(how)
+        prev = cur
+    pairs: dict[int, int] = {}
+    i, j = n, max(prev, key=lambda k: (prev[k], k)) if prev else 0
+    while i > 0 and j > 0:
+        move = moves[i].get(j, 1)
+        if move == 0:
+            pairs[i - 1] = j - 1
+            i, j = i - 1, j - 1
+        elif move == 1:
+            i -= 1
+        else:
+            j -= 1
+    return pairs
+
+
+def _align(a: Run, b: Run, *, exact: bool) -> tuple[dict[int, int], bool]:
+    """Which allocation of ``b`` each allocation of ``a`` is (by index); ``exact``: both ran at one value.
+
+    Runs of one shape (every event's action, stream, line and lifetime the same) line up one to one. Where
+    they differ (a workspace one size asks for and another does not shifts every lifetime around it), the
+    allocations are paired in order by size: the same bytes (fixed), the same bytes per unit (per sample),
+    or growth that the values allow. Runs too long for that are paired where their events' shapes agree, and
+    the second value says so (what is left unpaired is then taken to grow).
+    """
+    ta, tb = _tokens(a, exact), _tokens(b, exact)
+    if ta == tb:
+        return {i: i for i in range(len(a.allocs))}, True
+    by_size = _align_sizes(a, b)
+    if by_size is not None:
+        return by_size, True
+    pairs: dict[int, int] = {}
+    for tag, i1, i2, j1, _ in SequenceMatcher(None, ta, tb, autojunk=False).get_opcodes():
+        if tag == "equal":
+            for k in range(i2 - i1):
+                ea, eb = a.events[i1 + k], b.events[j1 + k]
+                if ea[0] == ALLOC:
+                    pairs[ea[1]] = eb[1]
+    return pairs, False
+
+
+# -- the size of one allocation as a function of the value ---------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class SizeModel:
+    """Bytes of one aligned allocation at a value: fixed + per-unit × v + per-unit² × v² (+ per-unit^p × v^p)."""
+
+    fixed_bytes: float
+    per_unit_bytes: float
+    per_unit_sq_bytes: float
+    kind: str  # "fixed", "linear", "quadratic", "power", "steepest", "largest seen", "proportional", "unmatched"
+    per_unit_pow_bytes: float = 0.0  # growth faster than quadratic, as value ** power
+    power: float = 0.0
+
+    def at(self, value: float) -> int:
+        v = float(value)
+        grown = self.per_unit_pow_bytes * v**self.power if self.per_unit_pow_bytes else 0.0
+        return max(0, math.ceil(self.fixed_bytes + self.per_unit_bytes * v + self.per_unit_sq_bytes * v * v + grown))
+
+
+#: A slope that grows by more than this between consecutive values, every time, is growth faster than linear.
+QUADRATIC_SLOPE_GAIN = 0.01
+#: Local exponents (log size ratio over log value ratio) this close are one power law, not a step.
+POWER_AGREEMENT = 0.25
+
+
+def fit_size(points: Iterable[tuple[int, int]]) -> SizeModel:
+    """A size model through (value, bytes) points that errs on the large side beyond the largest value.
+
+    One point: proportional to the value (an upper bound for any growth with a non-negative fixed part).
+    Equal sizes: fixed. Sizes that shrink somewhere: the largest seen, fixed. Slopes that grow at every
+    step (three or more values): the quadratic through the last three where its terms are all non-negative
+    (attention scores in the sequence length); growth faster than that at one steady rate (the same local
+    exponent twice: a volume in its side length) a power law; otherwise (a library buffer that jumped from
+    one size to another) a line. Lines go through the largest value's point with the steepest slope seen,
+    exact for linear sizes and above concave ones.
+    """
+    by_value: dict[int, int] = {}
+    for v, s in points:
+        by_value[v] = max(s, by_value.get(v, 0))
+    pts = sorted(by_value.items())
+    vn, sn = pts[-1]
+    if len(pts) == 1:
+        return SizeModel(0.0, sn / vn, 0.0, "proportional") if vn > 0 else SizeModel(sn, 0.0, 0.0, "fixed")
+    sizes = [s for _, s in pts]
+    if min(sizes) == max(sizes):
+        return SizeModel(float(sn), 0.0, 0.0, "fixed")
+    if any(b < a for a, b in itertools.pairwise(sizes)):
+        return SizeModel(float(max(sizes)), 0.0, 0.0, "largest seen")
+    slopes = [(s2 - s1) / (v2 - v1) for (v1, s1), (v2, s2) in itertools.pairwise(pts)]
+    if len(slopes) >= 2 and all(d2 - d1 > max(1.0, QUADRATIC_SLOPE_GAIN * d2) for d1, d2 in itertools.pairwise(slopes)):
+        (v1, s1), (v2, s2), (v3, s3) = pts[-3:]
+        d12, d23 = slopes[-2], slopes[-1]
+        c = (d23 - d12) / (v3 - v1)
+        b = d23 - c * (v2 + v3)
+        a = s3 - b * v3 - c * v3 * v3
+        if b >= -1e-6 * d23 and a >= -GROWTH_SLACK_BYTES:
+            return SizeModel(a, b, c, "quadratic")
+        if s1 > 0 and v1 > 0:
+            p12, p23 = math.log(s2 / s1) / math.log(v2 / v1), math.log(s3 / s2) / math.log(v3 / v2)
+            if abs(p23 - p12) <= POWER_AGREEMENT * p23:
+                p = max(p12, p23)
+                return SizeModel(0.0, 0.0, 0.0, "power", s3 / v3**p, p)
+    b = max(slopes)
+    kind = "linear" if b - min(slopes) <= max(1.0, 0.01 * b) else "steepest"
+    return SizeModel(sn - b * vn, b, 0.0, kind)
+
+
+# -- the timeline ------------------------------------------------------------------------------------------------
+_A_T, _A_O, _F_T, _F_O, _F_LEFT, _F_INIT = range(6)
+
+
+@dataclass
+class Sim:
+    ok: bool
+    peak_allocated_bytes: int
+    peak_reserved_bytes: int
+    peak_at: tuple[int, int]  # (phase, op) of the peak of allocated bytes
+    failed_at: tuple[int, int] | None = None
+    live: dict[Any, int] | None = None
+
+
+class Timeline:
+    """The body's allocations as a program of the value: the first run, then the steady run (twice)."""
+
+    def __init__(self, sizes: list[SizeModel], sites: list[Site], first_ops: list[tuple[int, ...]],
+                 steady_ops: list[tuple[int, ...]], one_time: list[int], first_sizes: dict[int, int],
+                 segments: Sequence[SegmentState], notes: list[str]) -> None:
+        self.sizes = sizes
+        self.sites = sites
+        self.first_ops = first_ops
+        self.steady_ops = steady_ops
+        self.one_time = one_time
+        self.first_sizes = first_sizes  # template index -> its size in the first run (never model below it)
+        self.segments = segments
+        self.notes = notes
+        self.init_bytes = {addr: size for s in segments if s.usable for addr, size, alloc in s.blocks if alloc}
+        self.one_time_sites: list[Site] = [None] * len(one_time)
+
+    def simulate(self, value: int, capacity_bytes: float, *, phases: int = 3,
+                 stop_at: tuple[int, int] | None = None) -> Sim:
+        """Run the program at ``value`` through the allocator model; stops at the first failed request."""
+        n = len(self.sizes)
+        sizes = [m.at(value) for m in self.sizes]
+        first = [max(s, self.first_sizes.get(j, 0)) for j, s in enumerate(sizes)]
+        alloc = CachingAllocatorModel(capacity_bytes, self.segments)
+        live: dict[Any, int] = {("i", a): a for a in self.init_bytes}
+        peak, peak_at = alloc.allocated_bytes, (0, -1)
+        for phase in range(phases):
+            ops = self.first_ops if phase == 0 else self.steady_ops
+            base, prev = phase * n, (phase - 1) * n
+            for k, op in enumerate(ops):
+                if stop_at is not None and (phase, k) == stop_at:
+                    return Sim(True, peak, alloc.peak_reserved_bytes, peak_at, None, dict(live))
+                code = op[0]
+                if code == _A_T or code == _A_O:
+                    if code == _A_T:
+                        key: Any = base + op[1]
+                        size = first[op[1]] if phase == 0 else sizes[op[1]]
+                    else:
+                        key, size = -1 - op[1], self.one_time[op[1]]
+                    addr = alloc.malloc(size, op[2])
+                    if addr is None:
+                        return Sim(False, peak, alloc.peak_reserved_bytes, peak_at, (phase, k))
+                    live[key] = addr
+                    if alloc.allocated_bytes > peak:
+                        peak, peak_at = alloc.allocated_bytes, (phase, k)
+                    if code == _A_T and op[3] and phase > 0:
+                        # What the last run left under this allocation's name is replaced by it now.
+                        old = live.pop(prev + op[1], None)
+                        if old is not None:
+                            alloc.free(old)
+                    continue
+                if code == _F_T:
+                    got = live.pop(base + op[1], None)
+                elif code == _F_O:
+                    got = live.pop(-1 - op[1], None)
+                elif code == _F_LEFT:
+                    got = live.pop(prev + op[1], None) if phase > 0 else None
+                else:
+                    got = live.pop(("i", op[1]), None)
+                if got is not None:
+                    alloc.free(got)
+        return Sim(True, peak, alloc.peak_reserved_bytes, peak_at, None, dict(live) if stop_at else None)
+
+    def site_at(self, phase: int, op: int) -> Site:
+        ops = self.first_ops if phase == 0 else self.steady_ops
+        if 0 <= op < len(ops) and ops[op][0] == _A_T:
+            return self.sites[ops[op][1]]
+        if 0 <= op < len(ops) and ops[op][0] == _A_O:
+            return self.one_time_sites[ops[op][1]]
+        return None
+
+    def decompose(self, live: Mapping[Any, int]) -> tuple[float, float, float, dict[Site, list[float]]]:
+        """Fixed, per-unit and per-unit² bytes of what is live, and per line (per-unit, per-unit²)."""
+        n = len(self.sizes)
+        fixed = per = sq = 0.0
+        lines: dict[Site, list[float]] = {}
+        for key in live:
+            if isinstance(key, tuple):
+                fixed += self.init_bytes.get(key[1], 0)
+            elif key < 0:
+                fixed += self.one_time[-1 - key]
+            else:
+                m = self.sizes[key % n]
+                fixed += m.fixed_bytes
+                per += m.per_unit_bytes
+                sq += m.per_unit_sq_bytes
+                if m.per_unit_bytes > 0 or m.per_unit_sq_bytes > 0:
+                    acc = lines.setdefault(self.sites[key % n], [0.0, 0.0])
+                    acc[0] += m.per_unit_bytes
+                    acc[1] += m.per_unit_sq_bytes
+        return fixed, per, sq, lines
+
+
+def build_timeline(runs: Sequence[Run], segments: Sequence[SegmentState]) -> Timeline | str:
+    """The timeline from the runs (in the order they ran), or why the runs give none."""
+    ok = [r for r in runs if not r.oom]
+    counted = [r for r in ok if r.counted]
+    if len({r.value for r in counted}) < 2:
+        return "the fit needs runs at two values at least"
+    first = ok[0]
+    template = max(counted, key=lambda r: r.value)
+    # A counted first run (no warm-up) made one-time allocations too: it is left out of the structure check,
+    # but its sizes are points like any other run's where it lines up.
+    later = [r for r in counted if r is not first]
+    if len({r.value for r in later}) >= 2:
+        counts = [len(r.events) for r in later]
+    else:  # the first run is needed: what it made and kept (made once) is not counted
+        counts = [len(r.events) - (sum(1 for a in r.allocs if a.died is None) if r is first else 0)
+                  for r in counted]
+    if max(counts) > EVENT_COUNT_RATIO * max(1, min(counts)):
+        return "structure"
+    steady = counted
+    notes: list[str] = []
+    maps: dict[int, dict[int, int]] = {id(template): {i: i for i in range(len(template.allocs))}}
+    by_size = True  # every pairing was made by size (not by the events' shapes alone, for runs too long)
+    for r in steady:
+        if r is not template:
+            maps[id(r)], ok_size = _align(r, template, exact=False)
+            by_size &= ok_size
+    if id(first) not in maps:
+        twin = next((r for r in steady if r.value == first.value), None)
+        if twin is not None:
+            via = maps[id(twin)]
+            pairs, ok_size = _align(first, twin, exact=True)
+            maps[id(first)] = {i: via[j] for i, j in pairs.items() if j in via}
+        else:
+            maps[id(first)], ok_size = _align(first, template, exact=False)
+        by_size &= ok_size
+    n = len(template.allocs)
+    points: list[list[tuple[int, int]]] = [[(template.value, a.size)] for a in template.allocs]
+    for r in steady:
+        if r is template:
+            continue
+        for i, j in maps[id(r)].items():
+            points[j].append((r.value, r.allocs[i].size))
+    sizes = [fit_size(p) for p in points]
+    alone = [j for j in range(n) if len({v for v, _ in points[j]}) < 2]
+    kept = [j for j in alone if template.allocs[j].died is None or not by_size]
+    passing = [j for j in alone if template.allocs[j].died is not None and by_size]
+    for j in passing:
+        # A workspace only larger values ask for (another algorithm, a matrix product split in parts) lives for
+        # a moment: it keeps its size, and the margin stands for how much more a larger value may ask.
+        sizes[j] = SizeModel(float(template.allocs[j].size), 0.0, 0.0, "unmatched")
+    if passing:
+        notes.append(f"{len(passing):,} of {n:,} allocations of the largest run "
+                     f"({fmt_bytes(sum(template.allocs[j].size for j in passing))}), each freed soon after it was "
+                     "made, have no counterpart in the other runs (a library workspace or algorithm chosen by size): "
+                     "they keep their size")
+    if kept:
+        notes.append(f"{len(kept):,} of {n:,} allocations of the largest run "
+                     f"({fmt_bytes(sum(template.allocs[j].size for j in kept))}) have no counterpart in the other "
+                     "runs: they are taken to grow in proportion to the value (an upper bound for growth that is at "
+                     "most linear)")
+    quadratic = sum(1 for m in sizes if m.kind == "quadratic")
+    if quadratic:
+        notes.append(f"{quadratic:,} allocations grow faster than linearly with the value (quadratic through the "
+                     "last three values)")
+    power = [m.power for m in sizes if m.kind == "power"]
+    if power:
+        notes.append(f"{len(power):,} allocations grow faster than the value's square (as the value to the power "
+                     f"{max(power):.1f} at most); the per-unit figures leave them out")
+    irregular = sum(1 for m in sizes if m.kind in ("steepest", "largest seen"))
+    if irregular:
+        notes.append(f"{irregular:,} allocations change size irregularly between values (another algorithm or "
+                     "workspace): each takes the steepest growth, or the largest size, it showed")
+
+    init = {addr for s in segments if s.usable for addr, _, alloc in s.blocks if alloc}
+    # The first run's allocations: those that line up follow the model, the rest are one-time, at their size.
+    fmap = maps[id(first)]
+    one_time: list[int] = []
+    one_time_sites: list[Site] = []
+    first_key: dict[int, tuple[int, int]] = {}
+    first_sizes: dict[int, int] = {}
+    for i, a in enumerate(first.allocs):
+        t = fmap.get(i)
+        if t is None:
+            first_key[i] = (_A_O, len(one_time))
+            one_time.append(a.size)
+            one_time_sites.append(a.site)
+        else:
+            first_key[i] = (_A_T, t)
+            first_sizes[t] = max(first_sizes.get(t, 0), a.size)
+    if one_time:
+        notes.append(f"{len(one_time):,} allocations only the first run made ({fmt_bytes(sum(one_time))}, "
+                     "such as optimizer state and library workspaces) are taken as fixed")
+
+    # The steady run: a block it frees that the run before it left is that run's leftover, by address.
+    unknown_frees = 0
+    prev = ok[ok.index(template) - 1] if ok.index(template) > 0 else None
+    left: dict[int, tuple[int, int]] = {}
+    if prev is not None:
+        pmap = maps.get(id(prev))
+        for i, a in enumerate(prev.allocs):
+            if a.died is not None:
+                continue
+            if prev is first:
+                code, j = first_key[i]
+                left[a.addr] = (_F_LEFT, j) if code == _A_T else (_F_O, j)
+            elif pmap is not None and i in pmap:
+                left[a.addr] = (_F_LEFT, pmap[i])
+    steady_ops: list[tuple[int, ...]] = []  # one per event of the template run
+    for kind, i in template.events:
+        if kind == ALLOC:
+            steady_ops.append((_A_T, i, template.allocs[i].stream, 1))
+        elif kind == FREE:
+            steady_ops.append((_F_T, i))
+        else:
+            addr = template.externals[i][0]
+            if addr in left:
+                steady_ops.append(left[addr])
+            elif addr in init:
+                steady_ops.append((_F_INIT, addr))
+            else:
+                steady_ops.append((_F_INIT, -1))  # nothing to free: kept as allocated
+                unknown_frees += 1
+    freed_by_name = {op[1] for op in steady_ops if op[0] == _F_LEFT}
+    steady_ops = [(op[0], op[1], op[2], 0 if op[1] in freed_by_name else 1) if op[0] == _A_T else op
+                  for op in steady_ops]
+
+    # The first run at a larger value: the steady run's events, with what only the first run did put in where
+    # it did it (the warm-up at the smallest value lacks what only larger values allocate, a workspace say).
+    first_ops: list[tuple[int, ...]] = []
+    done = 0
+
+    def upto(pos: int) -> None:
+        nonlocal done
+        while done <= pos:
+            first_ops.append(steady_ops[done])
+            done += 1
+
+    for kind, i in first.events:
+        if kind == EXTERNAL:
+            addr = first.externals[i][0]
+            if addr in init:
+                first_ops.append((_F_INIT, addr))
+            continue
+        code, j = first_key[i]
+        if code == _A_O:
+            first_ops.append((_A_O, j, first.allocs[i].stream, 0) if kind == ALLOC else (_F_O, j))
+        elif kind == ALLOC:
+            upto(template.allocs[j].born)
+        else:
+            died = template.allocs[j].died
+            if died is None:  # the first run freed what later runs keep: it is freed here
+                first_ops.append((_F_T, j))
+            else:
+                upto(died)
+    upto(len(steady_ops) - 1)
+    if unknown_frees:
+        notes.append(f"{unknown_frees:,} frees of memory from before a run could not be placed: that memory is "
+                     "kept as allocated")
+    tl = Timeline(sizes, [a.site for a in template.allocs], first_ops, steady_ops, one_time, first_sizes,
+                  segments, notes)
+    tl.one_time_sites = one_time_sites
+    return tl

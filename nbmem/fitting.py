@@ -1,0 +1,414 @@
+"""Running a fit: the body once per value under the allocator's trace, then ``fit.analyse`` over the traces.
+
+The engine-level runner; it knows nothing of IPython. The caller hands it ``run(value)``, which runs the
+body once with the variable bound to ``value``, and ``clean()``, which takes back what the body left in the
+namespace; ``clean`` is called after each run's trace is read, so what a run leaves behind shows in its
+trace as left allocated (and is modelled as still there while the next run runs, as it is when the user
+runs the cell again). The allocator's events are recorded only through ``TorchSource.start_trace`` and
+``finish_trace``.
+
+A fit is the one place nbmem may change the allocator's cache: between runs it frees what each run left
+(``torch.cuda.empty_cache()``), because the user asked for the fit. It never runs a value predicted not to
+fit, catches an out-of-memory in a run (frees what the run allocated, reports it, and stops), and with
+``restore`` (the default) copies the modules' and optimizers' state to host memory before the first run
+and back, bit for bit, after the last, so the training steps the fit ran leave no trace in the model.
+"""
+
+from __future__ import annotations
+
+import copy
+import gc
+import sys
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from .allocmodel import segments_from_snapshot
+from .fitmodel import Room, RunTrace, margin_bytes_for
+from .formatting import fmt_bytes
+from .prediction import FitResult, analyse, proportional_bound
+from .records import HolderKind
+from .sources import TorchSource
+from .walk import Root, reachable_state
+
+#: How many allocator events one run may record; a run that fills it cannot be lined up with the others.
+DEFAULT_MAX_ENTRIES = 1_000_000
+#: Host memory a state copy may take, of what the kernel calls available.
+HOST_FRACTION = 0.9
+
+
+class FitRefused(Exception):
+    """A fit that cannot go ahead; the message is one line that says why, and the way on where there is one."""
+
+
+def _torch() -> Any:
+    return sys.modules.get("torch")
+
+
+def refusal() -> str | None:
+    """Why a fit cannot run in this process, in one line; None when it can."""
+    t = _torch()
+    if t is None:
+        return "fitting needs CUDA's caching allocator, and torch is not imported"
+    try:
+        available = bool(t.cuda.is_available())
+    except Exception:
+        available = False
+    if not available:
+        return "fitting needs CUDA's caching allocator, and this machine has no CUDA device torch can use"
+    try:
+        backend = t.cuda.get_allocator_backend()
+    except Exception:
+        backend = "native"
+    if backend != "native":
+        return (f"fitting needs CUDA's caching allocator, and PYTORCH_CUDA_ALLOC_CONF selects {backend}, which "
+                "keeps no trace")
+    return None
+
+
+def is_out_of_memory(exc: BaseException) -> bool:
+    """A CUDA out-of-memory error (torch's own type, or a RuntimeError that says so from an older torch)."""
+    t = _torch()
+    oom = getattr(getattr(t, "cuda", None), "OutOfMemoryError", None)
+    if isinstance(oom, type) and isinstance(exc, oom):
+        return True
+    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+
+
+# -- the model's state, to host memory and back ----------------------------------------------------------------
+@dataclass
+class StateCopy:
+    """A host copy of modules' and optimizers' tensors, taken before a fit, put back bit for bit after it.
+
+    It holds the tensors it will write back into (the parameters, buffers and optimizer state themselves)
+    until ``restore_state`` is called; nothing of it is kept in a result.
+    """
+
+    copied_bytes: int
+    _params: list[tuple[Any, Any, Any]] = field(default_factory=list, repr=False)  # (param, data, grad or None)
+    _buffers: list[tuple[Any, Any]] = field(default_factory=list, repr=False)
+    _training: list[tuple[Any, bool]] = field(default_factory=list, repr=False)
+    _optimizers: list[tuple[Any, dict[Any, dict[str, Any]], list[dict[str, Any]]]] = field(default_factory=list,
+                                                                                          repr=False)
+
+
+def _nbytes(t: Any) -> int:
+    return int(t.numel()) * int(t.element_size())
+
+
+def _host(t: Any) -> tuple[Any, Any]:
+    """A host copy of a tensor and the device it came from."""
+    return t.detach().to("cpu", copy=True), t.device
+
+
+def state_bytes(modules: Iterable[Any] = (), optimizers: Iterable[Any] = ()) -> int:
+    """Bytes ``snapshot_state`` would copy: parameters, their grads, buffers and optimizer state tensors."""
+    total = 0
+    seen: set[int] = set()
+    modules, optimizers = list(modules), list(optimizers)
+    for p in _params(modules, optimizers):
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += _nbytes(p) + (_nbytes(p.grad) if p.grad is not None else 0)
+    for b in _buffers(modules):
+        total += _nbytes(b)
+    for opt in optimizers:
+        for st in opt.state.values():
+            total += sum(_nbytes(v) for v in st.values() if _is_tensor(v))
+    return total
+
+
+def _is_tensor(v: Any) -> bool:
+    t = _torch()
+    return t is not None and isinstance(v, t.Tensor)
+
+
+def _params(modules: Sequence[Any], optimizers: Sequence[Any]) -> list[Any]:
+    out: dict[int, Any] = {}
+    for m in modules:
+        for p in m.parameters():
+            out.setdefault(id(p), p)
+    for opt in optimizers:
+        for g in opt.param_groups:
+            for p in g["params"]:
+                out.setdefault(id(p), p)
+    return list(out.values())
+
+
+def _buffers(modules: Sequence[Any]) -> list[Any]:
+    out: dict[int, Any] = {}
+    for m in modules:
+        for b in m.buffers():
+            out.setdefault(id(b), b)
+    return list(out.values())
+
+
+def host_available_bytes() -> int | None:
+    """What the kernel calls available host memory (psutil), or None where it cannot be read."""
+    try:
+        import psutil
+
+        return int(psutil.virtual_memory().available)
+    except Exception:
+        return None
+
+
+def snapshot_state(modules: Iterable[Any] = (), optimizers: Iterable[Any] = (), *,
+                   available_bytes: int | None = None) -> StateCopy:
+    """Copy parameters, their ``.grad``s, buffers, training flags and optimizer state to host memory.
+
+    Raises ``FitRefused`` (one line) when host memory cannot hold the copy: ``available_bytes`` defaults to
+    what psutil calls available, of which at most ``HOST_FRACTION`` is used.
+    """
+    modules, optimizers = list(modules), list(optimizers)
+    need = state_bytes(modules, optimizers)
+    avail = host_available_bytes() if available_bytes is None else available_bytes
+    if avail is not None and need > HOST_FRACTION * avail:
+        raise FitRefused(f"the model's state ({fmt_bytes(need)}) does not fit into host memory "
+                         f"({fmt_bytes(avail)} available) to be restored after the fit; fit without restoring it "
+                         "(--no-restore) to go ahead, and the fit will train the model")
+    saved = StateCopy(need)
+    for p in _params(modules, optimizers):
+        data, _ = _host(p)
+        grad = None if p.grad is None else _host(p.grad)
+        saved._params.append((p, data, grad))
+    saved._buffers = [(b, _host(b)[0]) for b in _buffers(modules)]
+    saved._training = [(m, bool(m.training)) for top in modules for m in top.modules()]
+    for opt in optimizers:
+        state = {p: {k: (_host(v) if _is_tensor(v) else copy.deepcopy(v)) for k, v in st.items()}
+                 for p, st in opt.state.items()}
+        groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        saved._optimizers.append((opt, state, groups))
+    return saved
+
+
+def _fits_in(old: Any, host: Any, device: Any) -> bool:
+    """Whether a copy can be written back into the tensor that is there now (same shape, dtype, device)."""
+    return (_is_tensor(old) and old.shape == host.shape and old.dtype == host.dtype and old.device == device
+            and old.layout == host.layout)
+
+
+def restore_state(saved: StateCopy) -> int:
+    """Put a ``snapshot_state`` copy back, bit for bit, in place where the tensors still fit; its bytes.
+
+    Parameters and buffers are written into their own storage; a ``.grad`` or an optimizer state tensor the
+    fit freed or replaced is made again on its device; state the fit created (an optimizer's first step)
+    is dropped, and so are grads that were not there.
+    """
+    t = _torch()
+    assert t is not None
+    with t.no_grad():
+        for p, data, grad in saved._params:
+            p.copy_(data)
+            if grad is None:
+                p.grad = None
+            else:
+                host, device = grad
+                if _fits_in(p.grad, host, device):
+                    p.grad.copy_(host)
+                else:
+                    p.grad = host.to(device)
+        for b, data in saved._buffers:
+            b.copy_(data)
+        for opt, state, groups in saved._optimizers:
+            for p in [p for p in opt.state if p not in state]:
+                del opt.state[p]
+            for p, st in state.items():
+                cur = opt.state[p]
+                for k in [k for k in cur if k not in st]:
+                    del cur[k]
+                for k, v in st.items():
+                    if isinstance(v, tuple):
+                        host, device = v
+                        old = cur.get(k)
+                        if _fits_in(old, host, device):
+                            old.copy_(host)
+                        else:
+                            cur[k] = host.to(device)
+                    else:
+                        cur[k] = copy.deepcopy(v)
+            for g, saved_group in zip(opt.param_groups, groups):
+                for k, v in saved_group.items():
+                    g[k] = copy.deepcopy(v)
+    for m, training in saved._training:
+        m.training = training
+    return saved.copied_bytes
+
+
+# -- the fit --------------------------------------------------------------------------------------------------
+def _free_cached(src: TorchSource, device: int) -> None:
+    """What the last run left in the cache, given back (the user asked for the fit: this is its cleanup)."""
+    gc.collect()
+    src.give_back_cached(device)
+
+
+def _allocated_reserved(src: TorchSource, device: int) -> tuple[int, int]:
+    r = src.read(device)
+    if r is None:
+        raise FitRefused("fitting needs the allocator's counters, and they could not be read")
+    return r.allocated_bytes, r.reserved_bytes
+
+
+def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSource | None = None,
+        name: str = "value", device: int | None = None, clean: Callable[[], object] | None = None,
+        warmup: bool = True, modules: Iterable[Any] = (), optimizers: Iterable[Any] = (), restore: bool = True,
+        margin_bytes: int | None = None, stacks: bool = False, cell_files: frozenset[str] = frozenset(),
+        sources: Mapping[int, str] | None = None, max_value: int | None = None,
+        max_entries: int = DEFAULT_MAX_ENTRIES) -> FitResult:
+    """Run ``run(value)`` at each value (ascending) under the allocator's trace and predict the largest that fits.
+
+    ``warmup`` runs the smallest value once first, not counted, so the one-time allocations (optimizer
+    state, workspaces) are made before the counted runs. ``modules`` and ``optimizers`` are the state the
+    body reaches, copied to host and restored afterwards when ``restore``. ``stacks`` records Python
+    stacks, so the result names the lines that grow (``cell_files`` and ``sources`` name the cell's own).
+    ``margin_bytes`` defaults to ``fit.margin_bytes_for``. A body that raises anything but CUDA's
+    out-of-memory error stops the fit (cleaned up and restored) and the error propagates.
+    """
+    started = time.perf_counter()
+    src = source or TorchSource()
+    why = refusal()
+    if why:
+        raise FitRefused(why)
+    vals = sorted({int(v) for v in values})
+    if len(vals) < 2 or vals[0] < 1:
+        raise ValueError(f"a fit needs two or more distinct positive values, got {list(values)!r}")
+    t = _torch()
+    if not t.cuda.is_initialized():
+        t.cuda.init()  # the user asked for a fit, which runs CUDA code anyway
+    dev = t.cuda.current_device() if device is None else int(device)
+    unsupported = src.trace_unsupported()
+    if unsupported:
+        raise FitRefused(f"fitting needs the allocator's trace, and {unsupported}")
+    modules, optimizers = list(modules), list(optimizers)
+    saved = snapshot_state(modules, optimizers) if restore and (modules or optimizers) else None
+    runs: list[RunTrace] = []
+    skipped: list[int] = []
+    notes: list[str] = []
+    steps = 0
+    try:
+        _free_cached(src, dev)
+        before, reserved = _allocated_reserved(src, dev)
+        segments = segments_from_snapshot(src.segments() or [], dev)
+        got = src.device_free(dev)
+        if got is None:
+            raise FitRefused("fitting needs the device's free memory, and CUDA could not say (cudaMemGetInfo)")
+        free, total = got
+        margin = margin_bytes_for(free, reserved) if margin_bytes is None else int(margin_bytes)
+        room = Room(f"cuda:{dev}", free, reserved, before, margin, total)
+        schedule = ([(vals[0], False)] if warmup else []) + [(v, True) for v in vals]
+        for k, (v, counted) in enumerate(schedule):
+            if counted and _predicted_not_to_fit(runs, v, room, segments, name, cell_files):
+                skipped += [w for w, c in schedule[k:] if c]
+                notes.append(f"{name}={v:,} was not run: the runs before it predict it does not fit")
+                break
+            try:
+                trace, oom = _one_run(run, v, counted, src, dev, stacks, max_entries)
+            finally:
+                steps += 1
+                if clean is not None:
+                    clean()
+                _free_cached(src, dev)
+            runs.append(trace)
+            if len(trace.entries) >= max_entries:
+                notes.append(f"the run at {name}={v:,} filled the trace ({max_entries:,} events): what it recorded "
+                             "first is lost, so it may not line up with the others")
+            if oom:
+                notes.append(f"what the run at {name}={v:,} allocated before it ran out of memory was freed ({oom})")
+                break
+    finally:
+        restored = restore_state(saved) if saved is not None else None
+        _free_cached(src, dev)
+    after = _allocated_reserved(src, dev)[0]
+    # cuBLAS keeps a workspace per handle and stream from its first matrix product on: where the fit's runs
+    # made it, it goes again (the user's next product makes it anew).
+    if after > before and src.clear_cublas_workspaces():
+        _free_cached(src, dev)
+        after = _allocated_reserved(src, dev)[0]
+    if after != before:
+        notes.append(f"after the fit {fmt_bytes(after - before, signed=True)} is allocated that was not before it "
+                     "(something the body keeps that is neither in the namespace nor in the state restored)")
+    if not restore and steps:
+        notes.append(f"not restored: the fit ran the body {steps} times, and whatever it trains was trained")
+    result = analyse(runs, room, name=name, segments=segments, cell_files=cell_files, sources=sources,
+                     max_value=max_value, notes=notes, skipped=skipped)
+    return replace(result, restored_bytes=restored, steps_run=steps, duration_s=time.perf_counter() - started)
+
+
+def fit_in_notebook(adapter: Any, source: TorchSource, type_cache: Any, body: str | Callable[[int], object],
+                    name: str, values: Sequence[int], *, cell: int, warmup: bool, restore: bool,
+                    budget_s: float | None) -> FitResult:
+    """A fit of a cell's source (run in the notebook's namespace, ``name`` bound, put back after each run) or
+    of a function of the value; the modules and optimizers it reaches (found by a walk from the names it
+    uses) are the state restored. ``adapter`` is the IPython adapter (``shell.ShellAdapter``)."""
+    why = refusal()
+    if why:
+        raise FitRefused(why)
+    space = None
+    if callable(body):
+        runner, clean, files, lines = body, None, frozenset[str](), None
+        code = getattr(body, "__code__", None)
+        used = set(getattr(code, "co_names", ())) | set(getattr(code, "co_freevars", ()))
+        roots = [Root(n, HolderKind.NAMESPACE, v) for n, v in adapter.namespace_items(used)]
+        roots.append(Root(getattr(body, "__name__", "body"), HolderKind.NAMESPACE, body))
+    else:
+        space = adapter.fit_namespace(body, name, cell)
+        runner, clean, files, lines = space.run, space.clean, frozenset({space.filename}), space.sources
+        used = adapter.mentioned(body) - {name}
+        roots = [Root(n, HolderKind.NAMESPACE, v) for n, v in adapter.namespace_items(used)]
+    modules, optimizers = reachable_state(source.torch(), roots, type_cache, budget_s=budget_s)
+    del roots
+    try:
+        return fit(runner, values, source=source, name=name, clean=clean, warmup=warmup, modules=modules,
+                   optimizers=optimizers, restore=restore, stacks=True, cell_files=files, sources=lines)
+    finally:
+        del modules, optimizers
+        if space is not None:
+            space.close()
+
+
+def _one_run(run: Callable[[int], object], value: int, counted: bool, src: TorchSource, dev: int,
+             stacks: bool, max_entries: int) -> tuple[RunTrace, str]:
+    """One run under the trace; the trace, and the first line of its out-of-memory error ("" when none)."""
+    t = _torch()
+    t.cuda.synchronize(dev)
+    allocated, reserved = _allocated_reserved(src, dev)
+    trace = src.start_trace(stacks=stacks, max_entries=max_entries)
+    if trace is None:
+        raise FitRefused(f"fitting needs the allocator's trace, and {src.trace_unsupported() or 'it did not start'}")
+    oom = ""
+    try:
+        run(value)
+    except BaseException as e:
+        if not is_out_of_memory(e):
+            raise
+        # The error's frames hold the run's tensors; only its first line is kept.
+        oom = (str(e).strip().splitlines() or ["out of memory"])[0][:200]
+        e.__traceback__ = None
+        del e
+    finally:
+        t.cuda.synchronize(dev)
+        traces = src.finish_trace(trace, read=True) or []
+    entries = traces[dev] if dev < len(traces) else []
+    # A recording the user had running holds older events too: only this run's are its.
+    entries = [e for e in entries if e.get("time_us", trace.since_us) >= trace.since_us]
+    return RunTrace(value, entries, counted, allocated, reserved, oom=bool(oom)), oom
+
+
+def _predicted_not_to_fit(runs: Sequence[RunTrace], value: int, room: Room, segments: Any, name: str,
+                          cell_files: frozenset[str]) -> bool:
+    """Whether the runs so far say ``value`` would not fit (never run it then)."""
+    done = [r for r in runs if r.counted and not r.oom]
+    if len({r.value for r in done}) >= 2:
+        res = analyse(runs, room, name=name, segments=segments, cell_files=cell_files)
+        return res.largest_value is not None and value > res.largest_value
+    last = next((r for r in reversed(runs) if not r.oom), None)
+    if last is None:
+        return False
+    bound = proportional_bound(last, value)
+    return bound is not None and bound > room.capacity_bytes
+
+
+__all__ = ["DEFAULT_MAX_ENTRIES", "FitRefused", "StateCopy", "fit", "fit_in_notebook", "host_available_bytes",
+           "is_out_of_memory",
+           "refusal", "restore_state", "snapshot_state", "state_bytes"]

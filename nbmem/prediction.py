@@ -1,0 +1,509 @@
+"""Will it fit? The largest value of one variable a cell's body can run at, from a few small runs.
+
+Pure analysis over plain data: each run's allocator trace entries for one device (the dicts of
+``torch.cuda.memory._snapshot()["device_traces"][i]``: ``action``, ``addr``, ``size``, ``stream`` and,
+with stacks, ``frames``), the allocator's segments before the first run (``torch.cuda.memory_snapshot()``)
+and the memory there is (``Room``). No torch, no IPython: ``fitting`` runs the body and hands the data here.
+
+How, in four steps:
+
+1. *Align.* The same code allocates in the same order whatever the value. Runs of one shape (every event's
+   action, stream, line and lifetime the same) line up one to one. Where they differ (a workspace one size
+   asks for and another does not, which shifts every lifetime around it), the allocations are paired in
+   order by size: the same bytes (fixed), the same bytes per unit (per sample), or growth the values allow.
+   A transient allocation only larger values make (a library workspace, an algorithm chosen by size) keeps
+   its size; one a run keeps, without a counterpart, is taken to grow in proportion. If the runs' event
+   counts grow with the value (a loop over it), no pairing is trusted and the largest run's peak is scaled.
+2. *Model* each aligned allocation's size as fixed + per-unit × value; quadratic where three or more values
+   show the growth speeding up with non-negative terms (attention scores in the sequence length); a power
+   law where it speeds up faster at one steady rate; a line with the steepest slope seen where a size jumped.
+   Allocations only the first run makes (optimizer state, cuBLAS workspaces) keep the size they had.
+3. *Simulate* the whole timeline at a candidate value through a model of PyTorch's CUDA caching allocator
+   (512-byte blocks, a small pool of 2 MiB segments, a large pool of 20 MiB or 2 MiB-rounded segments, best
+   fit with its splitting rules, and on a failed cudaMalloc every whole cached segment given back and one
+   retry), starting from the allocator's segments as they are: the first run (the steady run's events with
+   the first run's one-time allocations put in where it made them), then the steady run twice, so what one
+   run leaves is there while the next runs (a notebook variable is freed when the next run rebinds it). It
+   is reserved memory, not allocated, that must fit. On an H100 the model, fed the real events of three
+   training steps at the measured out-of-memory boundary, fitted and failed exactly where CUDA did.
+4. *Search* the largest value whose simulation never needs more than the room (free plus what this
+   process's allocator holds, minus a stated margin). The peak can move between phases as the value
+   grows (the optimizer step at small batches, the forward's activations at large ones): the maximum is
+   taken over the whole timeline at each candidate, never a line through peaks.
+
+What it cannot see errs low, never high: kernels that at very large sizes switch to chunked work with smaller
+buffers (a matrix product over a huge batch, attention backward's split accumulation) and buffers sized by
+the data (an embedding's backward, by the distinct rows a batch touches) are modelled from the small runs,
+larger than they turn out.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+from .allocmodel import CachingAllocatorModel, SegmentState
+from .fitmodel import ALLOC, FREE, Room, Run, RunTrace, Sim, Site, Timeline, build_timeline, fit_size
+from .formatting import Column, esc, fmt_bytes, fmt_seconds, html_table, prose, text_table
+from .linetrace import cell_line, deepest_user_frame
+from .reports import Shown
+
+#: Where the search stops when nothing stops it (memory that does not grow with the value).
+SEARCH_CAP = 1 << 40
+
+
+# -- the search ------------------------------------------------------------------------------------------------------
+def largest_fitting(fits: Callable[[int], bool], start: int, cap: int = SEARCH_CAP) -> int | None:
+    """The largest value in [1, cap] for which ``fits`` holds, by doubling and bisection (None: not even 1).
+
+    A few values below the answer are checked as well; where one fails (fragmentation is not monotone in the
+    value), the search goes on below the failure, so no value at or under the answer is known to fail.
+    """
+    start = max(1, min(start, cap))
+    lo, hi = 0, cap + 1
+    v = start
+    if fits(v):
+        lo = v
+        while lo < cap:
+            v = min(cap, lo * 2)
+            if not fits(v):
+                hi = v
+                break
+            lo = v
+    else:
+        hi = v
+        v //= 2
+        while v >= 1 and not fits(v):
+            hi = v
+            v //= 2
+        if v < 1:
+            return None
+        lo = v
+    lo = _bisect(fits, lo, hi)
+    for _ in range(8):
+        below = sorted({lo - 1, int(lo * 0.99), int(lo * 0.97), int(lo * 0.95)})
+        bad = [c for c in below if 0 < c < lo and not fits(c)]
+        if not bad:
+            return lo
+        hi = bad[0]
+        lo = hi - 1
+        while lo >= 1 and not fits(lo):
+            hi, lo = lo, lo // 2 if lo > 1 else 0
+        if lo < 1:
+            return None
+        lo = _bisect(fits, lo, hi)
+    return lo
+
+
+def _bisect(fits: Callable[[int], bool], lo: int, hi: int) -> int:
+    """The largest value in [lo, hi) that fits, given that lo fits and hi does not."""
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+def power_of_two_below(value: int) -> int:
+    """The largest power of two not above ``value``."""
+    return 1 << (value.bit_length() - 1)
+
+
+# -- the result ------------------------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class FitPoint:
+    """One run of the fit: its value and the peaks its trace shows."""
+
+    value: int
+    peak_allocated_bytes: int | None
+    peak_reserved_bytes: int | None
+    counted: bool = True  # False: the warm-up run
+    oom: bool = False
+    skipped: bool = False  # not run: predicted not to fit
+
+
+@dataclass(frozen=True, slots=True)
+class GrowthLine:
+    """A line whose memory live at the peak grows with the value."""
+
+    line: int | None  # the cell's line; None for code outside the cell (``where`` names it)
+    where: str  # the line's source, or the frame outside the cell
+    bytes_per_unit: float
+    bytes_per_unit_sq: float
+    bytes_at_largest: int | None
+
+
+@dataclass(frozen=True, repr=False)
+class FitResult(Shown):
+    """``%%cudamem --fit``: the largest value that fits, the model behind it, and what it assumes."""
+
+    name: str
+    device: str
+    values: tuple[int, ...]
+    points: tuple[FitPoint, ...]
+    room: Room | None
+    largest_value: int | None = None
+    power_of_two: int | None = None
+    reason: str = ""  # why there is no prediction; "" when there is one
+    method: str = ""  # "timeline", "scaled peak", or "" when nothing was fitted
+    fixed_bytes: float | None = None  # at the peak: what does not grow (weights, gradients, optimizer state, ...)
+    bytes_per_unit: float | None = None
+    bytes_per_unit_sq: float | None = None
+    peak_allocated_at_largest_bytes: int | None = None
+    peak_reserved_at_largest_bytes: int | None = None
+    peak_where: tuple[str, str] = ("", "")  # where the peak is at the smallest value and at the prediction
+    lines: tuple[GrowthLine, ...] = ()
+    curve: tuple[tuple[int, int, int], ...] = ()  # (value, modelled peak allocated bytes, peak reserved bytes)
+    notes: tuple[str, ...] = ()
+    restored_bytes: int | None = None
+    steps_run: int = 0
+    duration_s: float | None = None
+
+    # -- for code -----------------------------------------------------------------------------------------------
+    def row(self) -> dict[str, Any]:
+        """The prediction and its model as one flat row."""
+        room = self.room
+        return {"name": self.name, "device": self.device, "values": list(self.values),
+                "largest_value": self.largest_value, "power_of_two": self.power_of_two, "reason": self.reason,
+                "method": self.method, "fixed_bytes": self.fixed_bytes, "bytes_per_unit": self.bytes_per_unit,
+                "bytes_per_unit_sq": self.bytes_per_unit_sq,
+                "peak_allocated_at_largest_bytes": self.peak_allocated_at_largest_bytes,
+                "peak_reserved_at_largest_bytes": self.peak_reserved_at_largest_bytes,
+                "capacity_bytes": room.capacity_bytes if room else None,
+                "free_bytes": room.free_bytes if room else None,
+                "reserved_bytes": room.reserved_bytes if room else None,
+                "held_bytes": room.allocated_bytes if room else None,
+                "margin_bytes": room.margin_bytes if room else None,
+                "restored_bytes": self.restored_bytes, "steps_run": self.steps_run, "duration_s": self.duration_s}
+
+    def to_frame(self) -> Any:
+        """One row per run and per modelled value (``kind``: run, warm-up, model), as a pandas DataFrame."""
+        import pandas as pd
+
+        rows = [{"kind": "warm-up" if not p.counted else "run", **asdict(p)} for p in self.points]
+        rows += [{"kind": "model", "value": v, "peak_allocated_bytes": a, "peak_reserved_bytes": r, "counted": False,
+                  "oom": False, "skipped": False} for v, a, r in self.curve]
+        return pd.DataFrame(rows, columns=["kind", "value", "peak_allocated_bytes", "peak_reserved_bytes", "counted",
+                                           "oom", "skipped"])
+
+    # -- for people ----------------------------------------------------------------------------------------------
+    def _head(self) -> str:
+        return f"nbmem fit · {self.name} · {self.device}"
+
+    def _answer(self) -> str:
+        if self.largest_value is None:
+            return f"no prediction: {self.reason}"
+        pow2 = "" if self.power_of_two in (None, self.largest_value) else (
+            f" (power of two below: {self.power_of_two:,})")
+        return f"largest {self.name} that fits: {self.largest_value:,}{pow2}"
+
+    def _room(self) -> str:
+        r = self.room
+        if r is None:
+            return ""
+        pct = 100 * r.margin_bytes / max(1, r.free_bytes + r.reserved_bytes)
+        others = "" if r.others_bytes is None else (
+            f"; other processes and CUDA contexts take {fmt_bytes(r.others_bytes)} of {fmt_bytes(r.total_bytes)}")
+        return (f"fits into {fmt_bytes(r.capacity_bytes)}: {fmt_bytes(r.free_bytes)} free + "
+                f"{fmt_bytes(r.reserved_bytes)} this process's allocator holds − {fmt_bytes(r.margin_bytes)} margin "
+                f"({pct:.0f} %); the notebook already holds {fmt_bytes(r.allocated_bytes)}{others}")
+
+    def _model(self) -> str:
+        if self.fixed_bytes is None or self.bytes_per_unit is None:
+            return ""
+        sq = f" + {fmt_bytes(self.bytes_per_unit_sq)} per {self.name}²" if self.bytes_per_unit_sq else ""
+        at = ""
+        if self.largest_value is not None and self.peak_reserved_at_largest_bytes is not None:
+            at = (f"; at {self.largest_value:,}: peak {fmt_bytes(self.peak_allocated_at_largest_bytes)} allocated, "
+                  f"{fmt_bytes(self.peak_reserved_at_largest_bytes)} reserved")
+        return (f"at the peak: {fmt_bytes(self.fixed_bytes)} fixed + {fmt_bytes(self.bytes_per_unit)} per {self.name}"
+                f"{sq}{at}")
+
+    def _where(self) -> str:
+        small, large = self.peak_where
+        if not small and not large:
+            return ""
+        if small == large:
+            return f"the peak is at {small}"
+        lo = self.values[0] if self.values else "the smallest value"
+        hi = f"{self.largest_value:,}" if self.largest_value is not None else "the largest"
+        return f"the peak moves: at {self.name}={lo} it is at {small or 'another moment'}, at {hi} at {large}"
+
+    def _line_rows(self) -> list[list[str]]:
+        return [["" if g.line is None else str(g.line), g.where[:80], fmt_bytes(g.bytes_per_unit),
+                 fmt_bytes(g.bytes_per_unit_sq) if g.bytes_per_unit_sq else "", fmt_bytes(g.bytes_at_largest)]
+                for g in self.lines]
+
+    def _line_columns(self) -> tuple[Column, ...]:
+        return (Column("line", numeric=True), Column("source", code=True), Column(f"per {self.name}", numeric=True),
+                Column(f"per {self.name}²", numeric=True),
+                Column(f"at {self.largest_value:,}" if self.largest_value else "at the largest", numeric=True))
+
+    def _point_rows(self) -> list[list[str]]:
+        rows = []
+        for p in self.points:
+            what = "warm-up (not counted)" if not p.counted else ("out of memory" if p.oom else (
+                "not run: predicted not to fit" if p.skipped else ""))
+            rows.append([f"{p.value:,}", fmt_bytes(p.peak_allocated_bytes), fmt_bytes(p.peak_reserved_bytes), what])
+        return rows
+
+    _POINT_COLUMNS = (Column("value", numeric=True), Column("peak allocated", numeric=True),
+                      Column("peak reserved", numeric=True), Column("run"))
+
+    def _facts(self) -> list[str]:
+        facts = [self._room(), self._model(), self._where()]
+        if self.restored_bytes is not None:
+            facts.append(f"restored the model and optimizer state afterwards ({fmt_bytes(self.restored_bytes)} "
+                         "copied to host and back)")
+        if self.duration_s is not None:
+            facts.append(f"took {fmt_seconds(self.duration_s)}")
+        return [f for f in facts if f]
+
+    def __str__(self) -> str:
+        parts = [self._head(), self._answer(), *self._facts()]
+        if self.lines:
+            parts += ["lines whose memory grows:", text_table(self._line_columns(), self._line_rows())]
+        if self.points:
+            parts += ["runs:", text_table(self._POINT_COLUMNS, self._point_rows())]
+        parts += [f"- {n}" for n in self.notes]
+        return "\n".join(parts)
+
+    def _repr_html_(self) -> str:
+        parts = [f"<div class='nbmem-report'><div style='font-weight:600'>{esc(self._head())}</div>",
+                 f"<div style='font-size:1.1em'>{esc(self._answer())}</div>"]
+        parts += [f"<div>{esc(f)}</div>" for f in self._facts()]
+        if self.lines:
+            parts.append(html_table(self._line_columns(), self._line_rows(), caption="lines whose memory grows"))
+        if self.points:
+            parts.append(html_table(self._POINT_COLUMNS, self._point_rows(), caption="runs"))
+        if self.notes:
+            parts.append("<ul style='margin:2px 0'>" + "".join(f"<li>{prose(n)}</li>" for n in self.notes) + "</ul>")
+        parts.append("</div>")
+        return "".join(parts)
+
+
+#: What every prediction assumes, said with each result.
+ASSUMPTIONS = (
+    "the body is representative: it allocates the same way at larger values (no other algorithm with a larger "
+    "workspace, no loop over the value)",
+    "other processes do not take more of the device later",
+)
+
+
+def _site_of(cell_files: frozenset[str]) -> Callable[[Sequence[Mapping[str, Any]] | None], Site]:
+    def site(frames: Sequence[Mapping[str, Any]] | None) -> Site:
+        if not frames:
+            return None
+        if cell_files:
+            ln = cell_line(frames, cell_files)
+            if ln is not None:
+                return ln
+        return deepest_user_frame(frames, cell_files) or None
+    return site
+
+
+def _site_text(site: Site, sources: Mapping[int, str]) -> tuple[int | None, str]:
+    if isinstance(site, int):
+        return site, sources.get(site, "").strip()
+    return None, "" if site is None else str(site)
+
+
+def _place(site: Site, sources: Mapping[int, str]) -> str:
+    if isinstance(site, int):
+        src = sources.get(site, "").strip()
+        return f"line {site}" + (f" (`{src[:60]}`)" if src else "")
+    return "" if site is None else str(site)
+
+
+def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segments: Sequence[SegmentState] = (),
+            cell_files: frozenset[str] = frozenset(), sources: Mapping[int, str] | None = None,
+            max_value: int | None = None, notes: Sequence[str] = (), skipped: Sequence[int] = ()) -> FitResult:
+    """The largest value that fits into ``room``, from the runs' traces in the order they ran.
+
+    ``segments`` is the allocator's state before the first run (``segments_from_snapshot``); without it
+    the allocator is taken to start empty. ``cell_files`` and ``sources`` name the cell's lines where the
+    traces have stacks. ``max_value`` caps the search; ``skipped`` are values not run (predicted not to fit).
+    """
+    sources = sources or {}
+    site_of = _site_of(cell_files)
+    parsed = [Run(r, site_of) for r in runs]
+    points = tuple(FitPoint(p.value, p.peak_allocated_bytes, p.peak_reserved_bytes, p.counted, p.oom)
+                   for p in parsed) + tuple(FitPoint(v, None, None, skipped=True) for v in skipped)
+    values = tuple(sorted({r.value for r in runs if r.counted and not r.oom}))
+    all_notes = list(notes)
+    oom_values = [r.value for r in runs if r.oom]
+    cap = min([SEARCH_CAP, *(v - 1 for v in oom_values)] + ([max_value] if max_value else []))
+    if oom_values:
+        all_notes.append(f"{name}={min(oom_values):,} ran out of memory in its run: the prediction stays below it")
+    base = FitResult(name=name, device=room.device, values=values, points=points, room=room)
+    built = build_timeline(parsed, segments)
+    capacity = room.capacity_bytes
+    if built == "structure":
+        return _scaled_peak(parsed, segments, capacity, cap, base, all_notes)
+    if isinstance(built, str):
+        return replace(base, reason=built, notes=tuple(all_notes))
+    tl = built
+    all_notes += tl.notes
+    if len(values) == 2:
+        all_notes.append("two values show linear growth only: a third value would show growth that speeds up "
+                         "(such as attention scores in the sequence length)")
+
+    def fits(v: int) -> bool:
+        return tl.simulate(v, capacity).ok
+
+    largest = largest_fitting(fits, values[-1], cap)
+    timeline = replace(base, method="timeline")
+    if largest is not None and largest >= SEARCH_CAP:
+        return replace(timeline, notes=tuple(all_notes),
+                       reason=f"its memory does not grow with {name} in these runs: any value fits, as far as "
+                       "they tell")
+    if largest is None:
+        why = f"even {name}=1 does not fit into {fmt_bytes(capacity)}" if cap >= 1 else "no value is left below the cap"
+        return replace(timeline, reason=why, notes=tuple(all_notes))
+    if max_value is not None and largest >= max_value:
+        all_notes.append(f"{name}={max_value:,}, the largest value asked about, fits: larger ones were not searched")
+    at = tl.simulate(largest, capacity)
+    small = tl.simulate(values[0], math.inf)
+    live = tl.simulate(largest, math.inf, stop_at=_after(at.peak_at, tl)).live or {}
+    fixed, per, sq, by_line = tl.decompose(live)
+    lines = []
+    for site, (b, c) in by_line.items():
+        if site is None:
+            continue
+        ln, where = _site_text(site, sources)
+        lines.append(GrowthLine(ln, where, b, c, math.ceil(b * largest + c * largest * largest)))
+    lines.sort(key=lambda g: -(g.bytes_at_largest or 0))
+    if all(s is None for s in tl.sites):
+        all_notes.append("the traces have no stacks: record them with stacks to see which lines grow")
+    curve = _curve(lambda v: tl.simulate(v, math.inf), values[0], max(largest, values[-1]))
+    return replace(timeline, largest_value=largest, power_of_two=power_of_two_below(largest),
+                   fixed_bytes=fixed, bytes_per_unit=per, bytes_per_unit_sq=sq,
+                   peak_allocated_at_largest_bytes=at.peak_allocated_bytes,
+                   peak_reserved_at_largest_bytes=at.peak_reserved_bytes,
+                   peak_where=(_phase_place(tl, small.peak_at, sources), _phase_place(tl, at.peak_at, sources)),
+                   lines=tuple(lines[:8]), curve=curve, notes=(*all_notes, *ASSUMPTIONS))
+
+
+def _after(at: tuple[int, int], tl: Timeline) -> tuple[int, int]:
+    """The op just after ``at``: what is live then is what was live at the peak."""
+    phase, op = at
+    n = len(tl.first_ops if phase == 0 else tl.steady_ops)
+    return (phase, op + 1) if op + 1 < n else (phase + 1, 0)
+
+
+def _phase_place(tl: Timeline, at: tuple[int, int], sources: Mapping[int, str]) -> str:
+    phase, op = at
+    site = tl.site_at(phase, op)
+    run = "the first run" if phase == 0 else "a later run"
+    place = _place(site, sources)
+    return f"{place} of {run}" if place else run
+
+
+def _curve(sim: Callable[[int], Sim], lo: int, hi: int, points: int = 24) -> tuple[tuple[int, int, int], ...]:
+    """The model's peaks over a geometric grid from the smallest value to a quarter past the prediction."""
+    top = max(hi + hi // 4, lo + 1)
+    grid = sorted({max(1, round(lo * (top / lo) ** (k / (points - 1)))) for k in range(points)} | {hi})
+    out = []
+    for v in grid:
+        s = sim(v)
+        out.append((v, s.peak_allocated_bytes, s.peak_reserved_bytes))
+    return tuple(out)
+
+
+def _scaled_peak(runs: Sequence[Run], segments: Sequence[SegmentState], capacity: int, cap: int,
+                 base: FitResult, notes: list[str]) -> FitResult:
+    """When the runs do not share one structure: the largest run's peak, scaled conservatively."""
+    steady = [r for r in runs if r.counted and not r.oom]
+    model = fit_size((r.value, r.peak_growth_bytes) for r in steady)
+    template = max(steady, key=lambda r: r.value)
+    vn, gn = template.value, template.peak_growth_bytes
+    # What the allocator reserves for the largest run as recorded, over what it allocated: its overhead.
+    alloc = CachingAllocatorModel(math.inf, segments)
+    start_reserved = alloc.reserved_bytes
+    live: dict[int, int] = {}
+    for kind, i in template.events:
+        if kind == ALLOC:
+            a = template.allocs[i]
+            got = alloc.malloc(a.size, a.stream)
+            if got is not None:
+                live[i] = got
+        elif kind == FREE and i in live:
+            alloc.free(live.pop(i))
+    overhead = max(1.0, (alloc.peak_reserved_bytes - start_reserved) / gn) if gn > 0 else 1.0
+
+    def growth(v: int) -> float:
+        return model.at(v) if model.kind == "quadratic" else max(model.at(v), gn * v / vn)
+
+    notes.append(f"the runs do not share one structure (their event counts differ: "
+                 f"{', '.join(f'{len(r.events):,}' for r in steady)}), so no allocation could be followed from one "
+                 "value to the next: the prediction scales the largest run's peak in proportion to the value "
+                 "(conservative)")
+    scaled = replace(base, method="scaled peak", notes=tuple(notes))
+    largest = largest_fitting(lambda v: start_reserved + overhead * growth(v) <= capacity, vn, cap)
+    if largest is None:
+        return replace(scaled, reason=f"even {base.name}=1 does not fit into {fmt_bytes(capacity)}")
+    if largest >= SEARCH_CAP:
+        return replace(scaled, reason=f"its memory does not grow with {base.name} in these runs")
+    lo = steady[0].value
+    grid = sorted({max(1, round(lo * (1.25 * largest / lo) ** (k / 23))) for k in range(24)})
+    curve = tuple((v, int(start_reserved + growth(v)), int(start_reserved + overhead * growth(v))) for v in grid)
+    return replace(scaled, largest_value=largest, power_of_two=power_of_two_below(largest),
+                   fixed_bytes=float(start_reserved), bytes_per_unit=gn / vn, bytes_per_unit_sq=0.0,
+                   peak_reserved_at_largest_bytes=int(start_reserved + overhead * growth(largest)), curve=curve,
+                   notes=(*notes, *ASSUMPTIONS))
+
+
+def proportional_bound(run: RunTrace, value: int) -> int | None:
+    """An upper bound on a run's peak allocated bytes at a larger ``value``, from one run: its growth
+    scaled in proportion (exact for growth without a fixed part, above it with one). None: unknown start."""
+    if run.allocated_before_bytes is None:
+        return None
+    r = Run(run, lambda frames: None)
+    return run.allocated_before_bytes + math.ceil(r.peak_growth_bytes * value / max(1, run.value))
+
+
+# -- the plot ----------------------------------------------------------------------------------------------------
+def plot_fit(result: FitResult, ax: Any = None) -> Any:
+    """The runs' peaks, the model's peak reserved memory over the value, the room and the prediction."""
+    from matplotlib.ticker import FuncFormatter
+
+    from .plotting import BinaryLocator, MemoryFigure, tick_bytes
+
+    fig = None
+    if ax is None:
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+        fig = MemoryFigure(figsize=(7.2, 3.6), dpi=100, layout="constrained")
+        FigureCanvasAgg(fig)
+        ax = fig.subplots()
+    if result.curve:
+        xs = [v for v, _, _ in result.curve]
+        ax.plot(xs, [r for _, _, r in result.curve], color="#1976d2", lw=1.6, label="model: peak reserved")
+        ax.plot(xs, [a for _, a, _ in result.curve], color="#90caf9", lw=1.2, ls="--", label="model: peak allocated")
+    runs = [p for p in result.points if p.counted and not p.skipped and p.peak_reserved_bytes is not None]
+    if runs:
+        ax.scatter([p.value for p in runs], [p.peak_reserved_bytes for p in runs], color="#0d47a1", zorder=3,
+                   label="runs: peak reserved")
+    if result.room is not None:
+        ax.axhline(result.room.capacity_bytes, color="#d32f2f", lw=1.2,
+                   label=f"room ({fmt_bytes(result.room.margin_bytes)} margin kept)")
+    if result.largest_value is not None:
+        ax.axvline(result.largest_value, color="#424242", lw=1, ls=":",
+                   label=f"largest that fits: {result.largest_value:,}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(result.name)
+    ax.set_ylim(bottom=0)
+    ax.yaxis.set_major_locator(BinaryLocator())
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda x, pos: tick_bytes(x)))
+    ax.spines[["top", "right"]].set_visible(False)
+    ax.legend(frameon=False, fontsize=8)
+    ax.set_title(f"{result.name}: {result._answer()}", fontsize=10)
+    return fig if fig is not None else ax.figure
+
+
+__all__ = ["ASSUMPTIONS", "FitPoint", "FitResult", "GrowthLine", "analyse", "largest_fitting", "plot_fit",
+           "power_of_two_below", "proportional_bound"]

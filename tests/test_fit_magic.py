@@ -1,0 +1,87 @@
+"""``%%cudamem --fit`` and ``nbmem.fit`` as a user meets them on any machine: arguments, the CPU refusal, and
+what a fit puts back (the namespace, the model's state) — the GPU runs are in tests/gpu/test_fit_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from IPython.core.error import UsageError
+
+import nbmem
+from nbmem.magics import session_of
+from nbmem.records import HolderKind
+from nbmem.walk import Root, reachable_state
+from tests.conftest import HAS_GPU, ok
+
+BODY = "x = torch.randn(batch, 64)\nloss = model(x).sum()\nloss.backward()\nopt.step()\nran = True"
+
+
+@pytest.fixture
+def nb(ip):
+    ok(ip, "model = torch.nn.Linear(64, 64)\nopt = torch.optim.Adam(model.parameters())")
+    return ip
+
+
+@pytest.mark.parametrize(("line", "message"), [
+    ("--fit batch", r"takes NAME=V1,V2,\.\.\. \(e\.g\. --fit batch=8,16,32\)"),
+    ("--fit batch=8,sixteen", r"must be positive whole numbers"),
+    ("--fit batch=0,8", r"must be positive whole numbers"),
+    ("--fit batch=8", r"give 2 to 5 different values .*one value shows no growth"),
+    ("--fit batch=8,8", r"one value shows no growth"),
+    ("--fit batch=1,2,3,4,5,6", r"each one runs the cell"),
+    ("--fit size=8,16", r"the cell does not use `size`"),
+    ("--fit batch=8,16 --lines", r"does not take --lines"),
+    ("--no-restore", r"--no-restore goes with --fit"),
+])
+def test_a_bad_fit_is_refused_in_one_line_and_the_cell_does_not_run(nb, line, message):
+    with pytest.raises(UsageError, match=message):
+        nb.run_cell_magic("cudamem", line, BODY)
+    assert "ran" not in nb.user_ns and "x" not in nb.user_ns
+
+
+@pytest.mark.skipif(HAS_GPU, reason="checks the machine without CUDA")
+def test_without_cuda_a_fit_says_it_needs_cudas_allocator_and_the_body_does_not_run(nb):
+    w = nb.user_ns["model"].weight.detach().clone()
+    with pytest.raises(UsageError, match=r"fitting needs CUDA's caching allocator.*The cell did not run"):
+        nb.run_cell_magic("cudamem", "--fit batch=8,16,32", BODY)
+    assert "ran" not in nb.user_ns and torch.equal(nb.user_ns["model"].weight, w)
+    with pytest.raises(RuntimeError, match=r"fitting needs CUDA's caching allocator, .*; nothing was run"):
+        nbmem.fit(BODY, "batch", [8, 16])
+    with pytest.raises(ValueError, match="does not use `n`"):
+        nbmem.fit(BODY, "n", [8, 16])
+    with pytest.raises(ValueError, match="2 to 5 different positive values"):
+        nbmem.fit(BODY, "batch", [8])
+    with pytest.raises(LookupError, match="no fit has run yet"):
+        nbmem.plot_fit()
+
+
+def test_the_namespace_is_put_back_after_each_run_and_the_fits_variable_restored(nb):
+    ok(nb, "batch = 'mine'\nloss = 'old loss'")
+    adapter = session_of(nb).adapter
+    before = dict(nb.user_ns)
+    space = adapter.fit_namespace(BODY, "batch", 7)
+    space.run(4)
+    assert nb.user_ns["batch"] == 4 and nb.user_ns["ran"] is True and nb.user_ns["x"].shape == (4, 64)
+    space.clean()
+    assert "ran" not in nb.user_ns and "x" not in nb.user_ns, "names the body made are gone"
+    assert nb.user_ns["loss"] == "old loss" and nb.user_ns["batch"] == "mine", "rebound names are bound again"
+    ok(nb, "del batch")
+    space = adapter.fit_namespace("del loss\ny = batch", "batch", 8)
+    space.run(2)
+    space.close()
+    assert "batch" not in nb.user_ns, "a name that was not there before the fit is not there after it"
+    assert nb.user_ns["loss"] == "old loss", "a name the body deleted is bound again"
+    assert "y" not in nb.user_ns and before["model"] is nb.user_ns["model"]
+    assert space.filename == "<nbmem fit of In[8]>" and space.sources == {1: "del loss", 2: "y = batch"}
+
+
+def test_the_state_a_fit_restores_is_found_by_walking_what_the_cell_names(nb):
+    ok(nb, "class Trainer:\n    def __init__(self, m, o):\n        self.model, self.optimizer = m, o\n"
+           "trainer = Trainer(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU()), None)\n"
+           "trainer.optimizer = torch.optim.SGD(trainer.model.parameters(), lr=0.1)")
+    sess = session_of(nb)
+    ns = nb.user_ns
+    roots = [Root(n, HolderKind.NAMESPACE, ns[n]) for n in ("trainer", "model", "opt")]
+    modules, optimizers = reachable_state(torch, roots, sess.holdings.scanner.type_cache)
+    assert {id(m) for m in modules} == {id(ns["trainer"].model), id(ns["model"])}, "outermost modules only"
+    assert {id(o) for o in optimizers} == {id(ns["trainer"].optimizer), id(ns["opt"])}
