@@ -285,6 +285,7 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
     runs: list[RunTrace] = []
     skipped: list[int] = []
     notes: list[str] = []
+    durations: dict[int, float] = {}
     steps = 0
     try:
         _free_cached(src, dev)
@@ -302,9 +303,11 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
                 skipped += [w for w, c in schedule[k:] if c]
                 notes.append(f"{name}={v:,} was not run: the runs before it predict it does not fit")
                 break
+            started_run = time.perf_counter()
             try:
                 trace, oom = _one_run(run, v, counted, src, dev, stacks, max_entries)
             finally:
+                durations[v] = time.perf_counter() - started_run
                 steps += 1
                 if clean is not None:
                     clean()
@@ -316,6 +319,9 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
             if oom:
                 notes.append(f"what the run at {name}={v:,} allocated before it ran out of memory was freed ({oom})")
                 break
+        else:
+            steps += _refine(run, runs, durations, room, segments, name, cell_files, notes, src, dev, stacks,
+                             max_entries, clean)
     finally:
         restored = restore_state(saved) if saved is not None else None
         _free_cached(src, dev)
@@ -365,6 +371,65 @@ def fit_in_notebook(adapter: Any, source: TorchSource, type_cache: Any, body: st
         del modules, optimizers
         if space is not None:
             space.close()
+
+
+#: A prediction this far beyond the largest value run is checked by another run, halfway to it ...
+REFINE_FACTOR = 1.5
+#: ... at most this many times ...
+REFINE_RUNS = 3
+#: ... and never a run that would take longer than this (its time scaled from the largest run's).
+REFINE_SECONDS = 30.0
+
+
+def _refine(run: Callable[[int], object], runs: list[RunTrace], durations: dict[int, float], room: Room,
+            segments: Any, name: str, cell_files: frozenset[str], notes: list[str], src: TorchSource, dev: int,
+            stacks: bool, max_entries: int, clean: Callable[[], object] | None) -> int:
+    """More counted runs far from the small values while the prediction lies far beyond them: kernels change
+    their buffers with size (chunked products, buffers sized by the data), and a point near the answer shows
+    it. Each run is halfway from the largest value run to the prediction, so it is predicted to fit with room
+    to spare; an out-of-memory there is caught, and the prediction stays below it. Returns the runs it ran."""
+    made = executed = 0
+    first: int | None = None
+    while executed < REFINE_RUNS:
+        res = analyse(runs, room, name=name, segments=segments, cell_files=cell_files)
+        ok = [r.value for r in runs if r.counted and not r.oom]
+        top = max(ok)
+        if res.largest_value is None or res.largest_value < REFINE_FACTOR * top:
+            break
+        first = res.largest_value if first is None else first
+        value = (top + res.largest_value) // 2
+        took = durations.get(top, 0.0)
+        if took * value / top > REFINE_SECONDS:
+            value = int(top * REFINE_SECONDS / max(took, 1e-6))
+        if value <= top:
+            break
+        started = time.perf_counter()
+        try:
+            trace, oom = _one_run(run, value, True, src, dev, stacks, max_entries)
+        finally:
+            durations[value] = time.perf_counter() - started
+            if clean is not None:
+                clean()
+            _free_cached(src, dev)
+        runs.append(trace)
+        made += 1
+        executed += 1
+        if oom:
+            notes.append(f"the run at {name}={value:,} ran out of memory ({oom}): the prediction stays below it")
+            break
+        if analyse(runs, room, name=name, segments=segments, cell_files=cell_files).method != "timeline":
+            # Its allocations do not line up with the others' (another algorithm at this size): the model of the
+            # runs that do line up stands, rather than a peak scaled from one run.
+            runs.pop()
+            made -= 1
+            notes.append(f"a run at {name}={value:,} allocated differently from the others (another algorithm at "
+                         "that size) and was left out of the model")
+            break
+    if made:
+        checked = ", ".join(f"{r.value:,}" for r in runs[-made:])
+        notes.append(f"the small runs predicted {first:,}: {made} more run{'s' if made > 1 else ''} ({name}={checked}) "
+                     "checked the growth nearer the answer")
+    return executed
 
 
 def _one_run(run: Callable[[int], object], value: int, counted: bool, src: TorchSource, dev: int,
