@@ -9,7 +9,7 @@ mkdir -p "$OUT"
 python3 -m pip install --no-deps --no-index --quiet .whl/*.whl 2>&1 | grep -v -i "warning" | tail -3
 python3 -c "import sys, torch; print('python', sys.version.split()[0], 'torch', torch.__version__, torch.cuda.get_device_name(0))"
 export PYTHONPATH=$PWD
-ZOO=$(ls -d ../shared/leak-zoo shared/leak-zoo 2>/dev/null | head -1)
+ZOO=$(ls -d ../shared/leak-zoo shared/leak-zoo .zoo 2>/dev/null | head -1)  # .zoo: a copy carried to the GPU machine
 case "${1:-tests}" in
   tests)
     python3 -m pytest -q -p no:cacheprovider tests/gpu 2>&1 | tee "$OUT/gpu_tests.txt" | tail -25

@@ -15,33 +15,59 @@ import argparse
 import os
 import sys
 import tempfile
+import textwrap
 import time
 from pathlib import Path
 
-CELLS = [
-    ("load", "%load_ext nbmem\n%cudamem on"),
-    ("imports", "import torch\nfrom transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments\n"
-                "from peft import LoraConfig, get_peft_model\ntorch.cuda.init()"),
-    ("model", "cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers={layers},\n"
-              "                  num_attention_heads=16, num_key_value_heads=16)\n"
-              "model = LlamaForCausalLM(cfg).to('cuda')"),
-    ("lora", "model = get_peft_model(model, LoraConfig(r=16, target_modules=['q_proj', 'v_proj'], task_type='CAUSAL_LM'))"),
-    ("data", "class Tokens(torch.utils.data.Dataset):\n"
-             "    def __len__(self):\n        return 64\n"
-             "    def __getitem__(self, i):\n"
-             "        ids = torch.randint(0, 32000, (256,))\n"
-             "        return {'input_ids': ids, 'labels': ids}\n"
-             "args = TrainingArguments(output_dir='{out}', per_device_train_batch_size=8, max_steps=6, logging_steps=100,\n"
-             "                         report_to=[], save_strategy='no', bf16=True)\n"
-             "trainer = Trainer(model=model, args=args, train_dataset=Tokens())"),
+CELLS = [(name, textwrap.dedent(src).strip()) for name, src in [
+    ("load", """
+        %load_ext nbmem
+        %cudamem on"""),
+    ("imports", """
+        import torch
+        from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+        from peft import LoraConfig, get_peft_model
+        torch.cuda.init()"""),
+    ("model", """
+        cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers={layers},
+                          num_attention_heads=16, num_key_value_heads=16)
+        model = LlamaForCausalLM(cfg).to('cuda')"""),
+    ("lora", """
+        model = get_peft_model(model, LoraConfig(r=16, target_modules=['q_proj', 'v_proj'], task_type='CAUSAL_LM'))"""),
+    ("data", """
+        class Tokens(torch.utils.data.Dataset):
+            def __len__(self):
+                return 64
+            def __getitem__(self, i):
+                ids = torch.randint(0, 32000, (256,))
+                return {'input_ids': ids, 'labels': ids}
+        args = TrainingArguments(output_dir='{out}', per_device_train_batch_size=8, max_steps=6,
+                                 logging_steps=100, report_to=[], save_strategy='no', bf16=True)
+        trainer = Trainer(model=model, args=args, train_dataset=Tokens())"""),
     ("train", "result = trainer.train()"),
     ("del model", "del model"),
-    ("leaks", "import nbmem\nowners = nbmem.leaks()\nprint(owners[['name', 'bytes', 'tensors', 'what', 'also_held_by']].to_string())\n"
-              "print(len(nbmem.leaks(detail=True)), 'rows with detail=True')"),
-    ("compiled", "mlp = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048)).cuda()\n"
-                 "cmlp = torch.compile(mlp, mode='reduce-overhead')\n"
-                 "for _ in range(3):\n    y = cmlp(torch.randn(256, 2048, device='cuda'))"),
-]
+    ("leaks", """
+        import nbmem
+        owners = nbmem.leaks()
+        print(owners[['name', 'bytes', 'tensors', 'what', 'also_held_by']].to_string())
+        print(len(nbmem.leaks(detail=True)), 'rows with detail=True')"""),
+    ("fit setup", """
+        lm = LlamaForCausalLM(cfg).to('cuda')
+        opt = torch.optim.AdamW(lm.parameters(), lr=1e-4)"""),
+    ("fit", """
+        %%cudamem --fit batch=2,4,8
+        ids = torch.randint(0, 32000, (batch, 512), device='cuda')
+        with torch.autocast('cuda', dtype=torch.bfloat16):
+            loss = lm(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)"""),
+    ("compiled", """
+        mlp = torch.nn.Sequential(torch.nn.Linear(2048, 2048), torch.nn.ReLU(), torch.nn.Linear(2048, 2048)).cuda()
+        cmlp = torch.compile(mlp, mode='reduce-overhead')
+        for _ in range(3):
+            y = cmlp(torch.randn(256, 2048, device='cuda'))"""),
+]]
 
 
 def main() -> int:
@@ -72,7 +98,10 @@ def main() -> int:
         lines.append(head)
         if not r.success:
             lines.append(repr(r.error_before_exec or r.error_in_exec))
-        if name not in ("load", "leaks"):
+        if name == "fit":
+            fit = session_of(sh).last_fit
+            lines.append(str(fit) if fit is not None else "no fit result")
+        elif name not in ("load", "leaks"):
             rep = session_of(sh).last_report
             if rep is not None and rep.cell == sh.execution_count - 1:
                 lines.append(f"owner rows: {len(rep.findings)}; shown: {len(rep.holders.shown)}")

@@ -1,0 +1,31 @@
+"""The fit's analysis over allocator traces recorded on an H100 (benchmarks/bench_fit.py, 2026-11-24), against
+the real out-of-memory boundary measured there: 13 rows, five model families, the notebook fresh, after a
+step, and holding half the GPU, and the sequence length. The analysis is pure, so these run anywhere."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from pathlib import Path
+
+import pytest
+
+from nbmem.allocmodel import SegmentState
+from nbmem.fitmodel import Room, RunTrace
+from nbmem.prediction import analyse
+
+ROWS = json.load(gzip.open(Path(__file__).parent / "data" / "fit_traces_h100.json.gz", "rt"))
+
+
+@pytest.mark.parametrize("row", ROWS, ids=[f"{r['family']}-{r['state']}" for r in ROWS])
+def test_the_prediction_is_never_above_the_real_boundary_and_within_10_percent_below(row):
+    segments = tuple(SegmentState(s["address"], s["total_bytes"], s["stream"], s["small"],
+                                  tuple(tuple(b) for b in s["blocks"]), s["usable"]) for s in row["segments"])
+    runs = [RunTrace(r["value"], r["entries"], r["counted"], r["allocated_before_bytes"], r["reserved_before_bytes"],
+                     r["oom"]) for r in row["runs"]]
+    res = analyse(runs, Room(**row["room"]), name=row["family"], segments=segments)
+    real = row["real"]
+    assert res.method == "timeline" and res.largest_value is not None, res.reason
+    assert res.largest_value <= real, f"above the real boundary: {res.largest_value:,} > {real:,}"
+    assert res.largest_value >= 0.9 * real, f"more than 10 % below: {res.largest_value:,} of {real:,}"
+    assert res.power_of_two <= res.largest_value < 2 * res.power_of_two
