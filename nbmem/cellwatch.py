@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import advice
+from . import advice, processes
 from .cells import cell_records, with_trace
 from .formatting import spans
 from .holdings import Baseline, Holdings, with_cpu_allocated
@@ -128,6 +128,11 @@ class CellWatch:
                 notes.append(f"the holder scan stopped at Nbmem.scan_budget ({budget:g} s) before finishing "
                              f"{', '.join(cur.unfinished[:5])}{' and others' if len(cur.unfinished) > 5 else ''}: "
                              f"findings may be incomplete; nbmem.leaks() scans everything")
+        # This notebook's child processes: what they held while the cell ran, and those it left running.
+        children = processes.left_running(after, self.store.last_cell_end() or 0.0)
+        children_use = processes.children_use(o.before, after,
+                                              self.store.samples_between(o.before.t_wall, after.t_wall),
+                                              threshold_bytes=self._settings().threshold_bytes)
         for r in records:
             self.store.add_cell(r)
         broken = advice.breaks_cuda(error)
@@ -141,7 +146,8 @@ class CellWatch:
         elif not error:
             notes += advice.headroom(records, after, self._settings().threshold_bytes)
         report = CellReport(o.cell, records[0].duration_s, tuple(records), found.owners, tuple(unattributed), err,
-                            tips, lines=line_records, notes=tuple(notes), held_bytes=found.total_bytes)
+                            tips, lines=line_records, notes=tuple(notes), held_bytes=found.total_bytes,
+                            children=children, children_use=children_use)
         return report, changed, broken
 
     def _largest_free(self, records: Any) -> dict[str, int]:

@@ -60,6 +60,9 @@ class GpuProcess:
     pid: int
     used_bytes: int | None
     name: str
+    command: str = ""  # a child of this notebook: its command line (others' are not read)
+    started_wall: float | None = None  # a child: when it started (epoch seconds)
+    seen_wall: float | None = None  # a child: when nbmem first saw it on this GPU (epoch seconds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,8 +72,10 @@ class GpuReading:
     used_bytes: int | None
     total_bytes: int | None
     process_used_bytes: int | None
-    other_processes_bytes: int | None
+    other_processes_bytes: int | None  # processes that are neither this one nor its descendants
     processes: tuple[GpuProcess, ...] = ()
+    children_bytes: int | None = None  # this process's descendants (its child processes); None: unknown
+    children: tuple[GpuProcess, ...] = ()
 
 
 #: The CUDA caching allocator's block granularity: ``memory_allocated()`` counts whole blocks.
@@ -125,12 +130,14 @@ class Sample:
     host_used_bytes: int | None = None
     peak_bytes: int | None = None  # the high-water mark: peak RSS (cpu), the allocator's peak (cuda)
     processes: tuple[GpuProcess, ...] = ()  # other processes on this GPU, named where possible
+    children_used_bytes: int | None = None  # this notebook's child processes on this GPU (NVML); cpu: None
+    children: tuple[GpuProcess, ...] = ()  # those processes, with their command lines
 
 
 #: Sample fields that become columns of ``nbmem.samples()`` (t_wall becomes ``time``).
 SAMPLE_COLUMNS = ("time", "device", "allocated_bytes", "reserved_bytes", "active_bytes", "inactive_split_bytes",
                   "nvml_used_bytes", "nvml_total_bytes", "process_used_bytes", "other_processes_bytes", "rss_bytes",
-                  "host_used_bytes", "host_total_bytes", "peak_bytes")
+                  "host_used_bytes", "host_total_bytes", "peak_bytes", "children_used_bytes")
 
 
 @dataclass(frozen=True, slots=True)
@@ -376,3 +383,27 @@ class Fault:
     where: str
     error: str
     count: int
+
+
+# -- what a notebook's child processes hold ---------------------------------------------
+@dataclass(frozen=True, slots=True)
+class ChildrenUse:
+    """What this notebook's child processes held on one GPU during a cell (NVML's per-process figures)."""
+
+    device: str
+    after_bytes: int | None  # at the cell's end
+    peak_bytes: int  # the most while it ran: its two ends and the sampler's readings between (a lower bound)
+
+
+@dataclass(frozen=True, slots=True)
+class ChildProcess:
+    """A process this notebook started, alive and holding memory on a GPU when a cell ended."""
+
+    device: str
+    pid: int
+    used_bytes: int | None
+    command: str
+    started_wall: float | None = None
+
+    def row(self) -> dict[str, Any]:
+        return asdict(self)

@@ -7,6 +7,7 @@ objects they describe; human formatting comes from ``formatting``.
 
 from __future__ import annotations
 
+import datetime as _dt
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -14,6 +15,8 @@ from typing import Any
 from .formatting import Column, esc, fmt_bytes, fmt_seconds, html_table, is_na, prose, text_table
 from .records import (
     CellRecord,
+    ChildProcess,
+    ChildrenUse,
     CleanupOf,
     CleanupStep,
     Fault,
@@ -193,6 +196,25 @@ class Lines(Shown):
 
 UNATTRIBUTED = ("allocated, but no name reaches it: memory torch keeps in C++, such as the cuBLAS workspaces the "
                 "first matrix multiply on a device makes, or tensors a C extension holds")
+#: How to stop a child process, said once under the processes a report names.
+STOP_CHILD = ("nbmem never stops a process: when you are done, `.join()` or `.terminate()` what started it, or "
+              "`import os, signal; os.kill(PID, signal.SIGTERM)`")
+COMMAND_SHOWN = 120
+
+
+def child_texts(use: Sequence[ChildrenUse], children: Sequence[ChildProcess]) -> list[str]:
+    """The report's lines on this notebook's child processes: what they held on each GPU while the cell ran,
+    and the ones it left running, by PID and command line."""
+    out = [f"child processes of this notebook on {u.device}: {fmt_bytes(u.after_bytes)} at the end, at most "
+           f"{fmt_bytes(u.peak_bytes)} while the cell ran (sampled)" for u in use]
+    for c in children:
+        cmd = c.command if len(c.command) <= COMMAND_SHOWN else c.command[:COMMAND_SHOWN - 1] + "…"
+        # psutil's start times count from the boot time in whole seconds: a clock time, not "in this cell".
+        when = f", started {_dt.datetime.fromtimestamp(c.started_wall):%H:%M:%S}" if c.started_wall else ""
+        out.append(f"PID {c.pid} is still running and holds {fmt_bytes(c.used_bytes)} on {c.device}{when}: `{cmd}`")
+    if children:
+        out.append(STOP_CHILD)
+    return out
 
 
 @dataclass(frozen=True, repr=False)
@@ -209,6 +231,8 @@ class CellReport(Shown):
     lines: tuple[LineRecord, ...] = ()
     notes: tuple[str, ...] = ()
     held_bytes: int = 0  # the owners' bytes together (a graph several keep, once)
+    children: tuple[ChildProcess, ...] = ()  # child processes this cell left running with memory on a GPU
+    children_use: tuple[ChildrenUse, ...] = ()  # what this notebook's child processes held per GPU in the cell
 
     @property
     def holders(self) -> HolderTable:
@@ -240,6 +264,10 @@ class CellReport(Shown):
         c = self.last_report_cleanup()
         return f"`%cudamem clean --last-report` would run: {cleanup_text(c)[len('%cudamem clean '):]}" if c else ""
 
+    def _unnamed(self) -> list[str]:
+        return [*(f"unattributed on {dev}: {fmt_bytes(b)} ({UNATTRIBUTED})" for dev, b in self.unattributed),
+                *child_texts(self.children_use, self.children)]
+
     def __str__(self) -> str:
         parts = [self._head(), text_table(SUMMARY_COLUMNS, [summary_cells(r) for r in self.records])]
         for dev, rows in self._line_tables():
@@ -248,8 +276,7 @@ class CellReport(Shown):
             parts += [self._holders_caption() + ":", *self.holders.text()]
             if self._clean_line():
                 parts.append(self._clean_line())
-        for dev, b in self.unattributed:
-            parts.append(f"unattributed on {dev}: {fmt_bytes(b)} ({UNATTRIBUTED})")
+        parts += self._unnamed()
         parts += [f"- {a}" for a in (*self.notes, *self.advice)]
         return "\n".join(parts)
 
@@ -262,8 +289,7 @@ class CellReport(Shown):
             parts.append(self.holders.html(self._holders_caption()))
             if self._clean_line():
                 parts.append(f"<div>{prose(self._clean_line())}</div>")
-        for dev, b in self.unattributed:
-            parts.append(f"<div>unattributed on {esc(dev)}: {esc(fmt_bytes(b))} ({esc(UNATTRIBUTED)})</div>")
+        parts += [f"<div>{prose(line)}</div>" for line in self._unnamed()]
         items = (*self.notes, *self.advice)
         if items:
             parts.append("<ul style='margin:2px 0'>" + "".join(f"<li>{prose(a)}</li>" for a in items) + "</ul>")
@@ -331,6 +357,7 @@ class Status(Shown):
     monitoring: bool
     faults: tuple[Fault, ...] = ()
     scan: tuple[str, ...] = field(default=())  # how the last holder scans went (skipped objects, unfinished roots)
+    children: tuple[str, ...] = ()  # this notebook's child processes on each GPU, a line each
 
     def __str__(self) -> str:
         lines = [f"nbmem: sampling every {self.interval_s:g} s ({'running' if self.sampler_running else 'stopped'}); "
@@ -338,5 +365,6 @@ class Status(Shown):
                  "sees: " + (", ".join(self.devices) or "nothing")]
         lines += [f"cannot see: {c}" for c in self.cannot]
         lines += [f"scan: {s}" for s in self.scan]
+        lines += [f"child process: {c}" for c in self.children]
         lines += [f"fault in {f.where} (x{f.count}): {f.error}" for f in self.faults]
         return "\n".join(lines)

@@ -15,14 +15,12 @@ imports this module, so ``import nbmem`` stays light.
 from __future__ import annotations
 
 import json
-import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import psutil
 from jupyter_client.provisioning import LocalProvisioner
 from jupyter_server.auth.decorator import authorized
 from jupyter_server.base.handlers import APIHandler
@@ -32,6 +30,7 @@ from tornado import web
 from traitlets import Unicode
 from traitlets.utils.importstring import import_item
 
+from .processes import known_total, lineage_of
 from .records import GpuDevice, GpuProcess
 from .sources import NvmlSource
 
@@ -104,11 +103,6 @@ class Reading:
 
 
 # -- attribution (pure) ----------------------------------------------------------------------------------
-def _sum_or_none(procs: Iterable[GpuProcess]) -> int | None:
-    sizes = [p.used_bytes for p in procs]
-    return None if any(s is None for s in sizes) else sum(s or 0 for s in sizes)
-
-
 def _unknown(kernels: Sequence[Kernel]) -> tuple[KernelUse, ...]:
     return tuple(KernelUse(k.kernel_id, k.notebook, None, None) for k in kernels)
 
@@ -144,7 +138,7 @@ def attribute(gpu: GpuDevice, used_bytes: int | None, total_bytes: int | None,
         else:
             owned.setdefault(owner.kernel_id, []).append(p)
     uses = [KernelUse(k.kernel_id, k.notebook, tuple(sorted(q.pid for q in owned[k.kernel_id])),
-                      _sum_or_none(owned[k.kernel_id])) for k in kernels if k.kernel_id in owned]
+                      known_total(owned[k.kernel_id])) for k in kernels if k.kernel_id in owned]
     remote = [k for k in kernels if k.pid is None]
     reasons = [f"kernel {k.kernel_id} has no process on this machine: its GPU memory is unknown" for k in remote]
     blank = sum(p.used_bytes is None for p in procs)
@@ -155,32 +149,6 @@ def attribute(gpu: GpuDevice, used_bytes: int | None, total_bytes: int | None,
 
 
 # -- what the server knows ---------------------------------------------------------------------------------
-def exists_here(pid: int) -> bool:
-    """Whether the PID names a process in this PID namespace, even one that /proc hides (``hidepid``)."""
-    if os.name != "posix":
-        return bool(psutil.pid_exists(pid))
-    try:
-        os.kill(pid, 0)  # signal 0 sends nothing: it only asks whether the process exists
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process
-        return True
-    return True
-
-
-def lineage_of(pid: int) -> tuple[int, ...] | None:
-    """The PID and its ancestors, nearest first; None when no such process exists in this PID namespace."""
-    if pid <= 0:  # not a process (psutil would count the kernel's swapper, PID 0, as one)
-        return None
-    try:
-        return (pid, *(a.pid for a in psutil.Process(pid).parents()))
-    except psutil.NoSuchProcess:
-        # Another user's process under hidepid looks gone to /proc: it exists, and is none of our kernels'.
-        return (pid,) if exists_here(pid) else None
-    except psutil.Error:  # it exists, but its parents cannot be read
-        return (pid,)
-
-
 def kernel_pid(kernel_manager: Any, kernel_id: str) -> int | None:
     """The kernel's process on this machine, or None.
 

@@ -29,6 +29,7 @@ from .holdings import Holdings
 from .options import Settings
 from .owners import Rows
 from .prediction import FitResult
+from .processes import child_lines
 from .records import (
     CELL_COLUMNS,
     FINDING_COLUMNS,
@@ -43,10 +44,24 @@ from .records import (
 )
 from .reports import CellReport, CleanupReport, Leaks, Lines, Status
 from .sampler import Sampler
+from .scanner import Scan
 from .sources import Probe
 from .store import Store, records_frame, ticks_for
 
 Listener = Callable[[Any], None]
+
+
+def scan_lines(s: Scan | None) -> tuple[str, ...]:
+    """How the last holder scan went, a line each (``%cudamem status``)."""
+    if s is None:
+        return ()
+    out = [f"last holder scan: {s.objects:,} objects in {s.seconds * 1000:.1f} ms, walked {len(s.walked)} of the "
+           f"roots (the others were unchanged)"]
+    if s.errors:
+        out.append(f"{s.errors} objects could not be read and were skipped ({', '.join(s.error_types)})")
+    if s.unfinished:
+        out.append("not finished within Nbmem.scan_budget: " + ", ".join(s.unfinished[:10]))
+    return tuple(out)
 
 
 class Session:
@@ -175,27 +190,20 @@ class Session:
             out.append(f"no GPU seen: {nv.reason or 'no GPU found'}; showing this machine's memory")
         elif nv.process_reason:
             out.append(f"per-process numbers unknown: {nv.process_reason}")
+        elif nv.children_reason:
+            out.append(f"child processes unknown: {nv.children_reason}")
         return tuple(out)
 
     def status(self) -> Status:
         p = self.probe
-        cannot = [r for r in (p.nvml.reason, p.nvml.process_reason) if r]
+        cannot = [r for r in (p.nvml.reason, p.nvml.process_reason, p.nvml.children_reason) if r]
         if p.torch.torch() is None:
             cannot.append("torch is not imported yet: no tensors to track")
         elif not p.torch.cuda_initialized() and p.nvml.devices:
             cannot.append("CUDA is not initialised in this process yet: allocator numbers start when it is")
         devices = ["cpu (RSS, CPU tensors)"] + [f"{d.name} = {d.model} (NVML #{d.nvml_index})" for d in p.nvml.devices]
-        scan = []
-        s = self.holdings.last_scan
-        if s is not None:
-            scan.append(f"last holder scan: {s.objects:,} objects in {s.seconds * 1000:.1f} ms, walked "
-                        f"{len(s.walked)} of the roots (the others were unchanged)")
-            if s.errors:
-                scan.append(f"{s.errors} objects could not be read and were skipped ({', '.join(s.error_types)})")
-            if s.unfinished:
-                scan.append("not finished within Nbmem.scan_budget: " + ", ".join(s.unfinished[:10]))
         return Status(tuple(devices), tuple(cannot), self.sampler.running, self.sampler.interval_s, self.monitoring,
-                      self.faults, tuple(scan))
+                      self.faults, scan_lines(self.holdings.last_scan), child_lines(self.store.latest_tick()))
 
     def greeting(self) -> str:
         gpus = [f"{d.name} = {d.model}" for d in self.probe.nvml.devices]
@@ -233,7 +241,8 @@ class Session:
     def should_show(self, report: CellReport) -> bool:
         if self.settings.show == "never":
             return False
-        if self.settings.show == "always" or report.findings or report.error or report.notes:
+        if (self.settings.show == "always" or report.findings or report.error or report.notes or report.children
+                or report.children_use):
             return True
         t = self.settings.threshold_bytes
         return any(abs(r.delta_allocated_bytes or 0) >= t or abs(r.delta_reserved_bytes or 0) >= t
@@ -319,12 +328,7 @@ class Session:
         return out
 
     def _empty_cache(self) -> bool:
-        if not self.probe.torch.cuda_initialized() or self.cuda_broken:
-            return False
-        torch = self.probe.torch.torch()
-        assert torch is not None
-        torch.cuda.empty_cache()
-        return True
+        return not self.cuda_broken and self.probe.torch.empty_cache()
 
     def cleanup(self, request: CleanupRequest) -> CleanupReport:
         """Check the whole request (CleanupRefused, nothing removed), then run it and report each step."""

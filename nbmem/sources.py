@@ -17,6 +17,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from . import processes as lineage
 from .notebooks import notebook_of_pids
 from .records import AllocatorReading, Boundary, GpuDevice, GpuProcess, GpuReading, Sample
 
@@ -58,47 +59,15 @@ def parse_visible_devices(value: str | None, uuids: list[str]) -> tuple[list[int
     return out, None
 
 
-_NAMES: dict[int, tuple[float, str]] = {}
-_NAME_TTL_S = 60.0  # psutil costs milliseconds per process; a PID keeps its name for a while
-
-
-def _process_name(pid: int) -> str:
-    now = time.monotonic()
-    hit = _NAMES.get(pid)
-    if hit is not None and now - hit[0] < _NAME_TTL_S:
-        return hit[1]
-    if len(_NAMES) > 4096:
-        _NAMES.clear()
-    name = _read_process_name(pid)
-    _NAMES[pid] = (now, name)
-    return name
-
-
-def _read_process_name(pid: int) -> str:
-    try:
-        import psutil
-
-        p = psutil.Process(pid)
-        cmd = " ".join(p.cmdline())
-        if "ipykernel" not in cmd:
-            return p.name()
-        try:  # Jupyter's server tells each kernel its notebook's path; readable for our own user only
-            notebook = p.environ().get("JPY_SESSION_NAME", "")
-        except Exception:
-            notebook = ""
-        return f"Jupyter kernel ({notebook})" if notebook else f"Jupyter kernel ({p.name()})"
-    except Exception:  # PIDs from the host are not visible inside a container
-        return "?"
-
-
 class NvmlSource:
     """NVML device totals and per-process usage, for the devices this process can see."""
 
     def __init__(self, nvml: Any | None = None, environ: Mapping[str, str] | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
         self._nv = nvml
         self._env = os.environ if environ is None else environ
         self._clock = clock
+        self._wall = wall
         self._lock = threading.Lock()  # NVML handles are shared by the sampler and the cell hooks
         self.devices: list[GpuDevice] = []
         self.reason: str | None = None  # why NVML sees nothing, when it does not
@@ -106,6 +75,7 @@ class NvmlSource:
         self._handles: dict[str, Any] = {}
         self._proc_cache: dict[str, tuple[float, tuple[GpuProcess, ...]]] = {}
         self._pid_invisible: set[str] = set()  # devices where we use CUDA but NVML never lists our PID
+        self._descendants = lineage.Descendants(clock, wall)  # which listed processes this one started
         self._started = False
 
     # -- the one choke point -------------------------------------------------------------------
@@ -205,7 +175,7 @@ class NvmlSource:
             used = getattr(p, "usedGpuMemory", None)
             if used is None or used == not_available:
                 used = None  # WDDM and MIG report no per-process memory
-            name = f"notebook {notebooks[pid]}" if pid in notebooks else _process_name(pid)
+            name = f"notebook {notebooks[pid]}" if pid in notebooks else lineage.name_of(pid)
             procs.append(GpuProcess(pid, None if used is None else int(used), name))
         result = tuple(procs)
         self._proc_cache[device] = (now, result)
@@ -229,7 +199,6 @@ class NvmlSource:
             if not any(p.pid == me for p in procs):
                 self._pid_invisible.add(device)
         mine = [p for p in procs if p.pid == me]
-        others = tuple(p for p in procs if p.pid != me)
         if mine:
             self._pid_invisible.discard(device)
             own = mine[0].used_bytes
@@ -238,14 +207,20 @@ class NvmlSource:
             # (a container without --pid=host), so NVML's PIDs are the host's and cannot be matched.
             self.process_reason = ("NVML lists no process with this PID although CUDA is in use: a container "
                                    "without host PIDs; per-process numbers are unknown")
-            return GpuReading(used, total, None, None, others)
+            return GpuReading(used, total, None, None, tuple(p for p in procs if p.pid != me))
         else:
             own = 0  # no CUDA context in this process: it holds nothing on the device
-        other_bytes = None if any(p.used_bytes is None for p in others) else sum(p.used_bytes or 0 for p in others)
+        split = self._descendants.split(device, procs, me, pids_match=bool(mine))
+        other_bytes = lineage.known_total(split.others)
         if own is None or other_bytes is None:
             self.process_reason = "NVML gives no per-process memory on this system (WDDM or MIG)"
-        return GpuReading(used, total, own, other_bytes, others)
+        children_bytes = None if split.unknown else lineage.known_total(split.children)
+        return GpuReading(used, total, own, other_bytes, split.others, children_bytes, split.children)
 
+    @property
+    def children_reason(self) -> str | None:
+        """Why this process's child processes cannot be told from other processes, where they cannot."""
+        return self._descendants.reason
 
 def _text(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
@@ -397,6 +372,14 @@ class TorchSource:
             with t.cuda.device(index):
                 t.cuda.synchronize()
                 t.cuda.empty_cache()
+
+    def empty_cache(self) -> bool:
+        """``torch.cuda.empty_cache()``, every device: only on an explicit request (cleanup); False without CUDA."""
+        t = self.torch()
+        if t is None or not self.cuda_initialized():
+            return False
+        t.cuda.empty_cache()
+        return True
 
     def clear_cublas_workspaces(self) -> bool:
         """Drop cuBLAS's per-handle workspaces (a fit that made them takes them back); False where torch cannot."""
@@ -554,18 +537,24 @@ class Probe:
                 a.allocated_bytes if a else None, a.reserved_bytes if a else None,
                 a.active_bytes if a else None, a.inactive_split_bytes if a else None,
                 g.used_bytes, g.total_bytes, g.process_used_bytes, g.other_processes_bytes, rss,
-                peak_bytes=a.peak_allocated_bytes if a else None, processes=g.processes))
+                peak_bytes=a.peak_allocated_bytes if a else None, processes=g.processes,
+                children_used_bytes=g.children_bytes, children=g.children))
         return out
 
     def boundary(self) -> Boundary:
         alloc = self.allocator()
         # A cell's Δ of NVML process usage needs a fresh list at both ends, not the sampler's cached one;
-        # only on devices this process uses (elsewhere its usage is 0 and the cached list will do).
+        # only on devices this process uses, or everywhere while it has child processes (a cell that started
+        # them is told what they hold); elsewhere its usage is 0 and the cached list will do.
         nv = {}
+        kids: bool | None = None
         for name in self.gpu_names():
             used = _holds_memory(alloc.get(name))
+            if not used and kids is None and self.nvml.devices:
+                kids = lineage.has_children()
+            fresh = used or bool(kids)
             nv[name] = self.nvml.read(name, cuda_in_use=used,
-                                      max_age_s=BOUNDARY_MAX_AGE_S if used else PROCESS_LIST_MIN_INTERVAL_S)
+                                      max_age_s=BOUNDARY_MAX_AGE_S if fresh else PROCESS_LIST_MIN_INTERVAL_S)
         return Boundary(self._wall(), self._mono(), self.host.rss_bytes(), self.host.max_rss_bytes(), alloc, nv)
 
 

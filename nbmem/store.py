@@ -62,6 +62,24 @@ class Store:
         out.reverse()
         return out
 
+    def samples_between(self, start: float, end: float) -> list[Sample]:
+        """Samples taken from ``start`` to ``end`` (epoch seconds), oldest first (what a cell saw)."""
+        with self._lock:
+            out: list[Sample] = []
+            for tick in reversed(self._ticks):
+                if tick and tick[0].t_wall < start:
+                    break
+                if tick and tick[0].t_wall <= end:
+                    out.extend(reversed(tick))
+        out.reverse()
+        return out
+
+    def last_cell_end(self) -> float | None:
+        """When the newest cell record's cell ended (epoch seconds), or None before the first."""
+        with self._lock:
+            r = self._cells[-1] if self._cells else None
+        return None if r is None else r.started + r.duration_s
+
     def latest_tick(self) -> tuple[Sample, ...]:
         with self._lock:
             return self._ticks[-1] if self._ticks else ()
@@ -83,7 +101,7 @@ def samples_frame(samples: Sequence[Sample]) -> Any:
     """One row per (time, device); integer bytes, NA where a value is unknown."""
     import pandas as pd
 
-    names = [f.name for f in fields(Sample) if f.name != "processes"]
+    names = [f.name for f in fields(Sample) if f.name not in ("processes", "children")]
     cols: dict[str, list[Any]] = {n: [getattr(s, n) for s in samples] for n in names}
     df = pd.DataFrame({
         "time": pd.to_datetime(pd.Series(cols.pop("t_wall"), dtype="float64"), unit="s", utc=True),

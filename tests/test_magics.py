@@ -119,10 +119,11 @@ def test_samples_frame_columns_and_na(ip):
     assert list(df.columns) == ["time", "device", "allocated_bytes", "reserved_bytes", "active_bytes",
                                 "inactive_split_bytes", "nvml_used_bytes", "nvml_total_bytes",
                                 "process_used_bytes", "other_processes_bytes", "rss_bytes", "host_used_bytes",
-                                "host_total_bytes", "peak_bytes"]
+                                "host_total_bytes", "peak_bytes", "children_used_bytes"]
     cpu = df[df.device == "cpu"]
     assert len(cpu) >= 2 and cpu["rss_bytes"].gt(0).all()
     assert cpu["nvml_used_bytes"].isna().all()  # unknown is NA, not 0
+    assert cpu["children_used_bytes"].isna().all()  # child processes are counted on GPUs only
     assert all(str(df[c].dtype) == "Int64" for c in df.columns if c.endswith("_bytes"))
     assert str(df["time"].dt.tz) == "UTC"
 
