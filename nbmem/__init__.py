@@ -91,18 +91,20 @@ def lines(cell: int | None = None) -> Any:
 
 
 def cleanup(names: Any = (), outputs: bool = False, traceback: bool = False, collect: bool = True,
-            empty_cache: bool = True, to_cpu: Any = ()) -> Any:
+            empty_cache: bool = True, to_cpu: Any = (), compiled: bool = False) -> Any:
     """Delete exactly the named variables, clear outputs / the last traceback if asked, then gc and empty_cache.
 
     A name's object also loses IPython's hidden references to it (``Out[n]``, ``_n``, ``_``, the last
     result); other variables bound to it are never removed (the report says they still hold it).
+    ``compiled=True`` runs ``torch._dynamo.reset()`` before gc: what ``torch.compile`` made goes (compiled
+    code, CUDA graphs and their private memory pool); compiled modules compile again when next called.
     The whole request is checked first: any unknown or protected name raises ``ValueError`` listing
     every problem, and nothing is removed. Returns a report with ``freed_allocated_bytes``,
     ``freed_reserved_bytes`` and one line per step.
     """
     from .cleanup_request import CleanupRequest
 
-    return _session().cleanup(CleanupRequest.of(names, to_cpu, outputs, traceback, collect, empty_cache))
+    return _session().cleanup(CleanupRequest.of(names, to_cpu, outputs, traceback, collect, empty_cache, compiled))
 
 
 def fit(body: Any, name: str, values: Any, *, restore: bool = True, warmup: bool = True) -> Any:

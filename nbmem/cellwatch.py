@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from . import advice, processes
+from . import advice, pools, processes
 from .cells import cell_records, with_trace
 from .formatting import spans
 from .holdings import Baseline, Holdings, with_cpu_allocated
@@ -111,7 +111,7 @@ class CellWatch:
                               names=self.adapter.cell_names()) if rec is not None else {}
         records = with_trace(records, replays)
         found = Rows((), ())
-        unattributed: list[tuple[str, int]] = []
+        unnamed = pools.Unnamed((), (), ())
         notes: list[str] = []
         line_records: tuple[LineRecord, ...] = ()
         if o.lines:
@@ -122,7 +122,7 @@ class CellWatch:
         if o.scan:
             cur, found, changed = self.holdings.close_cell(o.cell, o.base, o.before, after, replays)
             records = with_cpu_allocated(records, o.base, self.holdings.tensor_bytes(cur))
-            unattributed = self.holdings.unattributed(records, cur)
+            unnamed = self.holdings.unattributed(records, cur)
             if cur.truncated:
                 budget = self._settings().scan_budget_s
                 notes.append(f"the holder scan stopped at Nbmem.scan_budget ({budget:g} s) before finishing "
@@ -145,9 +145,10 @@ class CellWatch:
                                      largest_free=self._largest_free(records))
         elif not error:
             notes += advice.headroom(records, after, self._settings().threshold_bytes)
-        report = CellReport(o.cell, records[0].duration_s, tuple(records), found.owners, tuple(unattributed), err,
+        report = CellReport(o.cell, records[0].duration_s, tuple(records), found.owners, unnamed.gaps, err,
                             tips, lines=line_records, notes=tuple(notes), held_bytes=found.total_bytes,
-                            children=children, children_use=children_use)
+                            pools=unnamed.pools, compiled=unnamed.compiled, children=children,
+                            children_use=children_use)
         return report, changed, broken
 
     def _largest_free(self, records: Any) -> dict[str, int]:

@@ -49,10 +49,12 @@ def _freed(before: Mapping[str, tuple[int | None, int | None]],
 class Cleaner:
     """Runs a checked request's steps in a fixed order, measuring around each one."""
 
-    def __init__(self, ns: Namespace, measure: Measure, empty_cache: Callable[[], bool]) -> None:
+    def __init__(self, ns: Namespace, measure: Measure, empty_cache: Callable[[], bool],
+                 reset_compiled: Callable[[], str]) -> None:
         self.ns = ns
         self.measure = measure
         self._empty_cache = empty_cache
+        self._reset_compiled = reset_compiled
 
     def run(self, req: CleanupRequest) -> CleanupReport:
         steps: list[CleanupStep] = []
@@ -84,6 +86,9 @@ class Cleaner:
         if req.traceback:
             step("clear traceback", "last exception",
                  lambda: "%debug can no longer inspect it" if self.ns.clear_traceback() else "there was no traceback")
+        if req.compiled:
+            # Before gc and empty_cache: the graphs it drops free their pools, which those then give back.
+            step("reset torch.compile", "compiled code, CUDA graphs", self._reset_compiled)
         if req.collect:
             step("gc.collect()", "", lambda: f"{gc.collect()} objects collected")
         if req.empty_cache:

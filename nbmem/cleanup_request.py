@@ -57,28 +57,31 @@ class CleanupRequest:
     traceback: bool = False
     collect: bool = True
     empty_cache: bool = True
+    compiled: bool = False  # torch._dynamo.reset(): what torch.compile made (compiled code, CUDA graphs, their pools)
 
     @classmethod
     def of(cls, names: Any = (), to_cpu: Any = (), outputs: Any = False, traceback: Any = False,
-           collect: Any = True, empty_cache: Any = True) -> CleanupRequest:
+           collect: Any = True, empty_cache: Any = True, compiled: Any = False) -> CleanupRequest:
         """A request from loosely typed arguments (``nbmem.cleanup``): names deduplicated, flags checked."""
         problems = []
-        flags = {"outputs": outputs, "traceback": traceback, "collect": collect, "empty_cache": empty_cache}
+        flags = {"outputs": outputs, "traceback": traceback, "collect": collect, "empty_cache": empty_cache,
+                 "compiled": compiled}
         for k, v in flags.items():
             if not isinstance(v, bool):
                 problems.append(f"{k} must be True or False, not {v!r:.40}")
         if problems:
             raise CleanupRefused(problems)
-        return cls(_names(names, "names"), _names(to_cpu, "to_cpu"), outputs, traceback, collect, empty_cache)
+        return cls(_names(names, "names"), _names(to_cpu, "to_cpu"), outputs, traceback, collect, empty_cache,
+                   compiled)
 
     def plus(self, listed: CleanupOf) -> CleanupRequest:
         """This request and what a report listed (``--last-report``), each name once."""
         return CleanupRequest(tuple(dict.fromkeys(self.names + listed.names)), self.to_cpu,
                               self.outputs or listed.outputs, self.traceback or listed.traceback, self.collect,
-                              self.empty_cache)
+                              self.empty_cache, self.compiled)
 
     def __bool__(self) -> bool:
-        return bool(self.names or self.to_cpu or self.outputs or self.traceback)
+        return bool(self.names or self.to_cpu or self.outputs or self.traceback or self.compiled)
 
     def describe(self) -> str:
         """What it will do, as a person would say it ("del model, opt; clear outputs")."""
@@ -91,6 +94,8 @@ class CleanupRequest:
             parts.append("clear outputs")
         if self.traceback:
             parts.append("clear traceback")
+        if self.compiled:
+            parts.append("reset torch.compile")
         if parts:
             return "; ".join(parts)
         return " + ".join(s for s, on in (("gc", self.collect), ("empty cache", self.empty_cache)) if on)

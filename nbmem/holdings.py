@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from . import findings as judge
-from . import owners
+from . import owners, pools
 from .linetrace import Replay
 from .options import Settings
 from .records import Boundary, CellRecord
@@ -195,18 +195,31 @@ class Holdings:
             return True
         return self.scanner.young_unlocated(cur).get("cpu", 0) >= t
 
-    def unattributed(self, records: Sequence[CellRecord], cur: Scan) -> list[tuple[str, int]]:
-        """Allocated bytes no name reaches (cuBLAS workspaces, C++-held buffers), when this cell made them grow."""
+    def unattributed(self, records: Sequence[CellRecord], cur: Scan) -> pools.Unnamed:
+        """Allocated bytes no name reaches (cuBLAS workspaces, C++-held buffers), when this cell made them grow;
+        and where a device's private pools (CUDA graphs of a compiled model) hold memory that grew, those."""
         out = []
+        grew = set()
+        t = self.settings.threshold_bytes
         tensors = self.tensor_bytes(cur)
         for r in records:
             if r.device == "cpu" or r.allocated_after_bytes is None:
                 continue
             gap = r.allocated_after_bytes - tensors.get(r.device, 0)
-            if gap - self._gaps.get(r.device, 0) >= self.settings.threshold_bytes:
+            if gap - self._gaps.get(r.device, 0) >= t:
                 out.append((r.device, gap))
+                grew.add(r.device)
+            elif (r.delta_reserved_bytes or 0) >= t:
+                grew.add(r.device)  # a graph's intermediates freed back to its pool stay reserved there
             self._gaps[r.device] = gap
-        return out
+        if not grew:
+            return pools.Unnamed((), (), ())
+        # The allocator's segments say which pool holds what: read (a host-side walk) only when something grew.
+        segments = self.probe.torch.segments() or []
+        compiled = pools.compiled_modules(cur.root_types)
+        named = pools.named_addresses((h.device, h.addr) for h in cur.storages.values())
+        found = pools.private_pools(segments, named, compiled)
+        return pools.Unnamed(tuple(out), tuple(found[d] for d in sorted(grew) if d in found), compiled)
 
     def _remember(self, cell: int, found: owners.Rows) -> None:
         self._by_cell[cell] = found

@@ -19,7 +19,7 @@ keep the memory it added alive.
     %cudamem status                          what nbmem can and cannot see, and why
     %cudamem report                          one row per measured cell (= nbmem.report())
     %cudamem leaks [--cell N] [--detail]     who holds memory now, or what cell N added: a row per owner
-    %cudamem clean NAME ... [--outputs] [--traceback] [--last-report] [--to-cpu NAME]
+    %cudamem clean NAME ... [--outputs] [--traceback] [--last-report] [--to-cpu NAME] [--compiled]
                    [--no-collect] [--no-empty-cache]
     %cudamem gauge [--inline | --sidebar]    show the live gauge again
     %cudamem lines [--cell N]                the last --lines cell's lines, or cell N's (= nbmem.lines())
@@ -33,6 +33,9 @@ Cleanup removes exactly what you name, and checks the whole request before it ch
   not freed.
 - ``--outputs`` clears the output history; ``--traceback`` drops the last exception's frames (then
   ``%debug`` cannot inspect it); ``--to-cpu NAME`` moves a tensor or module to the CPU.
+- ``--compiled`` runs ``torch._dynamo.reset()``: what ``torch.compile`` made goes (compiled code, and with
+  ``mode="reduce-overhead"`` the CUDA graphs and the private memory pool they keep, which a cell report
+  names with its bytes); a compiled module compiles again when it is next called.
 - ``--last-report`` does exactly what the most recent cell report listed under "would run": it deletes
   the variables that report showed as holders, clears the outputs or the traceback if it showed
   them, and nothing else.
@@ -104,7 +107,8 @@ COMMANDS: dict[str, frozenset[str]] = {
     "status": frozenset(),
     "report": frozenset(),
     "leaks": frozenset({"cell", "detail"}),
-    "clean": frozenset({"names", "outputs", "traceback", "last_report", "to_cpu", "no_collect", "no_empty_cache"}),
+    "clean": frozenset({"names", "outputs", "traceback", "last_report", "to_cpu", "compiled", "no_collect",
+                        "no_empty_cache"}),
     "gauge": frozenset({"inline", "sidebar"}),
     "plot": frozenset(),
     "lines": frozenset({"cell"}),
@@ -116,7 +120,8 @@ _FIT = re.compile(r"\s*([A-Za-z_]\w*)\s*=\s*(\S+)\s*\Z")
 _FLAG_NAMES = {"names": "NAME", "reset_peak": "--reset-peak", "no_scan": "--no-scan", "quiet": "--quiet",
                "lines": "--lines",
                "cell": "--cell", "outputs": "--outputs", "traceback": "--traceback", "last_report": "--last-report",
-               "to_cpu": "--to-cpu", "no_collect": "--no-collect", "no_empty_cache": "--no-empty-cache",
+               "to_cpu": "--to-cpu", "compiled": "--compiled", "no_collect": "--no-collect",
+               "no_empty_cache": "--no-empty-cache",
                "inline": "--inline", "sidebar": "--sidebar", "detail": "--detail", "fit": "--fit",
                "no_restore": "--no-restore"}
 
@@ -283,6 +288,9 @@ class NbmemMagics(Magics):
     @argument("--all-flagged", action="store_true", help=argparse.SUPPRESS)
     @argument("--to-cpu", action="append", default=[], metavar="NAME",
               help="With `clean`: move this tensor or module to the CPU instead of deleting it.")
+    @argument("--compiled", action="store_true",
+              help="With `clean`: torch._dynamo.reset(), dropping what torch.compile made (compiled code, CUDA graphs "
+                   "and their memory pool); compiled modules compile again when next called.")
     @argument("--no-collect", action="store_true", help="With `clean`: skip gc.collect().")
     @argument("--no-empty-cache", action="store_true", help="With `clean`: skip torch.cuda.empty_cache().")
     @argument("--inline", action="store_true", help="With `gauge`: show it in the cell output.")
@@ -302,7 +310,8 @@ class NbmemMagics(Magics):
                               you typed); --detail, a row per tensor (= nbmem.leaks(detail=True))
           clean NAME ...      delete exactly these variables (and IPython's hidden references
                               to their objects, never another variable); --outputs, --traceback,
-                              --last-report, --to-cpu NAME; then gc.collect() and empty_cache().
+                              --last-report, --to-cpu NAME, --compiled (torch._dynamo.reset():
+                              compiled code and CUDA graphs); then gc.collect() and empty_cache().
                               The whole request is checked first: one bad name, nothing removed.
           gauge               show the live gauge again (--inline or --sidebar)
           lines [--cell N]    memory per line of the last cell measured with --lines (= nbmem.lines())
@@ -456,7 +465,7 @@ class NbmemMagics(Magics):
     def _cmd_clean(self, args: Any) -> Any:
         try:
             req = CleanupRequest.of(args.names, args.to_cpu, args.outputs, args.traceback, not args.no_collect,
-                                    not args.no_empty_cache)
+                                    not args.no_empty_cache, args.compiled)
             if args.last_report:
                 last = self.session.last_shown_report
                 if last is None:
@@ -468,7 +477,7 @@ class NbmemMagics(Magics):
                 req = req.plus(listed)
             if not req and not args.last_report:
                 raise UsageError("%cudamem clean: say what goes: names (`%cudamem clean x`), --outputs, "
-                                 "--traceback, --to-cpu NAME or --last-report. Nothing was removed.")
+                                 "--traceback, --to-cpu NAME, --compiled or --last-report. Nothing was removed.")
             return self.session.cleanup(req)
         except CleanupRefused as e:
             raise UsageError(f"%cudamem clean: {e}") from None

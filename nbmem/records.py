@@ -385,7 +385,20 @@ class Fault:
     count: int
 
 
-# -- what a notebook's child processes hold ---------------------------------------------
+# -- what a notebook's compiled models and child processes hold ---------------------------------------------
+@dataclass(frozen=True, slots=True)
+class PoolUse:
+    """One device's private memory pools: where CUDA graphs keep their memory (``torch.compile`` with
+    ``mode="reduce-overhead"``, ``torch.cuda.graph``), apart from the allocator's default pool."""
+
+    device: str
+    pools: int  # private pools with memory on this device
+    reserved_bytes: int  # their segments, allocated or cached
+    allocated_bytes: int
+    unnamed_bytes: int  # allocated there, reached by no name the scan walked (the graphs' own buffers)
+    compiled: tuple[str, ...] = ()  # the notebook's compiled modules (what ``torch.compile`` returned)
+
+
 @dataclass(frozen=True, slots=True)
 class ChildrenUse:
     """What this notebook's child processes held on one GPU during a cell (NVML's per-process figures)."""

@@ -22,6 +22,7 @@ from .records import (
     Fault,
     Finding,
     LineRecord,
+    PoolUse,
     cleanup_text,
     known_sum,
     merge_cleanups,
@@ -195,11 +196,45 @@ class Lines(Shown):
 
 
 UNATTRIBUTED = ("allocated, but no name reaches it: memory torch keeps in C++, such as the cuBLAS workspaces the "
-                "first matrix multiply on a device makes, or tensors a C extension holds")
+                "first matrix multiply on a device makes, or tensors a C extension holds; what CUDA graphs hold is "
+                "counted apart, from the allocator's pools")
 #: How to stop a child process, said once under the processes a report names.
 STOP_CHILD = ("nbmem never stops a process: when you are done, `.join()` or `.terminate()` what started it, or "
               "`import os, signal; os.kill(PID, signal.SIGTERM)`")
 COMMAND_SHOWN = 120
+
+
+def pool_text(p: PoolUse) -> str:
+    """A device's CUDA-graph pools in words: how much, whose, and what gives it back."""
+    where = "a private memory pool" if p.pools == 1 else f"{p.pools} private memory pools"
+    names = ", ".join(f"`{n}`" for n in p.compiled)
+    made = (f"the CUDA graphs torch.compile recorded for {names} (mode=\"reduce-overhead\")" if p.compiled
+            else "CUDA graphs (torch.compile with mode=\"reduce-overhead\", or torch.cuda.graph)")
+    free = ("`%cudamem clean --compiled` gives it back (torch._dynamo.reset() drops the graphs, then "
+            f"torch.cuda.empty_cache()); {names} compile{'s' if len(p.compiled) == 1 else ''} again when next called"
+            if p.compiled else "deleting the graphs (or the compiled function) frees it; `%cudamem clean --compiled` "
+            "when torch.compile made them")
+    return (f"CUDA graphs on {p.device}: {fmt_bytes(p.reserved_bytes)} reserved in {where} of {made}, "
+            f"{fmt_bytes(p.allocated_bytes)} of it allocated ({fmt_bytes(p.unnamed_bytes)} reached by no name: the "
+            f"graphs' own inputs, intermediates and outputs); {free}")
+
+
+def unnamed_texts(unattributed: Sequence[tuple[str, int]], pools: Sequence[PoolUse],
+                  compiled: Sequence[str]) -> list[str]:
+    """The report's lines on memory no name reaches: the CUDA-graph pools first, then the rest as unattributed."""
+    out = [pool_text(p) for p in pools]
+    by_device = {p.device: p for p in pools}
+    for dev, b in unattributed:
+        pool = by_device.get(dev)
+        rest = b - (pool.unnamed_bytes if pool else 0)
+        if pool is not None and rest < 2**20:
+            continue  # the pools explain it (a remainder under a MiB is older workspaces, told before)
+        line = f"unattributed on {dev}: {fmt_bytes(rest)}{' more' if pool else ''} ({UNATTRIBUTED})"
+        if compiled and pool is None:
+            line += (f"; torch.compile is in use ({', '.join(f'`{n}`' for n in compiled)}): its caches may hold some "
+                     f"of it, and `%cudamem clean --compiled` drops them")
+        out.append(line)
+    return out
 
 
 def child_texts(use: Sequence[ChildrenUse], children: Sequence[ChildProcess]) -> list[str]:
@@ -231,6 +266,8 @@ class CellReport(Shown):
     lines: tuple[LineRecord, ...] = ()
     notes: tuple[str, ...] = ()
     held_bytes: int = 0  # the owners' bytes together (a graph several keep, once)
+    pools: tuple[PoolUse, ...] = ()  # CUDA-graph pools on the devices where unnamed memory or the cache grew
+    compiled: tuple[str, ...] = ()  # the notebook's compiled modules, when the report speaks of unnamed memory
     children: tuple[ChildProcess, ...] = ()  # child processes this cell left running with memory on a GPU
     children_use: tuple[ChildrenUse, ...] = ()  # what this notebook's child processes held per GPU in the cell
 
@@ -265,7 +302,7 @@ class CellReport(Shown):
         return f"`%cudamem clean --last-report` would run: {cleanup_text(c)[len('%cudamem clean '):]}" if c else ""
 
     def _unnamed(self) -> list[str]:
-        return [*(f"unattributed on {dev}: {fmt_bytes(b)} ({UNATTRIBUTED})" for dev, b in self.unattributed),
+        return [*unnamed_texts(self.unattributed, self.pools, self.compiled),
                 *child_texts(self.children_use, self.children)]
 
     def __str__(self) -> str:
@@ -358,6 +395,7 @@ class Status(Shown):
     faults: tuple[Fault, ...] = ()
     scan: tuple[str, ...] = field(default=())  # how the last holder scans went (skipped objects, unfinished roots)
     children: tuple[str, ...] = ()  # this notebook's child processes on each GPU, a line each
+    pools: tuple[str, ...] = ()  # CUDA-graph pools per device, a line each
 
     def __str__(self) -> str:
         lines = [f"nbmem: sampling every {self.interval_s:g} s ({'running' if self.sampler_running else 'stopped'}); "
@@ -366,5 +404,6 @@ class Status(Shown):
         lines += [f"cannot see: {c}" for c in self.cannot]
         lines += [f"scan: {s}" for s in self.scan]
         lines += [f"child process: {c}" for c in self.children]
+        lines += [f"CUDA graphs: {p}" for p in self.pools]
         lines += [f"fault in {f.where} (x{f.count}): {f.error}" for f in self.faults]
         return "\n".join(lines)

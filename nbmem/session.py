@@ -28,6 +28,7 @@ from .formatting import fmt_bytes, spans
 from .holdings import Holdings
 from .options import Settings
 from .owners import Rows
+from .pools import pool_lines
 from .prediction import FitResult
 from .processes import child_lines
 from .records import (
@@ -203,7 +204,8 @@ class Session:
             cannot.append("CUDA is not initialised in this process yet: allocator numbers start when it is")
         devices = ["cpu (RSS, CPU tensors)"] + [f"{d.name} = {d.model} (NVML #{d.nvml_index})" for d in p.nvml.devices]
         return Status(tuple(devices), tuple(cannot), self.sampler.running, self.sampler.interval_s, self.monitoring,
-                      self.faults, scan_lines(self.holdings.last_scan), child_lines(self.store.latest_tick()))
+                      self.faults, scan_lines(self.holdings.last_scan), child_lines(self.store.latest_tick()),
+                      pool_lines(p.torch.segments(), self.holdings.last_scan))
 
     def greeting(self) -> str:
         gpus = [f"{d.name} = {d.model}" for d in self.probe.nvml.devices]
@@ -242,7 +244,7 @@ class Session:
         if self.settings.show == "never":
             return False
         if (self.settings.show == "always" or report.findings or report.error or report.notes or report.children
-                or report.children_use):
+                or report.children_use or report.pools):
             return True
         t = self.settings.threshold_bytes
         return any(abs(r.delta_allocated_bytes or 0) >= t or abs(r.delta_reserved_bytes or 0) >= t
@@ -336,7 +338,7 @@ class Session:
         if self.cuda_broken:
             self.notify(RESTART_ADVICE)
         held_by = self.holdings.held_by(request.names)
-        rep = Cleaner(self.adapter, self._measure, self._empty_cache).run(request)
+        rep = Cleaner(self.adapter, self._measure, self._empty_cache, self.probe.torch.reset_compiled).run(request)
         self.holdings.rescan(cell=0, walk="changed")
         rep = replace(rep, still_held=self.holdings.still_held(held_by))
         self.holdings.forget_current()

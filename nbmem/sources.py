@@ -381,6 +381,16 @@ class TorchSource:
         t.cuda.empty_cache()
         return True
 
+    def reset_compiled(self) -> str:
+        """``torch._dynamo.reset()``: drop what ``torch.compile`` made (compiled code, CUDA graphs and their
+        private pools), only on an explicit request (``%cudamem clean --compiled``). Says what it did."""
+        dynamo = sys.modules.get("torch._dynamo")
+        if dynamo is None:  # torch.compile imports it: without it nothing was compiled
+            return "torch.compile was not used in this process: nothing to reset"
+        dynamo.reset()
+        return ("compiled code and CUDA graphs dropped (torch._dynamo.reset()); a compiled module compiles again "
+                "when it is next called")
+
     def clear_cublas_workspaces(self) -> bool:
         """Drop cuBLAS's per-handle workspaces (a fit that made them takes them back); False where torch cannot."""
         t = self.torch()
