@@ -37,6 +37,7 @@ const COLOURS = {
   tensors: "var(--jp-brand-color1, #1976d2)",
   rest: "var(--jp-brand-color3, #90caf9)",
   nontorch: "var(--jp-warn-color1, #f57c00)",
+  children: "var(--jp-success-color1, #388e3c)",
   others: "var(--jp-error-color1, #d32f2f)",
   unsplit: "repeating-linear-gradient(45deg, var(--jp-border-color1, #9e9e9e) 0 3px, transparent 3px 6px)",
   free: "var(--jp-layout-color3, #e0e0e0)",
@@ -144,12 +145,32 @@ function seriesNames(device) {
 }
 
 /**
+ * A list of processes under a device's bar, a row each: PID, name, bytes; a child's command line as its tooltip.
+ * @param {string} title
+ * @param {string} role
+ * @param {{pid: number, name: string, bytes: number|null, command?: string}[]} list
+ * @returns {HTMLElement[]}
+ */
+function processList(title, role, list) {
+  const ul = h("ul", "nbmem-procs");
+  for (const p of list) {
+    const li = h("li", "", `PID ${p.pid} ${p.name} · ${fmtBytes(p.bytes)}`);
+    li.dataset.role = role;
+    li.dataset.pid = String(p.pid);
+    if (p.command) li.title = p.command;
+    ul.append(li);
+  }
+  return [h("div", "nbmem-meta", title), ul];
+}
+
+/**
  * The bar, its legend and the peak for one device.
  * @param {import("./layout.js").DeviceRow} r
- * @param {Record<string, any>} procs processes by device
+ * @param {Record<string, any>} procs other processes by device
+ * @param {Record<string, any>} kids this notebook's child processes by device
  * @returns {HTMLElement}
  */
-function deviceSection(r, procs) {
+function deviceSection(r, procs, kids) {
   const sec = h("section", "nbmem-device");
   sec.dataset.device = r.device;
   const segs = segments(r);
@@ -208,17 +229,13 @@ function deviceSection(r, procs) {
   legend.append(peak);
   sec.append(legend);
 
+  const children = kids && kids[r.device];
+  if (Array.isArray(children) && children.length) {
+    sec.append(...processList("this notebook's child processes on this GPU:", "child-row", children));
+  }
   const others = procs && procs[r.device];
   if (Array.isArray(others) && others.length) {
-    sec.append(h("div", "nbmem-meta", "other processes on this GPU:"));
-    const ul = h("ul", "nbmem-procs");
-    for (const p of others) {
-      const li = h("li", "", `PID ${p.pid} ${p.name} · ${fmtBytes(p.bytes)}`);
-      li.dataset.role = "process-row";
-      li.dataset.pid = String(p.pid);
-      ul.append(li);
-    }
-    sec.append(ul);
+    sec.append(...processList("other processes on this GPU:", "process-row", others));
   }
   return sec;
 }
@@ -380,10 +397,11 @@ export default {
       const hist = model.get("history") || {};
       const cells = model.get("cells") || [];
       const procs = model.get("processes") || {};
+      const kids = model.get("children") || {};
       const now = Number(snap.t) || Date.now() / 1000;
       root.dataset.updated = String(snap.t || "");
       devices.replaceChildren(...rows(snap).map((r) => {
-        const sec = deviceSection(r, procs);
+        const sec = deviceSection(r, procs, kids);
         sec.insertBefore(sparkline(r.device, hist, cells, now), sec.querySelector(".nbmem-legend"));
         return sec;
       }));
@@ -553,6 +571,7 @@ export default {
       ["change:history", later(drawDevices)],
       ["change:cells", later(drawDevices)],
       ["change:processes", later(drawDevices)],
+      ["change:children", later(drawDevices)],
       ["change:last_cell", later(drawLastCell)],
       ["change:holders", later(drawButtons)],
       ["change:holders_note", later(drawButtons)],

@@ -18,6 +18,8 @@ import { fmtBytes, isNA } from "./format.js";
  * @property {number|null} total device memory (NVML) or host RAM
  * @property {number|null} tensors CPU tensors reachable from the notebook (CPU, as of the last scan)
  * @property {number|null} peak session peak: torch allocated (GPU) or RSS (CPU)
+ * @property {number|null} children this notebook's child processes on the GPU (NVML); null on the CPU, or
+ *   where they cannot be told from other processes (a container), or from a kernel too old to send it
  */
 
 /**
@@ -27,7 +29,8 @@ import { fmtBytes, isNA } from "./format.js";
  * @property {number|null} bytes null: unknown, shown as NA
  */
 
-const COLUMNS = ["device", "model", "allocated", "reserved", "process", "others", "used", "total", "tensors", "peak"];
+const COLUMNS = ["device", "model", "allocated", "reserved", "process", "others", "used", "total", "tensors", "peak",
+  "children"];
 
 /**
  * Rows from the column-oriented snapshot; a missing column or entry reads as unknown.
@@ -78,6 +81,7 @@ export function segments(r) {
         { key: "allocated", label: "torch allocated", bytes: r.allocated },
         { key: "cached", label: "torch cached", bytes: diff(r.reserved, r.allocated) },
         { key: "nontorch", label: "non-PyTorch (this process)", bytes: diff(r.process, r.reserved) },
+        { key: "children", label: "child processes (this notebook)", bytes: r.children },
         { key: "others", label: "other processes", bytes: r.others },
       ];
   if (r.device === "cpu" && isNA(r.tensors) && !isNA(r.process)) {

@@ -13,7 +13,7 @@ const MiB = 2 ** 20;
 /** @param {Partial<import("./layout.js").DeviceRow>} r */
 const row = (r) => ({
   device: "cuda:0", model: "", allocated: null, reserved: null, process: null, others: null,
-  used: null, total: null, tensors: null, peak: null, ...r,
+  used: null, total: null, tensors: null, peak: null, children: 0, ...r,
 });
 
 /** @param {import("./layout.js").Segment[]} segs */
@@ -28,14 +28,25 @@ test("rows() turns the column snapshot into rows; missing entries are unknown", 
   assert.deepEqual(rows(null), []);
 });
 
-test("a GPU bar has the five segments, in order, that add up to the total", () => {
-  const r = row({ allocated: 2 * GiB, reserved: 3 * GiB, process: 3.5 * GiB, others: 4 * GiB, used: 7.5 * GiB, total: 10 * GiB });
+test("a GPU bar has the six segments, in order, that add up to the total", () => {
+  const r = row({ allocated: 2 * GiB, reserved: 3 * GiB, process: 3.5 * GiB, children: GiB, others: 3 * GiB,
+    used: 7.5 * GiB, total: 10 * GiB });
   const segs = segments(r);
-  assert.deepEqual(segs.map((s) => s.key), ["allocated", "cached", "nontorch", "others", "free"]);
-  assert.deepEqual(byKey(segs), { allocated: 2 * GiB, cached: GiB, nontorch: 0.5 * GiB, others: 4 * GiB, free: 2.5 * GiB });
+  assert.deepEqual(segs.map((s) => s.key), ["allocated", "cached", "nontorch", "children", "others", "free"]);
+  assert.deepEqual(byKey(segs), { allocated: 2 * GiB, cached: GiB, nontorch: 0.5 * GiB, children: GiB, others: 3 * GiB,
+    free: 2.5 * GiB });
   const ws = widths(segs, scaleOf(r, segs));
-  assert.deepEqual(ws, [20, 10, 5, 40, 25]);
+  assert.deepEqual(ws, [20, 10, 5, 10, 30, 25]);
   assert.ok(segs.every((s) => s.label.length > 0), "every colour has a text label");
+});
+
+test("child processes that cannot be told from others (a container) are NA, inside 'not split'", () => {
+  const r = row({ allocated: GiB, reserved: GiB, process: 2 * GiB, children: null, others: 3 * GiB, used: 5 * GiB,
+    total: 8 * GiB });
+  const s = byKey(segments(r));
+  assert.equal(s.children, null);
+  assert.ok(!("unsplit" in s), "others already counts every process but this one: nothing is left to split");
+  assert.equal(rows({ device: ["cuda:0"], process: [5] })[0].children, null, "an older kernel sends no column");
 });
 
 test("unknown per-process numbers stay NA and the rest of `used` becomes one 'not split' segment", () => {
@@ -45,7 +56,7 @@ test("unknown per-process numbers stay NA and the rest of `used` becomes one 'no
   assert.equal(s.others, null);
   assert.equal(s.unsplit, 4 * GiB);
   assert.equal(s.free, 2 * GiB);
-  assert.deepEqual(widths(segments(r), 8 * GiB), [12.5, 12.5, 0, 0, 50, 25]);
+  assert.deepEqual(widths(segments(r), 8 * GiB), [12.5, 12.5, 0, 0, 0, 50, 25]);
 });
 
 test("CUDA not initialised: torch numbers are NA, not 0, and take no room", () => {
@@ -87,7 +98,7 @@ test("without a total the bar is scaled to what is known and the peak", () => {
   assert.deepEqual(widths(segs, scaleOf(r, segs)), [25, 50, 0, 0]);
   assert.equal(peakPercent(r, 400 * MiB), 100);
   assert.equal(peakPercent(row({}), 0), null);
-  assert.deepEqual(widths(segments(row({})), 0), [0, 0, 0, 0, 0]);
+  assert.deepEqual(widths(segments(row({})), 0), [0, 0, 0, 0, 0, 0]);
 });
 
 test("sparkline: max with headroom; NA breaks the line; y is flipped", () => {

@@ -30,6 +30,7 @@ COLORS = {
     "torch allocated": "#1976d2",
     "torch cached": "#90caf9",
     "non-PyTorch (this process)": "#f57c00",
+    "child processes (this notebook)": "#388e3c",
     "other processes": "#d32f2f",
     "free": "#e0e0e0",
     "CPU tensors": "#1976d2",
@@ -37,7 +38,8 @@ COLORS = {
     "this process (RSS)": "#90caf9",
     "used, not split": "#bdbdbd",
 }
-GPU_KINDS = ("torch allocated", "torch cached", "non-PyTorch (this process)", "other processes", "free")
+GPU_KINDS = ("torch allocated", "torch cached", "non-PyTorch (this process)", "child processes (this notebook)",
+             "other processes", "free")
 CPU_KINDS = ("CPU tensors", "rest of this process", "other processes", "free")
 
 #: Tick steps of the time axis, in seconds; past a day, whole days.
@@ -141,11 +143,11 @@ def plot(session: Any, *, clock: bool = False) -> MemoryFigure:
 def stack(device: str, rows: Any, cpu_tensors: np.ndarray | None = None) -> tuple[list[Band], float]:
     """A panel's bands, bottom to top, and the device's total (NaN if unknown).
 
-    GPU: torch allocated, torch cached (reserved - allocated), non-PyTorch (NVML process - reserved),
-    other processes, then free (total - used). CPU: CPU tensors, rest of this process (RSS - tensors),
-    other processes (host used - RSS), free. Where some in-use kind is unknown, "used, not split" covers
-    what is in use but unexplained; where the CPU tensors are unknown the process is one "this process
-    (RSS)" block, as in the gauge.
+    GPU: torch allocated, torch cached (reserved - allocated), non-PyTorch (NVML process - reserved), the
+    notebook's child processes, other processes, then free (total - used). CPU: CPU tensors, rest of this
+    process (RSS - tensors), other processes (host used - RSS), free. Where some in-use kind is unknown,
+    "used, not split" covers what is in use but unexplained; where the CPU tensors are unknown the process
+    is one "this process (RSS)" block, as in the gauge.
     """
     n = len(rows)
 
@@ -171,6 +173,7 @@ def stack(device: str, rows: Any, cpu_tensors: np.ndarray | None = None) -> tupl
         in_use = [Band("torch allocated", alloc),
                   Band("torch cached", _diff(reserved, alloc)),
                   Band("non-PyTorch (this process)", _diff(col("process_used_bytes"), reserved)),
+                  Band("child processes (this notebook)", col("children_used_bytes")),
                   Band("other processes", col("other_processes_bytes"))]
         unknown = np.zeros(n, dtype=bool)
         for b in in_use:

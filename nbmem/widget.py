@@ -76,7 +76,7 @@ def snapshot_columns(batch: Sequence[Sample], *, models: Mapping[str, str], peak
                      cpu_tensors_bytes: int | None) -> dict[str, Any]:
     """One column per quantity, one entry per device (``cpu`` first); None where unknown."""
     cols: dict[str, Any] = {k: [] for k in ("device", "model", "allocated", "reserved", "process", "others",
-                                             "used", "total", "tensors", "peak")}
+                                             "used", "total", "tensors", "peak", "children")}
     cols["t"] = batch[0].t_wall if batch else time.time()
     for s in batch:
         cpu = s.device == "cpu"
@@ -90,6 +90,7 @@ def snapshot_columns(batch: Sequence[Sample], *, models: Mapping[str, str], peak
         cols["total"].append(s.host_total_bytes if cpu else s.nvml_total_bytes)
         cols["tensors"].append(cpu_tensors_bytes if cpu else None)
         cols["peak"].append(peaks.get(s.device))
+        cols["children"].append(None if cpu else s.children_used_bytes)
     return cols
 
 
@@ -293,6 +294,7 @@ class Gauge(anywidget.AnyWidget):
     history: traitlets.Dict[str, Any] = traitlets.Dict().tag(sync=True)
     cells: traitlets.List[dict[str, Any]] = traitlets.List().tag(sync=True)
     processes: traitlets.Dict[str, Any] = traitlets.Dict().tag(sync=True)
+    children: traitlets.Dict[str, Any] = traitlets.Dict().tag(sync=True)  # this notebook's child processes
     last_cell: traitlets.Dict[str, Any] = traitlets.Dict().tag(sync=True)
     holders: traitlets.List[dict[str, Any]] = traitlets.List().tag(sync=True)
     holders_note = traitlets.Unicode("").tag(sync=True)  # shown in place of an empty list: why it is empty
@@ -386,9 +388,12 @@ class Gauge(anywidget.AnyWidget):
         now = batch[0].t_wall
         procs = {x.device: [{"pid": p.pid, "name": p.name, "bytes": p.used_bytes} for p in x.processes]
                  for x in batch if x.device != "cpu"}
+        kids = {x.device: [{"pid": p.pid, "name": p.name, "command": p.command, "bytes": p.used_bytes}
+                           for p in x.children] for x in batch if x.device != "cpu"}
         out: dict[str, Any] = {
             "snapshot": snapshot_columns(batch, models=models, peaks=peaks, cpu_tensors_bytes=self._tensors),
             "processes": procs,
+            "children": kids,
             "note": " · ".join(self.session.notes()),
         }
         if time.monotonic() - self._history_at >= HISTORY_EVERY_S:

@@ -21,7 +21,7 @@ MiB, GiB = 2**20, 2**30
 T0 = pd.Timestamp("2024-05-01 13:59:47.25", tz="UTC")
 BYTE_COLUMNS = ["allocated_bytes", "reserved_bytes", "active_bytes", "inactive_split_bytes", "nvml_used_bytes",
                 "nvml_total_bytes", "process_used_bytes", "other_processes_bytes", "rss_bytes", "host_used_bytes",
-                "host_total_bytes"]
+                "host_total_bytes", "children_used_bytes"]
 
 
 class Recorded:
@@ -66,9 +66,10 @@ def gpu_session(*, gpus: int = 1, seconds: float = 600, cells: int = 30, int64: 
         rows.append(pd.DataFrame({
             "time": T0 + pd.to_timedelta(t, unit="s"), "device": f"cuda:{g}",
             "allocated_bytes": alloc, "reserved_bytes": alloc * 1.2, "active_bytes": alloc,
-            "inactive_split_bytes": 0.0, "nvml_used_bytes": alloc * 1.2 + 5.5 * GiB, "nvml_total_bytes": 80.0 * GiB,
+            "inactive_split_bytes": 0.0, "nvml_used_bytes": alloc * 1.2 + 6.5 * GiB, "nvml_total_bytes": 80.0 * GiB,
             "process_used_bytes": np.where(process_known, alloc * 1.2 + 500 * MiB, np.nan),
             "other_processes_bytes": np.where(process_known, 4.0 * GiB, np.nan),
+            "children_used_bytes": np.where(process_known, 1.0 * GiB, np.nan),
             "rss_bytes": 3.0 * GiB, "host_used_bytes": np.nan, "host_total_bytes": np.nan}))
         for n, (s, d) in enumerate(zip(starts, durations), start=1):
             before = s / seconds * 30 * GiB * (g + 1) / gpus
@@ -210,7 +211,8 @@ def test_unknown_per_process_numbers_are_not_drawn_as_zero():
     ax = fig.axes[0]
     assert "non-PyTorch (this process)" not in fills(ax) and "other processes" not in fills(ax)
     assert legend_texts(fig) == ["torch allocated", "torch cached", "non-PyTorch (this process): unknown",
-                                 "other processes: unknown", "used, not split", "free"]
+                                 "child processes (this notebook): unknown", "other processes: unknown",
+                                 "used, not split", "free"]
     colours = {to_hex(c.get_facecolor()[0]) for bands in fills(ax).values() for c in bands}
     assert colours.isdisjoint({"#f57c00", "#d32f2f"})
 

@@ -77,8 +77,9 @@ class FakeNvml:
 
     NVML_VALUE_NOT_AVAILABLE = 2**64 - 1
 
-    def __init__(self, per_process: bool = True) -> None:
+    def __init__(self, per_process: bool = True, children: tuple[int, ...] = ()) -> None:
         self.per_process = per_process
+        self.children = children  # PIDs of real child processes, listed with 2 GiB each
 
     def nvmlInit(self) -> None:
         pass
@@ -105,7 +106,8 @@ class FakeNvml:
         if not self.per_process:
             raise RuntimeError("Not Supported")
         return [SimpleNamespace(pid=os.getpid(), usedGpuMemory=11 * GiB),
-                SimpleNamespace(pid=4242, usedGpuMemory=19 * GiB)]
+                SimpleNamespace(pid=4242, usedGpuMemory=19 * GiB - 2 * GiB * len(self.children)),
+                *(SimpleNamespace(pid=pid, usedGpuMemory=2 * GiB) for pid in self.children)]
 
 
 class FakeAllocator(TorchSource):
@@ -197,7 +199,8 @@ def test_gpu_layout_from_fake_samples(gpu_session: Session) -> None:
         gpu = columns(g, "cuda:0")
         assert gpu == {"device": "cuda:0", "model": "Fake H100", "allocated": 8 * GiB, "reserved": 10 * GiB,
                        "process": 11 * GiB, "others": 19 * GiB, "used": 30 * GiB, "total": 80 * GiB,
-                       "tensors": None, "peak": 9 * GiB}
+                       "tensors": None, "peak": 9 * GiB, "children": 0}
+        assert g.children == {"cuda:0": []}
         assert [p["pid"] for p in g.processes["cuda:0"]] == [4242], "this process is not 'another process'"
         assert g.processes["cuda:0"][0]["bytes"] == 19 * GiB
         assert g.note == ""
@@ -205,6 +208,26 @@ def test_gpu_layout_from_fake_samples(gpu_session: Session) -> None:
         assert g.history["aux"]["cuda:0"][-1] == 10 * GiB
     finally:
         g.close()
+
+
+def test_the_notebooks_child_processes_are_its_own_not_other_processes() -> None:
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    session = Session(adapter=None, probe=Probe(nvml=NvmlSource(nvml=FakeNvml(children=(child.pid,)), environ={}),
+                                                torch=FakeAllocator()))
+    session.probe.start()
+    g = Gauge(session, start=False)
+    try:
+        publish(g)
+        gpu = columns(g, "cuda:0")
+        assert (gpu["process"], gpu["children"], gpu["others"]) == (11 * GiB, 2 * GiB, 17 * GiB)
+        assert [p["pid"] for p in g.processes["cuda:0"]] == [4242]
+        (kid,) = g.children["cuda:0"]
+        assert (kid["pid"], kid["bytes"]) == (child.pid, 2 * GiB) and "time.sleep(60)" in kid["command"]
+    finally:
+        g.close()
+        session.close()
+        child.kill()
+        child.wait()
 
 
 def test_unknown_numbers_are_sent_as_null_never_zero() -> None:

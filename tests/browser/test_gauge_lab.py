@@ -179,7 +179,8 @@ def _gpu_state() -> dict[str, Any]:
         t = now - 120 + k
         a = int((2 + 6 * (k % 40) / 40) * GiB)
         samples += [Sample(t, "cpu", None, None, None, None, None, None, None, None, 3 * GiB, 64 * GiB, 20 * GiB),
-                    Sample(t, "cuda:0", a, 10 * GiB, a, 0, 30 * GiB, 80 * GiB, 11 * GiB, 19 * GiB, 3 * GiB),
+                    Sample(t, "cuda:0", a, 10 * GiB, a, 0, 30 * GiB, 80 * GiB, 11 * GiB, 17 * GiB, 3 * GiB,
+                           children_used_bytes=2 * GiB),
                     Sample(t, "cuda:1", GiB, 2 * GiB, GiB, 0, 9 * GiB, 24 * GiB, None, None, 3 * GiB)]
     batch = samples[-3:]
     snap = snapshot_columns(batch, models={"cuda:0": "NVIDIA H100 80GB HBM3", "cuda:1": "NVIDIA L4"},
@@ -195,7 +196,10 @@ def _gpu_state() -> dict[str, Any]:
     ]
     return {"snapshot": snap, "history": history_columns(samples, now), "cells": cell_spans([rec], now),
             "processes": {"cuda:0": [{"pid": 4242, "name": "Jupyter kernel (python3)", "bytes": 12 * GiB},
-                                     {"pid": 5151, "name": "python", "bytes": 7 * GiB}], "cuda:1": []},
+                                     {"pid": 5151, "name": "python", "bytes": 5 * GiB}], "cuda:1": []},
+            "children": {"cuda:0": [{"pid": 6001, "name": "python", "bytes": 2 * GiB,
+                                     "command": "python -c from multiprocessing.spawn import spawn_main"}],
+                         "cuda:1": []},
             "last_cell": last_cell_row(CellReport(7, 12.5, (rec,))), "holders": holder_rows(findings),
             "action": {}, "note": ""}
 
@@ -217,14 +221,19 @@ def test_gpu_layout_from_fake_samples(page: Any, artifacts: Path) -> None:
     assert gauge.locator("[data-role=note]").is_hidden()
     gpu = gauge.locator("section[data-device='cuda:0']")
     segs = gpu.locator(".nbmem-bar [data-seg]").evaluate_all("els => els.map(e => e.dataset.seg)")
-    assert segs == ["allocated", "cached", "nontorch", "others", "free"]
+    assert segs == ["allocated", "cached", "nontorch", "children", "others", "free"]
     values = dict(zip(gpu.locator(".nbmem-legend li").evaluate_all("els => els.map(e => e.dataset.seg)"),
                       gpu.locator(".nbmem-legend [data-role=value]").all_inner_texts(), strict=True))
-    assert values == {"allocated": "7.85 GiB", "cached": "2.15 GiB", "nontorch": "1.00 GiB", "others": "19.0 GiB",
-                      "free": "50.0 GiB", "peak": "8.00 GiB"}
+    assert values == {"allocated": "7.85 GiB", "cached": "2.15 GiB", "nontorch": "1.00 GiB", "children": "2.00 GiB",
+                      "others": "17.0 GiB", "free": "50.0 GiB", "peak": "8.00 GiB"}
     expect(gpu.locator("[data-role=process]")).to_have_text("11.0 GiB")
     expect(gpu.locator("[data-role=process-row][data-pid='4242']")).to_have_text(
         "PID 4242 Jupyter kernel (python3) · 12.0 GiB")
+    # The notebook's own worker is listed as its child, its command line as the tooltip, not as another process.
+    child = gpu.locator("[data-role=child-row][data-pid='6001']")
+    expect(child).to_have_text("PID 6001 python · 2.00 GiB")
+    expect(child).to_have_attribute("title", "python -c from multiprocessing.spawn import spawn_main")
+    assert gpu.locator("[data-role=process-row][data-pid='6001']").count() == 0
     assert gpu.locator("[data-role=sparkline] path").count() == 2
     assert gpu.locator("[data-role=sparkline] rect[data-cell='7']").count() == 1
 
@@ -232,6 +241,7 @@ def test_gpu_layout_from_fake_samples(page: Any, artifacts: Path) -> None:
     l4 = gauge.locator("section[data-device='cuda:1']")
     assert l4.locator("li[data-seg=nontorch] [data-role=value]").inner_text() == "NA"
     assert l4.locator("li[data-seg=others] [data-role=value]").inner_text() == "NA"
+    assert l4.locator("li[data-seg=children] [data-role=value]").inner_text() == "NA"
     assert l4.locator("li[data-seg=unsplit] [data-role=value]").inner_text() == "7.00 GiB"
 
     expect(gauge.locator("[data-role=last-cell]")).to_contain_text("Δ allocated +4.00 GiB")
