@@ -8,8 +8,8 @@
 
 import { fmtBytes, fmtSeconds, isNA } from "./format.js";
 import {
-  CONFIRM_MS, agoLabel, cellSpans, codeParts, holderList, peakPercent, press, rows, scaleOf, segments, seriesMax, sparkMax,
-  sparkPath, sparkStart, viewKind, widths,
+  CONFIRM_MS, agoLabel, asksForSidebar, cellSpans, codeParts, holderList, peakPercent, press, rows, scaleOf, segments,
+  seriesMax, sparkMax, sparkPath, sparkStart, viewKind, widths,
 } from "./layout.js";
 
 /** The front end's name, as the page's Jupyter config says ("JupyterLab", "Jupyter Notebook"), or "". */
@@ -300,20 +300,63 @@ function sparkline(device, hist, cells, now) {
   return wrap;
 }
 
-export default {
+/**
+ * The one line a view under the cell shows once the gauge is in the sidebar.
+ * @param {HTMLElement} el
+ * @returns {() => void}
+ */
+function pointer(el) {
+  const line = h("div", "nbmem-pointer");
+  line.append(withCode("nbmem: the live memory gauge is in the right sidebar (`%cudamem gauge --inline` puts it here)."));
+  line.style.cssText = "font: 12px var(--jp-ui-font-family, sans-serif); opacity: .7; padding: 2px 0";
+  el.append(line);
+  return () => line.remove();
+}
+
+const view = {
   /**
+   * Draws the gauge, or a pointer to it; redrawn when the kernel moves it (its `placement` changes).
    * @param {{model: Model, el: HTMLElement}} ctx
    * @returns {() => void} cleanup, run when the view goes away
    */
   render({ model, el }) {
-    const inSidebar = el.closest("#jp-right-stack") !== null;
-    if (viewKind(model.get("placement"), appName(), inSidebar) === "pointer") {
-      const pointer = h("div", "nbmem-pointer", "nbmem: the live memory gauge is in the right sidebar "
-        + "(`%cudamem gauge --inline` puts it here).");
-      pointer.style.cssText = "font: 12px var(--jp-ui-font-family, sans-serif); opacity: .7; padding: 2px 0";
-      el.append(pointer);
-      return () => pointer.remove();
-    }
+    const inSidebar = () => el.closest("#jp-right-stack") !== null;
+    let shown = "";
+    let undraw = () => {};
+    const draw = () => {
+      const kind = viewKind(model.get("placement"), inSidebar());
+      if (kind === shown) return;
+      undraw();
+      shown = kind;
+      undraw = kind === "pointer" ? pointer(el) : view.gauge({ model, el });
+    };
+    draw();
+    model.on("change:placement", draw);
+    // A view is made before the page attaches it (sidecar's panel does so later): where it sits is known
+    // once it is in the document, so look again until then.
+    /** @type {ReturnType<typeof setTimeout> | undefined} */
+    let settle;
+    let tries = 0;
+    const look = () => {
+      draw();
+      if (!el.isConnected && ++tries < 200) settle = setTimeout(look, 50);
+    };
+    if (!el.isConnected) settle = setTimeout(look, 0);
+    // Only this page knows it is JupyterLab: it asks the kernel for the sidebar, the one other message it sends.
+    if (asksForSidebar(model.get("placement"), appName(), inSidebar())) model.send({ type: "place", where: "sidebar" });
+    return () => {
+      clearTimeout(settle);
+      model.off("change:placement", draw);
+      undraw();
+    };
+  },
+
+  /**
+   * The gauge itself, drawn into `el` and kept up to date from the model.
+   * @param {{model: Model, el: HTMLElement}} ctx
+   * @returns {() => void} cleanup
+   */
+  gauge({ model, el }) {
     const root = h("div", "nbmem-gauge");
     const style = h("style");
     style.textContent = CSS;
@@ -591,3 +634,5 @@ export default {
     };
   },
 };
+
+export default view;

@@ -248,17 +248,28 @@ export function press(armed, key, now) {
 }
 
 /**
- * What one view of the gauge shows. With automatic placement the kernel shows the gauge twice, in
- * JupyterLab's sidebar (through sidecar) and under the cell, because only the page can tell which
- * front end it is: Notebook 7 has no sidebar for sidecar, so its cell copy is the gauge; in
- * JupyterLab the sidebar has it and the cell copy becomes one line saying where it went.
+ * What one view of the gauge shows: the gauge, or one line saying it is in the sidebar (a view under the
+ * cell once the gauge has moved into JupyterLab's right sidebar).
  * @param {string} placement the model's placement: "auto", "sidebar" or "inline"
- * @param {string} appName the page's `appName` from #jupyter-config-data ("" when there is none)
  * @param {boolean} inSidebar whether this view sits in JupyterLab's right sidebar
  * @returns {"gauge" | "pointer"}
  */
-export function viewKind(placement, appName, inSidebar) {
-  return placement === "auto" && !inSidebar && appName === "JupyterLab" ? "pointer" : "gauge";
+export function viewKind(placement, inSidebar) {
+  return placement === "sidebar" && !inSidebar ? "pointer" : "gauge";
+}
+
+/**
+ * Whether this view asks the kernel to move the gauge into the right sidebar. With automatic placement the
+ * kernel shows the gauge under the cell, because only the page knows its front end: JupyterLab has the
+ * sidebar (the sidecar package draws into it); Notebook 7, VS Code and Colab have none it can use, and
+ * there the gauge stays under the cell with nothing to ask and nothing to fail in the console.
+ * @param {string} placement the model's placement
+ * @param {string} appName the page's `appName` from #jupyter-config-data ("" when there is none: VS Code, Colab)
+ * @param {boolean} inSidebar whether this view already sits in JupyterLab's right sidebar
+ * @returns {boolean}
+ */
+export function asksForSidebar(placement, appName, inSidebar) {
+  return placement === "auto" && appName === "JupyterLab" && !inSidebar;
 }
 
 /**

@@ -3,7 +3,7 @@ import assert from "node:assert/strict";
 import { test } from "node:test";
 
 import {
-  CONFIRM_MS, agoLabel, cellSpans, codeParts, diff, holderList, holderText, moduleOf, peakPercent, press, rows, scaleOf,
+  CONFIRM_MS, agoLabel, asksForSidebar, cellSpans, codeParts, diff, holderList, holderText, moduleOf, peakPercent, press, rows, scaleOf,
   segments, seriesMax, sparkMax, sparkPath, sparkStart, viewKind, widths,
 } from "./layout.js";
 
@@ -145,12 +145,19 @@ test("a young session's sparkline starts at its first sample, at least 30 s back
   assert.equal(agoLabel(300), "−5 min");
 });
 
-test("automatic placement: JupyterLab's cell copy points to the sidebar; elsewhere it is the gauge", () => {
-  assert.equal(viewKind("auto", "JupyterLab", false), "pointer");
-  assert.equal(viewKind("auto", "JupyterLab", true), "gauge");
-  assert.equal(viewKind("auto", "Jupyter Notebook", false), "gauge"); // Notebook 7: no sidebar for sidecar
-  assert.equal(viewKind("auto", "", false), "gauge"); // unknown page: better twice than not at all
-  assert.equal(viewKind("inline", "JupyterLab", false), "gauge"); // asked for under the cell
+test("automatic placement: only JupyterLab asks for the sidebar; every other page keeps the gauge in the cell", () => {
+  assert.equal(asksForSidebar("auto", "JupyterLab", false), true);
+  assert.equal(asksForSidebar("auto", "JupyterLab", true), false); // already there
+  assert.equal(asksForSidebar("auto", "Jupyter Notebook", false), false); // Notebook 7: no sidebar sidecar can use
+  assert.equal(asksForSidebar("auto", "", false), false); // VS Code, Colab: no Jupyter page config at all
+  assert.equal(asksForSidebar("inline", "JupyterLab", false), false); // asked for under the cell
+  assert.equal(asksForSidebar("sidebar", "JupyterLab", false), false); // moved already: a second view asks nothing
+  // Until the kernel has moved it, the view under the cell is the gauge (Run All: the kernel is busy for a while).
+  assert.equal(viewKind("auto", false), "gauge");
+  assert.equal(viewKind("inline", false), "gauge");
+  // Once it has, the copy under the cell is a pointer and the sidebar's is the gauge.
+  assert.equal(viewKind("sidebar", false), "pointer");
+  assert.equal(viewKind("sidebar", true), "gauge");
 });
 
 /**

@@ -3,13 +3,15 @@
 Presentation only. The gauge subscribes to the engine (``Session.subscribe``) and reads it through
 its public methods; a single publisher thread turns what arrives into compact columns of raw bytes (the
 JS formats them) and writes every data trait, at most ``MAX_UPDATES_PER_S`` times a second, one
-``hold_sync`` batch per update. The front end writes no trait: its only message is a cleanup request,
+``hold_sync`` batch per update. The front end writes no trait. It sends two messages: a cleanup request,
 which becomes a ``CleanupRequest`` for a finding the session lists at that moment, through the same
-door as ``nbmem.cleanup``.
+door as ``nbmem.cleanup``; and, from a JupyterLab page only, "place me in the sidebar" for a gauge placed
+automatically, because only the page knows which front end it is (it touches nothing of the user's).
 """
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
 import re
@@ -300,7 +302,8 @@ class Gauge(anywidget.AnyWidget):
     holders_note = traitlets.Unicode("").tag(sync=True)  # shown in place of an empty list: why it is empty
     action: traitlets.Dict[str, Any] = traitlets.Dict().tag(sync=True)
     note = traitlets.Unicode("").tag(sync=True)
-    placement = traitlets.Unicode("inline").tag(sync=True)  # "auto": the page decides (js/layout.js viewKind)
+    # "auto": under the cell until a JupyterLab page asks for the sidebar (js/layout.js asksForSidebar)
+    placement = traitlets.Unicode("inline").tag(sync=True)
 
     def __init__(self, session: Session, *, start: bool = True, **kwargs: Any) -> None:
         super().__init__(**kwargs)
@@ -404,9 +407,35 @@ class Gauge(anywidget.AnyWidget):
     # -- clicks (main thread, between cells) ------------------------------------------------------------
     def _on_msg(self, _widget: Any, content: Any, _buffers: Any) -> None:
         try:
-            self._request(content)
+            if isinstance(content, dict) and content.get("type") == "place":
+                self._place(content)
+            else:
+                self._request(content)
         except Exception as e:
             self.session.fault("gauge click", e)
+
+    def _place(self, content: dict[str, Any]) -> None:
+        """A JupyterLab page asks for the sidebar: an automatically placed gauge moves there, once."""
+        if content.get("where") != "sidebar":
+            self._refuse("", f"unknown place {content.get('where')!r:.40}", content)
+            return
+        if self.placement != "auto":
+            return  # moved already (another view of it asked first), or placed by hand
+        try:
+            self.to_sidebar()
+        except RuntimeError:  # no sidecar package: the gauge stays where it is, under the cell
+            self.placement = "inline"
+
+    def to_sidebar(self) -> None:
+        """Show the gauge in JupyterLab's right sidebar (a sidecar panel); a view under a cell then points there."""
+        try:
+            from sidecar import Sidecar
+        except ImportError as e:
+            raise RuntimeError(f"the sidebar needs the sidecar package (pip install sidecar), or use "
+                               f"`%cudamem gauge --inline` ({e})") from e
+        self.sidecar = Sidecar(title="nbmem")
+        self.sidecar.append_display_data(self)  # its outputs: no cell's output context is needed
+        self.placement = "sidebar"
 
     def _refuse(self, req: str, why: str, content: Any) -> None:
         entry = f"{why}: {content!r:.300}"
@@ -476,14 +505,16 @@ def in_kernel(shell: Any) -> bool:
 
 
 def auto_place(environ: Mapping[str, str] | None = None) -> str:
-    """JupyterLab's sidebar, except where there is surely no sidebar to put it in (VS Code, Colab).
+    """Where "auto" shows the gauge: "inline" where no page will ask for the sidebar (VS Code, Colab), else
+    "auto": under the cell until a JupyterLab page asks for the sidebar (Notebook 7 does not ask).
 
-    A Jupyter server may be serving JupyterLab or Notebook 7; ``show_gauge`` leaves that to the page.
+    The kernel cannot tell JupyterLab from Notebook 7, or a browser from VS Code connected to a remote
+    server; the page can (js/layout.js ``asksForSidebar``).
     """
     env = os.environ if environ is None else environ
     if "VSCODE_PID" in env or "VSCODE_CWD" in env or "google.colab" in sys.modules:
         return "inline"
-    return "sidebar"
+    return "auto" if importlib.util.find_spec("sidecar") is not None else "inline"
 
 
 def warn_old_ipykernel(session: Session) -> None:
@@ -515,31 +546,14 @@ def show_gauge(session: Session, where: str, *, previous: Gauge | None = None, s
                                "terminal, `%cudamem status` and `%cudamem report` give the numbers")
         return None
     warn_old_ipykernel(session)
-    place = auto_place() if where == "auto" else where
     from IPython.display import display
 
     gauge = Gauge(session)
     try:
-        if place == "sidebar":
-            try:
-                from sidecar import Sidecar
-            except ImportError as e:
-                if where == "auto":
-                    place = "inline"  # nowhere else to put it: under the cell, as in VS Code
-                else:
-                    raise RuntimeError(f"the sidebar needs the sidecar package (pip install sidecar), or use "
-                                       f"`%cudamem gauge --inline` ({e})") from e
-        gauge.placement = place
-        if place == "sidebar":
-            gauge.sidecar = Sidecar(title="nbmem")
-            with gauge.sidecar:
-                display(gauge)
-            if where == "auto":
-                # The kernel cannot tell JupyterLab from Notebook 7, whose shell has no sidebar for
-                # sidecar: a second view under the cell is the gauge there, and a one-line pointer in Lab.
-                gauge.placement = "auto"
-                display(gauge)
+        if where == "sidebar":
+            gauge.to_sidebar()
         else:
+            gauge.placement = auto_place() if where == "auto" else "inline"
             display(gauge)
     except BaseException:
         gauge.close()

@@ -472,6 +472,11 @@ def kernel_like(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     return shown
 
 
+def shown_in(sidecar: Any) -> list[str]:
+    """The widget models a sidecar panel shows."""
+    return [o["data"]["application/vnd.jupyter.widget-view+json"]["model_id"] for o in sidecar.outputs]
+
+
 def test_sidebar_then_inline_then_unload(ip: Any, kernel_like: list[Any]) -> None:
     from sidecar import Sidecar
 
@@ -479,11 +484,12 @@ def test_sidebar_then_inline_then_unload(ip: Any, kernel_like: list[Any]) -> Non
     m = _magics(ip)
     first = m.gauge
     assert isinstance(first, Gauge) and isinstance(first.sidecar, Sidecar) and first.sidecar.title == "nbmem"
-    assert kernel_like == [first]
+    assert shown_in(first.sidecar) == [first.model_id] and first.placement == "sidebar"
+    assert kernel_like == [], "nothing under the cell"
     sidecar = first.sidecar
     ip.run_line_magic("cudamem", "gauge --inline")
     second = m.gauge
-    assert second is not first and second.sidecar is None
+    assert second is not first and second.sidecar is None and kernel_like == [second]
     assert first.comm is None and sidecar.comm is None, "the previous gauge and its panel are closed"
     assert m.session.subscribers == 1, "only the second gauge listens"
     ip.run_line_magic("unload_ext", "nbmem")
@@ -491,23 +497,49 @@ def test_sidebar_then_inline_then_unload(ip: Any, kernel_like: list[Any]) -> Non
     assert not [t for t in threading.enumerate() if t.name == widget.THREAD_NAME]
 
 
-def test_auto_in_a_jupyter_server_shows_the_sidebar_and_a_copy_the_page_decides_on(ip: Any,
-                                                                                     kernel_like: list[Any]) -> None:
-    # JupyterLab shows the sidebar and turns the copy into a pointer; Notebook 7 has no sidebar for
-    # sidecar, so the copy is its gauge (js/layout.js viewKind; the browser tests see both pages).
+def test_auto_shows_it_under_the_cell_until_a_jupyterlab_page_asks_for_the_sidebar(
+        ip: Any, kernel_like: list[Any]) -> None:
+    # The kernel cannot tell JupyterLab from Notebook 7: the gauge shows once, under the cell, and only a
+    # JupyterLab page asks to move it (js/layout.js asksForSidebar); Notebook 7 never asks, so no sidecar is
+    # made where it cannot draw (which was an error in the browser's console).
     gauge = show_gauge(_magics(ip).session, "auto", shell=ip)
-    assert gauge is not None and gauge.sidecar is not None
-    assert kernel_like == [gauge, gauge] and gauge.placement == "auto"
+    assert gauge is not None and kernel_like == [gauge]
+    assert gauge.placement == "auto" and gauge.sidecar is None
+    click(gauge, {"type": "place", "where": "sidebar"})
+    assert gauge.placement == "sidebar" and shown_in(gauge.sidecar) == [gauge.model_id]
+    sidecar = gauge.sidecar
+    click(gauge, {"type": "place", "where": "sidebar"})  # a second view of it asks too: nothing more happens
+    assert gauge.sidecar is sidecar and len(sidecar.outputs) == 1
+    assert kernel_like == [gauge] and gauge.refused == []
     gauge.close()
-    kernel_like.clear()
-    gauge = show_gauge(_magics(ip).session, "sidebar", shell=ip)
-    assert gauge is not None and kernel_like == [gauge] and gauge.placement == "sidebar"
+    assert sidecar.comm is None
+
+
+def test_a_gauge_placed_by_hand_never_moves_and_a_bad_place_is_refused(ip: Any, kernel_like: list[Any]) -> None:
+    gauge = show_gauge(_magics(ip).session, "inline", shell=ip)
+    assert gauge is not None
+    click(gauge, {"type": "place", "where": "sidebar"})
+    assert gauge.placement == "inline" and gauge.sidecar is None
+    click(gauge, {"type": "place", "where": "floating"})
+    assert gauge.sidecar is None and gauge.refused and "unknown place" in gauge.refused[-1]
     gauge.close()
 
 
-def test_auto_is_the_sidebar_except_in_vs_code_and_colab(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_auto_without_sidecar_stays_under_the_cell(ip: Any, kernel_like: list[Any],
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "sidecar", None)  # `import sidecar` fails, as where it is not installed
+    monkeypatch.setattr(widget.importlib.util, "find_spec", lambda name: None)
+    gauge = show_gauge(_magics(ip).session, "auto", shell=ip)
+    assert gauge is not None and gauge.placement == "inline" and kernel_like == [gauge]
+    gauge.close()
+    with pytest.raises(UsageError, match="needs the sidecar package"):
+        ip.run_line_magic("cudamem", "gauge --sidebar")
+
+
+def test_auto_is_under_the_cell_in_vs_code_and_colab_and_up_to_the_page_elsewhere(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delitem(sys.modules, "google.colab", raising=False)
-    assert widget.auto_place({}) == "sidebar"
+    assert widget.auto_place({}) == "auto"
     assert widget.auto_place({"VSCODE_PID": "1"}) == "inline"
     assert widget.auto_place({"VSCODE_CWD": "/x"}) == "inline"
     monkeypatch.setitem(sys.modules, "google.colab", types.ModuleType("google.colab"))

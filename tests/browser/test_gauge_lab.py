@@ -72,8 +72,8 @@ def test_gauge_in_jupyterlab(lab: Any, page: Any, artifacts: Path) -> None:
     for i in (LOAD, KEPT, OUT, HOSTILE_CELL):
         nb.run(i)
 
-    # It renders in the right sidebar (sidecar), not in the notebook, with the CPU-only layout; the copy
-    # "auto" also shows under the cell (Notebook 7's gauge) is one line here, saying where the gauge is.
+    # It renders in the right sidebar (sidecar), not in the notebook, with the CPU-only layout: "auto" shows it
+    # under the cell, and this JupyterLab page asks for the sidebar; under the cell one line says where it went.
     gauge = page.locator("#jp-right-stack .nbmem-gauge")
     expect(gauge).to_have_count(1)
     expect(page.locator(".nbmem-gauge")).to_have_count(1)

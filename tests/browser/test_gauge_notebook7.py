@@ -2,8 +2,9 @@
 
 Notebook 7 has a right side panel, but sidecar 0.8.1 cannot draw into it: its view reads
 ``shell._rightHandler.sideBar``, which only JupyterLab's shell has ("Could not create a view for model
-id ..." in the console). The kernel cannot tell the two apart, so "auto" shows the gauge in the sidebar
-and again under the cell, and the page decides: here the copy under the `%load_ext` cell is the gauge.
+id ..." in the console, when a sidecar was made here). The kernel cannot tell the two apart, so "auto"
+shows the gauge under the cell and only a JupyterLab page asks for the sidebar: here none is made, the
+gauge stays under the `%load_ext` cell, and the console has no error of nbmem's.
 """
 
 from __future__ import annotations
@@ -84,4 +85,6 @@ def test_gauge_in_notebook7(notebook7: Any, page: Any, artifacts: Path) -> None:
     assert nb.output(CHECK).strip() == "False"
 
     page.screenshot(path=str(artifacts / "notebook7.png"))
-    assert not [e for e in errors if "nbmem" in e or "anywidget" in e], errors
+    # Notebook 7 itself reports "Cannot read properties of undefined (reading 'schema')" on any page, with
+    # nbmem or without; nothing else may be there (a sidecar made here logged "Could not create a view").
+    assert not [e for e in errors if "reading 'schema'" not in e], errors
