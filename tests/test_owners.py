@@ -160,3 +160,60 @@ def test_grouping_changes_rows_never_totals(ip):
     # 300 per-epoch dicts of 4 KB tensors: each far under the threshold, together 1.1 MiB, under one owner
     stats = next(f for f in owners.owners if f.name == "stats")
     assert stats.tensors == 300 and stats.what() == "dict of 300 tensors"
+
+
+MIXED_PRECISION = """
+import torch
+from torch.utils.checkpoint import checkpoint
+
+class Block(torch.nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(w, 4 * w), torch.nn.Linear(4 * w, w)
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+class Net(torch.nn.Module):
+    def __init__(self, w=256, n=4):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block(w) for _ in range(n))
+        self.head = torch.nn.Linear(w, 10)
+    def forward(self, x):
+        for b in self.blocks:  # activations recomputed in backward, not kept
+            x = checkpoint(b, x, use_reentrant=False)
+        return self.head(x)
+
+torch.manual_seed(0)
+model = Net()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+scaler = torch.amp.GradScaler("cpu")
+xb, yb = torch.randn(256, 256), torch.randint(0, 10, (256,))
+"""
+TRAIN = """
+losses = []
+for step in range(4):
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model(xb)
+        loss = torch.nn.functional.cross_entropy(out, yb)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    losses.append(loss.item())
+"""
+
+
+def test_a_rerun_mixed_precision_checkpointed_training_cell_finds_nothing_new(ip):
+    """Autocast's cached casts, GradScaler's state and recomputed activations are no news on a re-run: the
+    first run makes the optimizer's state and the gradients (true), the next ones nothing."""
+    ok(ip, MIXED_PRECISION)
+    session = session_of(ip)
+    found = []
+    for _ in range(4):
+        ok(ip, TRAIN)
+        rep = session.last_report
+        found.append({f.name: f.what() for f in rep.findings})
+    assert set(found[0]) == {"opt", "model"} and "gradients" in found[0]["model"], found[0]
+    assert found[1:] == [{}, {}, {}], found
+    assert session.last_report.unattributed == () and not session.should_show(session.last_report)
+    assert ip.user_ns["out"].dtype == ip.user_ns["torch"].bfloat16, "the cell really ran under autocast"
