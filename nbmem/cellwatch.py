@@ -59,6 +59,7 @@ class CellWatch:
         self.fault = fault
         self._open: _Open | None = None
         self.lines: dict[int, tuple[LineRecord, ...]] = {}
+        self.children_seen: frozenset[processes.ChildKey] = frozenset()  # on the GPUs when the last cell ended
 
     @property
     def in_cell(self) -> bool:
@@ -129,7 +130,8 @@ class CellWatch:
                              f"{', '.join(cur.unfinished[:5])}{' and others' if len(cur.unfinished) > 5 else ''}: "
                              f"findings may be incomplete; nbmem.leaks() scans everything")
         # This notebook's child processes: what they held while the cell ran, and those it left running.
-        children = processes.left_running(after, self.store.last_cell_end() or 0.0)
+        children = processes.left_running(after, self.children_seen)
+        self.children_seen = processes.on_gpus(after)
         children_use = processes.children_use(o.before, after,
                                               self.store.samples_between(o.before.t_wall, after.t_wall),
                                               threshold_bytes=self._settings().threshold_bytes)

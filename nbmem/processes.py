@@ -162,16 +162,13 @@ def split_children(procs: Iterable[GpuProcess], me: int, lineage: Mapping[int, t
 class Descendants:
     """Splits each GPU's process list into this process, its descendants and the rest, for ``NvmlSource``.
 
-    A PID's ancestry and command line are read once per ``TTL_S``; a child is remembered with when it was first
-    listed on each GPU (``seen_wall``: a cell report names the ones that came since the last report), and one
-    that has ended is dropped even where a cached list still has it.
+    A PID's ancestry and command line are read once per ``TTL_S``; a child that has ended is dropped even
+    where a cached list still has it.
     """
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
-        self._wall = wall
         self._known: dict[int, tuple[float, tuple[int, ...] | None, str, float | None]] = {}
-        self._seen: dict[tuple[str, int], float] = {}  # (device, child PID) -> when first listed there
         self._unknown: dict[str, str] = {}  # device -> why its children cannot be told apart
 
     @property
@@ -188,19 +185,15 @@ class Descendants:
             return found
         self._unknown.pop(device, None)
         # A cached list outlives the processes in it by up to a second: one that ended holds nothing now.
-        kids = [p for p in found.children if alive(p.pid)]
-        pids = {p.pid for p in kids}
-        for key in [k for k in self._seen if k[0] == device and k[1] not in pids]:
-            del self._seen[key]  # gone from this GPU: if the PID comes back, it is seen anew
-        now = self._wall()
         out = []
-        for p in kids:
-            seen = self._seen.setdefault((device, p.pid), now)
+        for p in found.children:
+            if not alive(p.pid):
+                continue
             t, chain, command, started = self._read(p.pid)
             if not command:
                 command, started = command_of(p.pid), started_at(p.pid)
                 self._known[p.pid] = (t, chain, command, started)
-            out.append(replace(p, command=command, started_wall=started, seen_wall=seen))
+            out.append(replace(p, command=command, started_wall=started))
         return replace(found, children=tuple(out))
 
     def _read(self, pid: int) -> tuple[float, tuple[int, ...] | None, str, float | None]:
@@ -241,12 +234,21 @@ def children_use(before: Boundary, after: Boundary, samples: Iterable[Sample], *
     return tuple(out)
 
 
-def left_running(after: Boundary, since: float) -> tuple[ChildProcess, ...]:
-    """The child processes alive at the cell's end with memory on a GPU that no earlier report named: first
-    seen on that GPU after ``since`` (the previous measured cell's end). Largest first."""
+#: A child process as reports remember it: its GPU, PID and start time (a PID can be reused).
+ChildKey = tuple[str, int, float | None]
+
+
+def on_gpus(after: Boundary) -> frozenset[ChildKey]:
+    """Every child process on a GPU at a boundary, as a key."""
+    return frozenset((dev, p.pid, p.started_wall) for dev, g in after.nvml.items() for p in g.children)
+
+
+def left_running(after: Boundary, named: frozenset[ChildKey]) -> tuple[ChildProcess, ...]:
+    """The child processes alive with memory on a GPU at a cell's end that were not there at the end of the
+    last measured cell (``named``: its ``on_gpus``). Largest first."""
     out = [ChildProcess(dev, p.pid, p.used_bytes, p.command or p.name, p.started_wall)
            for dev, g in after.nvml.items() for p in g.children
-           if (p.seen_wall is None or p.seen_wall > since) and p.used_bytes != 0]
+           if (dev, p.pid, p.started_wall) not in named and p.used_bytes != 0]
     return tuple(sorted(out, key=lambda c: (-(c.used_bytes or 0), c.device, c.pid)))
 
 

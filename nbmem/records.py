@@ -62,7 +62,6 @@ class GpuProcess:
     name: str
     command: str = ""  # a child of this notebook: its command line (others' are not read)
     started_wall: float | None = None  # a child: when it started (epoch seconds)
-    seen_wall: float | None = None  # a child: when nbmem first saw it on this GPU (epoch seconds)
 
 
 @dataclass(frozen=True, slots=True)

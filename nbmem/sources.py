@@ -63,11 +63,10 @@ class NvmlSource:
     """NVML device totals and per-process usage, for the devices this process can see."""
 
     def __init__(self, nvml: Any | None = None, environ: Mapping[str, str] | None = None,
-                 clock: Callable[[], float] = time.monotonic, wall: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._nv = nvml
         self._env = os.environ if environ is None else environ
         self._clock = clock
-        self._wall = wall
         self._lock = threading.Lock()  # NVML handles are shared by the sampler and the cell hooks
         self.devices: list[GpuDevice] = []
         self.reason: str | None = None  # why NVML sees nothing, when it does not
@@ -75,7 +74,7 @@ class NvmlSource:
         self._handles: dict[str, Any] = {}
         self._proc_cache: dict[str, tuple[float, tuple[GpuProcess, ...]]] = {}
         self._pid_invisible: set[str] = set()  # devices where we use CUDA but NVML never lists our PID
-        self._descendants = lineage.Descendants(clock, wall)  # which listed processes this one started
+        self._descendants = lineage.Descendants(clock)  # which listed processes this one started
         self._started = False
 
     # -- the one choke point -------------------------------------------------------------------

@@ -74,12 +74,6 @@ class Store:
         out.reverse()
         return out
 
-    def last_cell_end(self) -> float | None:
-        """When the newest cell record's cell ended (epoch seconds), or None before the first."""
-        with self._lock:
-            r = self._cells[-1] if self._cells else None
-        return None if r is None else r.started + r.duration_s
-
     def latest_tick(self) -> tuple[Sample, ...]:
         with self._lock:
             return self._ticks[-1] if self._ticks else ()

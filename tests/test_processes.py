@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -96,6 +97,7 @@ class TreeNvml:
     NVML_VALUE_NOT_AVAILABLE = 2**64 - 1
 
     def __init__(self, *, me_listed: bool = True, started: tuple[int, ...] = ()) -> None:
+        self.ready: Path | None = None  # when set, a child is listed once it has made a file named by its PID here
         self.sizes: dict[int, int | None] = {}
         self.strangers: list[tuple[int, int]] = []
         self.me_listed = me_listed
@@ -116,7 +118,8 @@ class TreeNvml:
         return SimpleNamespace(used=20 * 2**30, total=80 * 2**30)
 
     def nvmlDeviceGetComputeRunningProcesses(self, h: int) -> list[Any]:
-        kids = [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in self.before]
+        kids = [p.pid for p in psutil.Process().children(recursive=True) if p.pid not in self.before
+                and (self.ready is None or (self.ready / str(p.pid)).exists())]
         rows = [(os.getpid(), 500 * MiB)] if self.me_listed else []
         rows += [(pid, self.sizes.get(pid, 100 * MiB)) for pid in kids] + self.strangers
         return [SimpleNamespace(pid=pid, usedGpuMemory=self.NVML_VALUE_NOT_AVAILABLE if b is None else b)
@@ -127,13 +130,13 @@ def test_nvml_source_splits_this_process_its_children_and_others(child: subproce
     nv = TreeNvml(started=(child.pid,))
     nv.sizes[child.pid] = 300 * MiB
     nv.strangers = [(4242424, 7 * MiB)]  # no such PID here, and NVML lists ours: it just exited
-    src = NvmlSource(nv, environ={}, wall=lambda: 1000.0)
+    src = NvmlSource(nv, environ={})
     src.start()
     g = src.read("cuda:0", cuda_in_use=True)
     assert (g.process_used_bytes, g.children_bytes, g.other_processes_bytes) == (500 * MiB, 300 * MiB, 7 * MiB)
     assert [p.pid for p in g.children] == [child.pid] and [p.pid for p in g.processes] == [4242424]
     c = g.children[0]
-    assert "time.sleep(120)" in c.command and c.seen_wall == 1000.0 and c.started_wall is not None
+    assert "time.sleep(120)" in c.command and c.started_wall is not None
     assert src.children_reason is None
 
 
@@ -199,3 +202,25 @@ def test_a_child_that_ran_and_ended_inside_the_cell_is_counted_from_the_samples(
     rep = _magics(ip).session.last_report
     assert rep.children == (), "nothing is left running"
     assert [(u.device, u.after_bytes, u.peak_bytes) for u in rep.children_use] == [("cuda:0", 0, 100 * MiB)]
+
+
+def test_a_child_that_reaches_the_gpu_after_its_cell_ended_is_named_by_the_next_report(
+        ip: Any, tree: TreeNvml, tmp_path: Path) -> None:
+    # As mp.spawn(..., join=False) or notebook_launcher in a cell that returns at once: the workers make their
+    # CUDA context a moment later, while no cell runs.
+    tree.ready = tmp_path
+    ok(ip, "import subprocess, sys, time\n_children = []")
+    code = "import os, pathlib, sys, time; time.sleep(0.3); pathlib.Path(sys.argv[1], str(os.getpid())).touch(); " \
+           "time.sleep(120)"
+    ok(ip, f"_children.append(subprocess.Popen([sys.executable, '-c', {code!r}, {str(tmp_path)!r}]))")
+    session = _magics(ip).session
+    assert session.last_report.children == ()
+    pid = ip.user_ns["_children"][0].pid
+    deadline = time.monotonic() + 30
+    while not (tmp_path / str(pid)).exists():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    ok(ip, "x = 1")
+    assert [c.pid for c in session.last_report.children] == [pid]
+    ok(ip, "x = 2")
+    assert session.last_report.children == ()
