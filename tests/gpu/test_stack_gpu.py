@@ -1,0 +1,238 @@
+"""The 2026 GPU notebook stack on a real GPU (issue 19): compiled models, child processes, mixed precision.
+
+Only torch and the standard library besides nbmem's own test tools; every figure is checked against the
+allocator's own segments (``torch.cuda.memory_snapshot()``) or the driver's per-process numbers (NVML).
+
+    python -m pytest -q -p no:randomly tests/gpu/test_stack_gpu.py
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import pytest
+
+import nbmem
+from nbmem.magics import session_of
+from tests.conftest import ok
+from tests.gpu.conftest import GPUS
+
+MiB = 2**20
+DEFAULT_POOL = (0, 0)
+
+MLP = """
+import torch
+torch.manual_seed(0)
+mlp = torch.nn.Sequential(torch.nn.Linear(4096, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 4096),
+                          torch.nn.ReLU(), torch.nn.Linear(4096, 4096)).cuda()
+x = torch.randn(2048, 4096, device="cuda")
+"""
+
+
+def private_segments(torch: Any) -> list[dict[str, Any]]:
+    return [s for s in torch.cuda.memory_snapshot() if tuple(s["segment_pool_id"]) != DEFAULT_POOL]
+
+
+def memory(torch: Any) -> tuple[int, int]:
+    torch.cuda.synchronize()
+    return int(torch.cuda.memory_allocated()), int(torch.cuda.memory_reserved())
+
+
+# -- compiled models ----------------------------------------------------------------------------------------
+def test_reduce_overhead_pool_is_named_to_the_byte_and_the_compiled_step_frees_it(gpu: Any) -> None:
+    torch = gpu.user_ns["torch"]
+    ok(gpu, MLP)
+    ok(gpu, "cm = torch.compile(mlp, mode='reduce-overhead')\n"
+            "with torch.no_grad():\n"
+            "    for _ in range(4):  # warm-up runs, then the CUDA graph is recorded and replayed\n"
+            "        y = cm(x)\n"
+            "torch.cuda.synchronize()")
+    rep = session_of(gpu).last_report
+    assert rep is not None
+    segs = private_segments(torch)
+    assert segs, "mode='reduce-overhead' records CUDA graphs into a private pool"
+    reserved = sum(int(s["total_size"]) for s in segs)
+    blocks = [b for s in segs for b in s["blocks"] if b["state"] == "active_allocated"]
+    allocated = sum(int(b["size"]) for b in blocks)
+    y_ptr = gpu.user_ns["y"].data_ptr()
+    y_block = [int(b["size"]) for b in blocks if b["address"] <= y_ptr < b["address"] + b["size"]]
+    assert y_block, "the output the cell kept lives in the graph's pool"
+    (pool,) = rep.pools
+    assert (pool.device, pool.reserved_bytes, pool.allocated_bytes) == ("cuda:0", reserved, allocated)
+    assert pool.unnamed_bytes == allocated - y_block[0], "the kept output `y` is the user's; the rest the graph's"
+    assert pool.compiled == ("cm",) and rep.compiled == ("cm",)
+    assert "`%cudamem clean --compiled`" in str(rep) and session_of(gpu).should_show(rep)
+    assert any(line.startswith("cuda:0: ") and "compiled modules: cm" in line for line in nbmem.status().pools)
+    assert private_segments(torch) == segs, "measuring changed nothing"
+
+    before = memory(torch)
+    clean = nbmem.cleanup(names=["y"], compiled=True)
+    after = memory(torch)
+    assert [s.action for s in clean.steps] == ["del", "reset torch.compile", "gc.collect()", "empty_cache()"]
+    assert not clean.errors, clean
+    assert (clean.freed_allocated_bytes, clean.freed_reserved_bytes) == (before[0] - after[0], before[1] - after[1])
+    assert private_segments(torch) == [], "the graphs' pool is gone"
+    assert clean.freed_reserved_bytes >= reserved
+    ok(gpu, "with torch.no_grad():\n    z = cm(x)")  # it still runs: it compiles again
+
+
+def test_default_mode_has_no_graph_pool_and_its_reset_is_measured(gpu: Any) -> None:
+    torch = gpu.user_ns["torch"]
+    ok(gpu, MLP)
+    ok(gpu, "cm = torch.compile(mlp)\nwith torch.no_grad():\n    for _ in range(3):\n        y = cm(x)")
+    rep = session_of(gpu).last_report
+    assert private_segments(torch) == [] and rep.pools == (), "no CUDA graphs: no pool is claimed"
+    assert nbmem.status().pools == ()
+    before = memory(torch)
+    clean = nbmem.cleanup(compiled=True)
+    after = memory(torch)
+    assert not clean.errors and clean.steps[0].action == "reset torch.compile"
+    assert (clean.freed_allocated_bytes, clean.freed_reserved_bytes) == (before[0] - after[0], before[1] - after[1])
+
+
+# -- the notebook's own child processes ---------------------------------------------------------------------
+def hold(rank: int, mib: int, devices: int, ready: Any, stop: Any) -> None:
+    """A worker as torch.multiprocessing.spawn starts it: ``mib`` MiB on cuda:(rank % devices), then it waits."""
+    import torch
+
+    dev = rank % devices
+    block = torch.empty(mib * MiB, dtype=torch.uint8, device=f"cuda:{dev}")
+    torch.cuda.synchronize(dev)
+    ready.put((rank, os.getpid(), dev))
+    stop.wait(300)
+    del block
+
+
+def nvml_by_pid(pids: set[int]) -> dict[tuple[int, int], int]:
+    """(NVML index, PID) -> bytes, as the driver reports them, for these PIDs."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    out = {}
+    for i in range(pynvml.nvmlDeviceGetCount()):
+        h = pynvml.nvmlDeviceGetHandleByIndex(i)
+        for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
+            if p.pid in pids:
+                out[(i, int(p.pid))] = int(p.usedGpuMemory)
+    return out
+
+
+def spawn_workers(gpu: Any, devices: int) -> tuple[set[int], dict[int, int]]:
+    """Two workers from a cell, as a notebook starts them; returns their PIDs and each one's device."""
+    ok(gpu, "import torch.multiprocessing as mp\n"
+            "from tests.gpu.test_stack_gpu import hold\n"
+            "_spawn = mp.get_context('spawn')\n"
+            "ready, stop = _spawn.Queue(), _spawn.Event()\n"
+            f"ctx = mp.spawn(hold, args=(256, {devices}, ready, stop), nprocs=2, join=False)\n"
+            "workers = [ready.get(timeout=240) for _ in range(2)]")
+    workers = gpu.user_ns["workers"]
+    return {pid for _, pid, _ in workers}, {pid: dev for _, pid, dev in workers}
+
+
+def stop_workers(gpu: Any) -> None:
+    ok(gpu, "stop.set()\nctx.join(120)")
+
+
+def ctx_pids(gpu: Any) -> set[int]:
+    return set(gpu.user_ns["ctx"].pids())
+
+
+@pytest.mark.parametrize("devices", [1, pytest.param(2, marks=pytest.mark.skipif(
+    GPUS < 2, reason=f"needs 2 GPUs; NVML sees {GPUS} here (the 1-GPU case runs)"))])
+def test_spawned_workers_are_the_notebooks_per_process_and_per_gpu(gpu: Any, devices: int) -> None:
+    pids, dev_of = spawn_workers(gpu, devices)
+    session = session_of(gpu)
+    rep = session.last_report
+    assert rep is not None and ctx_pids(gpu) == pids
+    truth = nvml_by_pid(pids)
+    index = {d.name: d.nvml_index for d in session.devices()}
+    # The report of the cell that started them names each one, on its GPU, with NVML's figure (to 1 %).
+    named = {(c.device, c.pid): c.used_bytes for c in rep.children}
+    assert {pid for _, pid in named} == pids
+    for (device, pid), used in named.items():
+        assert device == f"cuda:{dev_of[pid]}"
+        assert used is not None and abs(used - truth[(index[device], pid)]) <= 0.01 * truth[(index[device], pid)]
+    assert "still running" in str(rep) and "os.kill(PID, signal.SIGTERM)" in str(rep)
+    # The samples, status and the gauge's columns count them as this notebook's, apart from other processes.
+    time.sleep(1.6)  # the sampler's process list is at most a second old
+    df = nbmem.samples()
+    for d in range(devices):
+        row = df[df.device == f"cuda:{d}"].iloc[-1]
+        want = sum(b for (i, pid), b in truth.items() if i == index[f"cuda:{d}"])
+        assert abs(int(row["children_used_bytes"]) - want) <= 0.01 * want
+    tick = session.store.latest_tick()
+    for smp in tick:
+        assert not {p.pid for p in smp.processes} & pids, "a worker is not another process"
+    lines = nbmem.status().children
+    assert all(any(f"PID {pid} holds" in line for line in lines) for pid in pids)
+    # A later cell does not name them again; once they are stopped, nothing is left running.
+    ok(gpu, "n = 1")
+    assert session.last_report.children == ()
+    stop_workers(gpu)
+    ok(gpu, "n = 2")
+    assert session.last_report.children == ()
+
+
+# -- mixed precision and checkpointing ------------------------------------------------------------------------
+TRAINING = """
+import torch
+from torch.utils.checkpoint import checkpoint
+
+class Block(torch.nn.Module):
+    def __init__(self, w):
+        super().__init__()
+        self.up, self.down = torch.nn.Linear(w, 4 * w), torch.nn.Linear(4 * w, w)
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(x)))
+
+class Net(torch.nn.Module):
+    def __init__(self, w=1024, n=6):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(Block(w) for _ in range(n))
+        self.head = torch.nn.Linear(w, 1000)
+    def forward(self, x):
+        for b in self.blocks:
+            x = checkpoint(b, x, use_reentrant=False)
+        return self.head(x)
+
+torch.manual_seed(0)
+model = Net().cuda()
+opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+scaler = torch.amp.GradScaler("cuda")
+xb = torch.randn(512, 1024, device="cuda")
+yb = torch.randint(0, 1000, (512,), device="cuda")
+"""
+STEP = """
+losses = []
+for step in range(5):
+    opt.zero_grad(set_to_none=True)
+    with torch.autocast("cuda", dtype=torch.float16):
+        out = model(xb)
+        loss = torch.nn.functional.cross_entropy(out, yb)
+    scaler.scale(loss).backward()
+    scaler.step(opt)
+    scaler.update()
+    losses.append(loss.item())
+"""
+
+
+def test_autocast_gradscaler_checkpoint_loop_rerun_three_times_finds_nothing_new_and_peaks_stay_exact(
+        gpu: Any) -> None:
+    torch = gpu.user_ns["torch"]
+    session = session_of(gpu)
+    ok(gpu, TRAINING)
+    ok(gpu, STEP)
+    first = session.last_report
+    assert {f.name for f in first.findings} >= {"opt"}, "the first run made the optimizer's state: true news"
+    for _ in range(3):
+        ok(gpu, "torch.cuda.reset_peak_memory_stats()")
+        ok(gpu, STEP)
+        rep = session.last_report
+        assert rep.findings == (), [(f.name, f.bytes, f.what()) for f in rep.findings]
+        assert rep.unattributed == () and rep.pools == ()
+        (rec,) = [r for r in rep.records if r.device == "cuda:0"]
+        assert rec.peak_allocated_bytes == torch.cuda.max_memory_allocated(), "the peak is exact"
+        assert abs(rec.delta_allocated_bytes) < MiB, "a re-run keeps no more than the run before"
+    assert gpu.user_ns["out"].dtype == torch.float16 and gpu.user_ns["scaler"].get_scale() > 0
