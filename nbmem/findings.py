@@ -21,7 +21,8 @@ from .walk import ROLE_GRAD, ROLE_OPTIM, ROLE_PARAM
 
 def deletable(h: Held) -> tuple[str, ...]:
     """The top-level variables among the holders: what ``del`` would remove to free the storage."""
-    names = {root_name(p) for p, k in zip(h.holders, h.holder_kinds) if k is HolderKind.NAMESPACE}
+    names = {root_name(p) for p, k in (*zip(h.holders, h.holder_kinds), *zip(h.reached_from, h.reached_kinds))
+             if k is HolderKind.NAMESPACE}
     return tuple(sorted(n for n in names if n.isidentifier() and not is_output_name(n)))
 
 

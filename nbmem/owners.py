@@ -14,7 +14,7 @@ of 2 MiB. The per-storage rows (``findings``) stay available as each owner's mem
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -50,8 +50,11 @@ def cell_rows(cur: Scan, prev: Scan | None, cell: int, *, threshold_bytes: int, 
     c = judge.changes(cur, prev, threshold_bytes=threshold_bytes, graphs=graphs)
     detail = _with_lines(judge.findings(cur, prev, cell, threshold_bytes=threshold_bytes, graphs=graphs, found=c),
                          cur, lines)
+    before = prev.storages if prev is not None else {}
+    grown = frozenset(h.owner for h in before.values())
     rows, total = group(c.candidates, lambda _hs: cell, threshold_bytes=threshold_bytes, graphs=graphs,
-                        types=cur.root_types, lost=c.lost, gained=c.gained, lines=lines)
+                        types=cur.root_types, lost=c.lost, gained=c.gained, lines=lines,
+                        added=lambda o, hs: o in grown and not any(h.sid in before for h in hs))
     return Rows(rows, tuple(detail), total)
 
 
@@ -66,10 +69,11 @@ def current_rows(cur: Scan, *, threshold_bytes: int, graphs: Mapping[int, Graph]
 
 def group(held: Sequence[Held], cell_of: Any, *, threshold_bytes: int, graphs: Mapping[int, Graph],
           types: Mapping[str, str], lost: Mapping[int, Sequence[str]] | None = None,
-          gained: Mapping[int, Sequence[str]] | None = None, lines: Mapping[int, int] | None = None
-          ) -> tuple[tuple[Finding, ...], int]:
+          gained: Mapping[int, Sequence[str]] | None = None, lines: Mapping[int, int] | None = None,
+          added: Callable[[str, Sequence[Held]], bool] | None = None) -> tuple[tuple[Finding, ...], int]:
     """One row per (owner, device) whose storages and graphs together reach the threshold, largest first,
-    and their bytes together (a graph several rows keep, once)."""
+    and their bytes together (a graph several rows keep, once). ``added(owner, members)``: whether the
+    members are new under an owner that held memory before (the words then say "new")."""
     by_owner: dict[tuple[str, str], list[Held]] = {}
     for h in held:
         by_owner.setdefault((h.owner, h.device), []).append(h)
@@ -85,7 +89,7 @@ def group(held: Sequence[Held], cell_of: Any, *, threshold_bytes: int, graphs: M
         if storage + sum(saved.values()) < threshold_bytes:
             continue
         row = _row(owner, device, members, saved, cell_of(members), graphs, types, lost or {}, gained or {},
-                   lines or {})
+                   lines or {}, added is not None and added(owner, members))
         saved_by[len(rows)] = set(saved)
         rows.append(row)
     _mark_shared(rows, saved_by)
@@ -103,7 +107,7 @@ def group(held: Sequence[Held], cell_of: Any, *, threshold_bytes: int, graphs: M
 
 def _row(owner: str, device: str, members: list[Held], saved: Mapping[int, int], cell: int,
          graphs: Mapping[int, Graph], types: Mapping[str, str], lost: Mapping[int, Sequence[str]],
-         gained: Mapping[int, Sequence[str]], lines: Mapping[int, int]) -> Finding:
+         gained: Mapping[int, Sequence[str]], lines: Mapping[int, int], added: bool = False) -> Finding:
     members.sort(key=lambda h: (-h.nbytes, h.sid))
     first = members[0]
     kind = first.kind
@@ -117,7 +121,7 @@ def _row(owner: str, device: str, members: list[Held], saved: Mapping[int, int],
         roots = (owner, *(n for n in roots if n != owner))
     holders = tuple(dict.fromkeys(p for f in rows[:MEMBERS_SHOWN] for p in f.holders))[:HOLDERS_KEPT]
     graph_bytes = sum(saved.values())
-    words = describe(owner, kind, members, graph_bytes, types.get(owner, ""))
+    words = describe(owner, kind, members, graph_bytes, types.get(owner, ""), new=added)
     if len(members) == 1:
         hint = shown[0].hint
     else:
@@ -227,8 +231,11 @@ def _common_prefix(paths: Sequence[str]) -> str:
     return prefix
 
 
-def describe(owner: str, kind: HolderKind, members: Sequence[Held], graph_bytes: int, type_name: str) -> str:
-    """What an owner holds, in words: "Sequential: 42M parameters", "list of 30 tensors + their graphs"."""
+def describe(owner: str, kind: HolderKind, members: Sequence[Held], graph_bytes: int, type_name: str, *,
+             new: bool = False) -> str:
+    """What an owner holds, in words: "Sequential: 42M parameters", "list of 30 tensors + their graphs";
+    ``new``: what a cell added to an owner that was there before ("PeftModel: 524K new parameters")."""
+    fresh = "new " if new else ""
     graph = f" + their graphs ({fmt_bytes(graph_bytes)})" if graph_bytes and len(members) > 1 else (
         f" + its graph ({fmt_bytes(graph_bytes)})" if graph_bytes else "")
     if kind is HolderKind.TRACEBACK:
@@ -241,7 +248,7 @@ def describe(owner: str, kind: HolderKind, members: Sequence[Held], graph_bytes:
     if params:
         n = sum(h.elements for h in params)
         trainable = sum(h.elements for h in params if h.trainable)
-        train = f" ({fmt_count(trainable)} trainable)" if 0 < trainable < n else (
+        train = f" ({fmt_count(trainable)} trainable)" if 0 < trainable < 0.99 * n else (
             " (frozen)" if trainable == 0 and n else "")
         extra = [w for w, role in (("gradients", ROLE_GRAD), ("optimizer state", ROLE_OPTIM))
                  if any(role in h.roles for h in members)]
@@ -250,10 +257,10 @@ def describe(owner: str, kind: HolderKind, members: Sequence[Held], graph_bytes:
         if rest > 0:
             extra.append(f"{rest:,} other tensor{'s' if rest > 1 else ''}")
         head = f"{type_name}: " if type_name else ""
-        return f"{head}{fmt_count(n)} parameters{train}" + "".join(f", {e}" for e in extra) + graph
+        return f"{head}{fmt_count(n)} {fresh}parameters{train}" + "".join(f", {e}" for e in extra) + graph
     if all(ROLE_OPTIM in h.roles or ROLE_GRAD in h.roles for h in members) and len(members) > 1:
         what = "optimizer state" if all(ROLE_OPTIM in h.roles for h in members) else "gradients"
-        return f"{type_name + ': ' if type_name else ''}{what}, {len(members):,} tensors{graph}"
+        return f"{type_name + ': ' if type_name else ''}{what}, {len(members):,} {fresh}tensors{graph}"
     if type_name == "_lru_cache_wrapper":
         return f"results cached by {owner}(): {len(members):,} tensor{'s' if len(members) > 1 else ''}{graph}"
     if len(members) == 1:
@@ -261,7 +268,7 @@ def describe(owner: str, kind: HolderKind, members: Sequence[Held], graph_bytes:
         words = tensor_words(h)
         path = h.name
         return (f"`{path}`: {words}" if path != owner and root_name(path) == root_name(owner) else words) + graph
-    noun = "scalars" if all(h.elements <= 1 for h in members) else "tensors"
+    noun = fresh + ("scalars" if all(h.elements <= 1 for h in members) else "tensors")
     if type_name in _CONTAINERS:
         return f"{type_name} of {len(members):,} {noun}{graph}"
     if type_name:

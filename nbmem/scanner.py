@@ -63,7 +63,9 @@ class Held:
 
     @property
     def roots(self) -> frozenset[str]:
-        return frozenset(root_name(p) for p in self.holders)
+        """Every root name that reaches it: from all its paths, not only the few kept as holders (a model
+        also reached through a trainer's many paths is still the model's)."""
+        return frozenset(root_name(p) for p in (*self.holders, *self.reached_from))
 
 
 @dataclass(frozen=True)

@@ -217,3 +217,11 @@ def test_a_rerun_mixed_precision_checkpointed_training_cell_finds_nothing_new(ip
     assert found[1:] == [{}, {}, {}], found
     assert session.last_report.unattributed == () and not session.should_show(session.last_report)
     assert ip.user_ns["out"].dtype == ip.user_ns["torch"].bfloat16, "the cell really ran under autocast"
+
+
+def test_what_a_cell_adds_to_an_owner_it_already_had_is_said_to_be_new(ip):
+    ok(ip, "model = torch.nn.Sequential(torch.nn.Linear(1024, 1024))")
+    ok(ip, "model.add_module('head', torch.nn.Linear(1024, 1024))")  # an adapter, a new head: added to `model`
+    f = rows(last_cell(ip))
+    assert list(f["name"]) == ["model"] and f["what"].iloc[0] == "Sequential: 1.05M new parameters", f["what"]
+    assert rows().set_index("name").loc["model", "what"] == "Sequential: 2.1M parameters"

@@ -57,11 +57,11 @@ def test_reduce_overhead_pool_is_named_to_the_byte_and_the_compiled_step_frees_i
     blocks = [b for s in segs for b in s["blocks"] if b["state"] == "active_allocated"]
     allocated = sum(int(b["size"]) for b in blocks)
     y_ptr = gpu.user_ns["y"].data_ptr()
+    # Where torch hands the graph's output back in its pool (some versions copy it out), `y` is the user's.
     y_block = [int(b["size"]) for b in blocks if b["address"] <= y_ptr < b["address"] + b["size"]]
-    assert y_block, "the output the cell kept lives in the graph's pool"
     (pool,) = rep.pools
     assert (pool.device, pool.reserved_bytes, pool.allocated_bytes) == ("cuda:0", reserved, allocated)
-    assert pool.unnamed_bytes == allocated - y_block[0], "the kept output `y` is the user's; the rest the graph's"
+    assert pool.unnamed_bytes == allocated - sum(y_block), "what a name reaches is the user's; the rest the graph's"
     assert pool.compiled == ("cm",) and rep.compiled == ("cm",)
     assert "`%cudamem clean --compiled`" in str(rep) and session_of(gpu).should_show(rep)
     assert any(line.startswith("cuda:0: ") and "compiled modules: cm" in line for line in nbmem.status().pools)
@@ -81,6 +81,7 @@ def test_reduce_overhead_pool_is_named_to_the_byte_and_the_compiled_step_frees_i
 def test_default_mode_has_no_graph_pool_and_its_reset_is_measured(gpu: Any) -> None:
     torch = gpu.user_ns["torch"]
     ok(gpu, MLP)
+    ok(gpu, "import torch._dynamo\ntorch._dynamo.reset()\ntorch.cuda.empty_cache()")  # an earlier test's graphs
     ok(gpu, "cm = torch.compile(mlp)\nwith torch.no_grad():\n    for _ in range(3):\n        y = cm(x)")
     rep = session_of(gpu).last_report
     assert private_segments(torch) == [] and rep.pools == (), "no CUDA graphs: no pool is claimed"
