@@ -99,24 +99,28 @@ class PathBuilder:
         return self.w.root_of[node], "".join(parts)
 
     def paths(self, node: int) -> list[tuple[int, str]]:
-        """Up to MAX_HOLDERS (root index, path) that reach ``node``: the walk's own, then the other ways."""
+        """(root index, path) pairs that reach ``node``: the walk's own, then the other ways, at most
+        MAX_HOLDERS from any one root, so that every root reaching it is found (a trainer's many ways to a
+        parameter must not hide that ``model`` reaches it too)."""
         out = [self.primary(node)]
         if not self.w.aliases:
             return out
         seen = {out[0][1]}
+        per_root = {out[0][0]: 1}
         stack: list[tuple[int, list[str], bool]] = [(node, [], True)]
         steps = 0
-        while stack and len(out) < MAX_HOLDERS and steps < 4000:
+        while stack and len(out) < 4 * MAX_HOLDERS and steps < 4000:
             n, suffix, on_primary = stack.pop()
             steps += 1
             edges = [(self.w.parent[n], self.w.lk[n], self.w.lv[n], on_primary),
                      *((p, k, v, False) for p, k, v in self.w.aliases.get(n, ()))]
             for parent, lk, lv, primary in reversed(edges):
                 if parent < 0:
-                    if lk == L_ROOT and not primary:
+                    if lk == L_ROOT and not primary and per_root.get(lv, 0) < MAX_HOLDERS:
                         path = render([self.w.roots[lv].path, *reversed(suffix)])
                         if path not in seen:
                             seen.add(path)
+                            per_root[lv] = per_root.get(lv, 0) + 1
                             out.append((lv, path))
                     continue
                 if len(suffix) >= MAX_ALIAS_STEPS:

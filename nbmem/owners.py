@@ -258,9 +258,14 @@ def describe(owner: str, kind: HolderKind, members: Sequence[Held], graph_bytes:
             extra.append(f"{rest:,} other tensor{'s' if rest > 1 else ''}")
         head = f"{type_name}: " if type_name else ""
         return f"{head}{fmt_count(n)} {fresh}parameters{train}" + "".join(f", {e}" for e in extra) + graph
-    if all(ROLE_OPTIM in h.roles or ROLE_GRAD in h.roles for h in members) and len(members) > 1:
-        what = "optimizer state" if all(ROLE_OPTIM in h.roles for h in members) else "gradients"
-        return f"{type_name + ': ' if type_name else ''}{what}, {len(members):,} {fresh}tensors{graph}"
+    optim = sum(1 for h in members if ROLE_OPTIM in h.roles)
+    grads = sum(1 for h in members if ROLE_GRAD in h.roles and ROLE_OPTIM not in h.roles)
+    if (optim or grads) and len(members) > 1:
+        rest = len(members) - optim - grads
+        parts = [f"{what} ({n:,} {fresh}tensor{'s' if n > 1 else ''})"
+                 for what, n in (("optimizer state", optim), ("gradients", grads)) if n]
+        parts += [f"{rest:,} other tensor{'s' if rest > 1 else ''}"] if rest else []
+        return f"{type_name + ': ' if type_name else ''}{', '.join(parts)}{graph}"
     if type_name == "_lru_cache_wrapper":
         return f"results cached by {owner}(): {len(members):,} tensor{'s' if len(members) > 1 else ''}{graph}"
     if len(members) == 1:

@@ -170,7 +170,9 @@ class Walk:
             # Another way to the same object (a second root bound to it counts too): a path, not a walk.
             if parent != self.parent[node] or lv is not self.lv[node]:
                 al = self.aliases.setdefault(node, [])
-                if len(al) < MAX_HOLDERS:
+                # A name the user bound to it is always kept: a trainer's many ways to the model must not
+                # crowd out `model` itself.
+                if len(al) < MAX_HOLDERS or parent < 0:
                     al.append((parent, lk, lv))
             return None
         node = len(self.parent)

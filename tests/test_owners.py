@@ -225,3 +225,16 @@ def test_what_a_cell_adds_to_an_owner_it_already_had_is_said_to_be_new(ip):
     f = rows(last_cell(ip))
     assert list(f["name"]) == ["model"] and f["what"].iloc[0] == "Sequential: 1.05M new parameters", f["what"]
     assert rows().set_index("name").loc["model", "what"] == "Sequential: 2.1M parameters"
+
+
+def test_many_ways_to_a_model_through_a_trainer_do_not_hide_that_the_models_own_name_still_holds_it(ip):
+    # transformers' Trainer reaches the model as model, model_wrapped, accelerator._models[0],
+    # callback_handler.model, bound methods...: more ways than a walk keeps per object
+    ok(ip, "model = torch.nn.Linear(512, 512)\nopt = torch.optim.Adam(model.parameters())\n"
+           "class Trainer:\n    pass\ntrainer = Trainer()\n"
+           "for i in range(12):\n    setattr(trainer, f'ref{i}', model)\ntrainer.optimizer = opt")
+    ok(ip, "trainer.ref0(torch.randn(8, 512)).sum().backward()\ntrainer.optimizer.step()")
+    f = rows(last_cell(ip))
+    assert not f["hint"].str.contains("was deleted").any(), f[["name", "hint"]].to_string()
+    assert set(f["name"]) == {"model", "opt"}, "the gradients are the model's, the Adam state the optimizer's"
+    assert rows().set_index("name").loc["model", "also_held_by"] == ["trainer", "opt"]
