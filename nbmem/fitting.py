@@ -303,15 +303,10 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
                 skipped += [w for w, c in schedule[k:] if c]
                 notes.append(f"{name}={v:,} was not run: the runs before it predict it does not fit")
                 break
-            started_run = time.perf_counter()
             try:
-                trace, oom = _one_run(run, v, counted, src, dev, stacks, max_entries)
+                trace, oom = _timed_run(run, v, counted, src, dev, stacks, max_entries, clean, durations)
             finally:
-                durations[v] = time.perf_counter() - started_run
                 steps += 1
-                if clean is not None:
-                    clean()
-                _free_cached(src, dev)
             runs.append(trace)
             if len(trace.entries) >= max_entries:
                 notes.append(f"the run at {name}={v:,} filled the trace ({max_entries:,} events): what it recorded "
@@ -403,14 +398,7 @@ def _refine(run: Callable[[int], object], runs: list[RunTrace], durations: dict[
             value = int(top * REFINE_SECONDS / max(took, 1e-6))
         if value <= top:
             break
-        started = time.perf_counter()
-        try:
-            trace, oom = _one_run(run, value, True, src, dev, stacks, max_entries)
-        finally:
-            durations[value] = time.perf_counter() - started
-            if clean is not None:
-                clean()
-            _free_cached(src, dev)
+        trace, oom = _timed_run(run, value, True, src, dev, stacks, max_entries, clean, durations)
         runs.append(trace)
         made += 1
         executed += 1
@@ -430,6 +418,20 @@ def _refine(run: Callable[[int], object], runs: list[RunTrace], durations: dict[
         notes.append(f"the small runs predicted {first:,}: {made} more run{'s' if made > 1 else ''} ({name}={checked}) "
                      "checked the growth nearer the answer")
     return executed
+
+
+def _timed_run(run: Callable[[int], object], value: int, counted: bool, src: TorchSource, dev: int, stacks: bool,
+               max_entries: int, clean: Callable[[], object] | None, durations: dict[int, float]
+               ) -> tuple[RunTrace, str]:
+    """One run, timed; afterwards, whatever happened, the namespace put back and the cache given back."""
+    started = time.perf_counter()
+    try:
+        return _one_run(run, value, counted, src, dev, stacks, max_entries)
+    finally:
+        durations[value] = time.perf_counter() - started
+        if clean is not None:
+            clean()
+        _free_cached(src, dev)
 
 
 def _one_run(run: Callable[[int], object], value: int, counted: bool, src: TorchSource, dev: int,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import nbmem
 from nbmem.magics import session_of
 from nbmem.reports import REPORT_ROWS
+from tests.cells import autocast_steps, checkpointed_training
 from tests.conftest import last_cell, ok
 
 MiB = 2**20
@@ -162,45 +163,8 @@ def test_grouping_changes_rows_never_totals(ip):
     assert stats.tensors == 300 and stats.what() == "dict of 300 tensors"
 
 
-MIXED_PRECISION = """
-import torch
-from torch.utils.checkpoint import checkpoint
-
-class Block(torch.nn.Module):
-    def __init__(self, w):
-        super().__init__()
-        self.up, self.down = torch.nn.Linear(w, 4 * w), torch.nn.Linear(4 * w, w)
-    def forward(self, x):
-        return x + self.down(torch.relu(self.up(x)))
-
-class Net(torch.nn.Module):
-    def __init__(self, w=256, n=4):
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(Block(w) for _ in range(n))
-        self.head = torch.nn.Linear(w, 10)
-    def forward(self, x):
-        for b in self.blocks:  # activations recomputed in backward, not kept
-            x = checkpoint(b, x, use_reentrant=False)
-        return self.head(x)
-
-torch.manual_seed(0)
-model = Net()
-opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-scaler = torch.amp.GradScaler("cpu")
-xb, yb = torch.randn(256, 256), torch.randint(0, 10, (256,))
-"""
-TRAIN = """
-losses = []
-for step in range(4):
-    opt.zero_grad(set_to_none=True)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
-        out = model(xb)
-        loss = torch.nn.functional.cross_entropy(out, yb)
-    scaler.scale(loss).backward()
-    scaler.step(opt)
-    scaler.update()
-    losses.append(loss.item())
-"""
+MIXED_PRECISION = checkpointed_training(width=256, blocks=4, classes=10, batch=256, device="cpu", lr=1e-3)
+TRAIN = autocast_steps(steps=4, device="cpu", dtype="bfloat16")
 
 
 def test_a_rerun_mixed_precision_checkpointed_training_cell_finds_nothing_new(ip):

@@ -15,7 +15,8 @@ TRAIN = ("x = torch.randn(batch, 1024, device='cuda')\n"
 
 
 def test_a_fit_predicts_and_leaves_the_model_the_variable_and_memory_as_they_were(gpu):
-    ok(gpu, "model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(), torch.nn.Linear(4096, 10)).cuda()\n"
+    ok(gpu, "model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.ReLU(),\n"
+            "                            torch.nn.Linear(4096, 10)).cuda()\n"
             "opt = torch.optim.Adam(model.parameters())\n"
             "model(torch.randn(8, 1024, device='cuda')).sum().backward(); opt.step(); opt.zero_grad()\n"
             "batch = 'mine'\nw0 = model[0].weight.detach().clone()\n"

@@ -16,6 +16,7 @@ import pytest
 
 import nbmem
 from nbmem.magics import session_of
+from tests.cells import autocast_steps, checkpointed_training
 from tests.conftest import ok
 from tests.gpu.conftest import GPUS
 
@@ -178,46 +179,8 @@ def test_spawned_workers_are_the_notebooks_per_process_and_per_gpu(gpu: Any, dev
 
 
 # -- mixed precision and checkpointing ------------------------------------------------------------------------
-TRAINING = """
-import torch
-from torch.utils.checkpoint import checkpoint
-
-class Block(torch.nn.Module):
-    def __init__(self, w):
-        super().__init__()
-        self.up, self.down = torch.nn.Linear(w, 4 * w), torch.nn.Linear(4 * w, w)
-    def forward(self, x):
-        return x + self.down(torch.relu(self.up(x)))
-
-class Net(torch.nn.Module):
-    def __init__(self, w=1024, n=6):
-        super().__init__()
-        self.blocks = torch.nn.ModuleList(Block(w) for _ in range(n))
-        self.head = torch.nn.Linear(w, 1000)
-    def forward(self, x):
-        for b in self.blocks:
-            x = checkpoint(b, x, use_reentrant=False)
-        return self.head(x)
-
-torch.manual_seed(0)
-model = Net().cuda()
-opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-scaler = torch.amp.GradScaler("cuda")
-xb = torch.randn(512, 1024, device="cuda")
-yb = torch.randint(0, 1000, (512,), device="cuda")
-"""
-STEP = """
-losses = []
-for step in range(5):
-    opt.zero_grad(set_to_none=True)
-    with torch.autocast("cuda", dtype=torch.float16):
-        out = model(xb)
-        loss = torch.nn.functional.cross_entropy(out, yb)
-    scaler.scale(loss).backward()
-    scaler.step(opt)
-    scaler.update()
-    losses.append(loss.item())
-"""
+TRAINING = checkpointed_training(width=1024, blocks=6, classes=1000, batch=512, device="cuda", lr=1e-4)
+STEP = autocast_steps(steps=5, device="cuda", dtype="float16")
 
 
 def test_autocast_gradscaler_checkpoint_loop_rerun_three_times_finds_nothing_new_and_peaks_stay_exact(
