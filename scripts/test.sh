@@ -3,7 +3,7 @@
 #   setup, chromium (installed only if browser tests will run, it is missing, and we are root with apt-get),
 #   ruff, mypy, the JavaScript tests, the leak zoo (../shared/leak-zoo, outside this repository: run when
 #   present, skipped and said so when not), pytest (given this script's arguments).
-# Expected on 2 cores: about 4.5 min with .venv in place (pytest ~4 min of it), about 6.5 min from a fresh clone.
+# Expected on 2 cores: about 7.5 min with .venv in place (pytest ~7 min of it), about 9 min from a fresh clone.
 # Exit status: 0 when every stage that ran passed (pytest's 5, "no tests collected", counts as passed).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -36,7 +36,7 @@ skip() { # skip NAME "~expected" "why"
 }
 summary() {
   local s failed=()
-  printf '\n==> summary: %s in all (a full run takes ~4.5 min with .venv in place, ~6.5 min from a fresh clone)\n' "$(human_secs $((SECONDS - t0)))"
+  printf '\n==> summary: %s in all (a full run takes ~7.5 min with .venv in place, ~9 min from a fresh clone)\n' "$(human_secs $((SECONDS - t0)))"
   for s in "${STAGES[@]}"; do
     printf '    %-9s %-10s %s\n' "$s" "${took[$s]:-}" "${result[$s]:-not run}"
     case "${result[$s]:-not run}" in FAILED* | "not run") failed+=("$s") ;; esac
