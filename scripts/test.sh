@@ -116,5 +116,5 @@ else
   skip "leak zoo" "~5 s" "not found at ../shared/leak-zoo (it lives beside this repository, not in it)"
 fi
 
-stage pytest "~4 min for the whole suite, ~1.5 min with -m 'not slow'" pytest_stage "$@"
+stage pytest "~7 min for the whole suite, ~4 min with -m 'not slow'" pytest_stage "$@"
 summary
