@@ -101,6 +101,13 @@ class CellWatch:
         o, self._open = self._open, None
         if o is None:
             return None
+        try:
+            return self._end(o, error)
+        finally:
+            if o.recording is not None:
+                o.recording.stop()  # whatever failed on the way: nbmem's recording never outlives its cell
+
+    def _end(self, o: _Open, error: BaseException | None) -> tuple[CellReport, bool, bool]:
         rec = o.recording
         marks = rec.stop_clock() if rec is not None else None
         after = self.probe.boundary()

@@ -20,6 +20,7 @@ import copy
 import gc
 import sys
 import time
+import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -317,8 +318,13 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
         else:
             steps += _refine(run, runs, durations, room, segments, name, cell_files, notes, src, dev, stacks,
                              max_entries, clean)
+    except BaseException:
+        runs.clear()  # the error's frames keep this one: let go of the traces (and the copy, below) now
+        raise
     finally:
         restored = restore_state(saved) if saved is not None else None
+        saved = None
+        modules = optimizers = []
         _free_cached(src, dev)
     after = _allocated_reserved(src, dev)[0]
     # cuBLAS keeps a workspace per handle and stream from its first matrix product on: where the fit's runs
@@ -348,24 +354,64 @@ def fit_in_notebook(adapter: Any, source: TorchSource, type_cache: Any, body: st
     space = None
     if callable(body):
         runner, clean, files, lines = body, None, frozenset[str](), None
-        code = getattr(body, "__code__", None)
-        used = set(getattr(code, "co_names", ())) | set(getattr(code, "co_freevars", ()))
-        roots = [Root(n, HolderKind.NAMESPACE, v) for n, v in adapter.namespace_items(used)]
-        roots.append(Root(getattr(body, "__name__", "body"), HolderKind.NAMESPACE, body))
+        used = _globals_used(body)
+        extra = [Root(getattr(body, "__name__", "body"), HolderKind.NAMESPACE, body)]
     else:
         space = adapter.fit_namespace(body, name, cell)
         runner, clean, files, lines = space.run, space.clean, frozenset({space.filename}), space.sources
-        used = adapter.mentioned(body) - {name}
-        roots = [Root(n, HolderKind.NAMESPACE, v) for n, v in adapter.namespace_items(used)]
-    modules, optimizers = reachable_state(source.torch(), roots, type_cache, budget_s=budget_s)
-    del roots
+        used = set(adapter.mentioned(body)) - {name}
+        extra = []
+    modules, optimizers = state_reached(adapter, source.torch(), type_cache, used, extra, budget_s=budget_s)
+    del extra
     try:
-        return fit(runner, values, source=source, name=name, clean=clean, warmup=warmup, modules=modules,
-                   optimizers=optimizers, restore=restore, stacks=True, cell_files=files, sources=lines)
+        result = fit(runner, values, source=source, name=name, clean=clean, warmup=warmup, modules=modules,
+                     optimizers=optimizers, restore=restore, stacks=True, cell_files=files, sources=lines)
+        if restore and not modules and not optimizers:
+            result = replace(result, notes=("no model or optimizer was found under the names the cell uses or the "
+                                            "functions it calls, so nothing was copied or restored: what the fit's "
+                                            "runs changed stays changed", *result.notes))
+        return result
     finally:
         del modules, optimizers
         if space is not None:
             space.close()
+
+
+def state_reached(adapter: Any, torch: Any, type_cache: Any, used: set[str], extra: Sequence[Root], *,
+                  budget_s: float | None) -> tuple[list[Any], list[Any]]:
+    """The modules and optimizers a cell can change: reached by a walk from the names it uses, and from the
+    globals of the user's functions among them (``train_step(batch)`` reaches ``model`` and ``opt``)."""
+    items = dict(adapter.namespace_items(used))
+    for _ in range(_CALL_DEPTH):
+        more = {n for v in list(items.values()) if type(v) is types.FunctionType for n in _globals_used(v)}
+        new = dict(adapter.namespace_items(more - items.keys()))
+        if not new:
+            break
+        items.update(new)
+    roots = [Root(n, HolderKind.NAMESPACE, v) for n, v in items.items()] + list(extra)
+    del items
+    return reachable_state(torch, roots, type_cache, budget_s=budget_s)
+
+
+#: How deep a fit follows the user's functions to the globals they use (a step that calls a helper).
+_CALL_DEPTH = 3
+_CODE: Any = vars(types.FunctionType)["__code__"]
+
+
+def _globals_used(fn: Any) -> set[str]:
+    """The global names a function's code (and the code nested in it) reads: read from its code object,
+    which is the interpreter's, never the user's."""
+    try:
+        code = _CODE.__get__(fn)
+    except Exception:
+        return set()
+    out: set[str] = set()
+    stack = [code]
+    while stack:
+        c = stack.pop()
+        out.update(n for n in c.co_names if type(n) is str)
+        stack.extend(x for x in c.co_consts if type(x) is types.CodeType)
+    return out
 
 
 #: A prediction this far beyond the largest value run is checked by another run, halfway to it ...

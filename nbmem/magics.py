@@ -364,10 +364,12 @@ class NbmemMagics(Magics):
         if self._nested:
             raise UsageError("%%cudamem cannot be nested inside another %%cudamem cell.")
         if s.in_cell:  # monitoring began this cell before we knew it was ours
-            s.end_cell()
+            self._guarded("%%cudamem", s.end_cell)
         number = sh.execution_count - 1
-        s.begin_cell(number, source=body, reset_peak=args.reset_peak or None, scan=False if args.no_scan else None,
-                     lines=args.lines or None, trace=True)  # one cell, measured on purpose: its exact peak
+        # nbmem failing to open its measurement must not keep the user's cell from running.
+        self._guarded("%%cudamem", lambda: s.begin_cell(
+            number, source=body, reset_peak=args.reset_peak or None, scan=False if args.no_scan else None,
+            lines=args.lines or None, trace=True))  # one cell, measured on purpose: its exact peak
         outer = getattr(sh.displayhook, "exec_result", None)  # this cell's result, which IPython fills in
         self._nested = True
         result = None
@@ -378,7 +380,7 @@ class NbmemMagics(Magics):
             self._nested = False
             sh.displayhook.exec_result = outer  # the inner run cleared it
             error = getattr(result, "error_in_exec", None) or getattr(result, "error_before_exec", None)
-            report = s.end_cell(error)
+            report = self._guarded("%%cudamem", lambda: s.end_cell(error))
         if report is not None and not args.quiet:
             self._display(report)
             s.shown(report)
@@ -389,6 +391,14 @@ class NbmemMagics(Magics):
                 outer.error_in_exec = error
             else:
                 raise error
+
+    def _guarded(self, where: str, step: Any) -> Any:
+        """Run one of nbmem's own steps around a cell; a failure is recorded (and told once), never raised."""
+        try:
+            return step()
+        except Exception as e:
+            self.session.fault(where, e)
+            return None
 
     def _fit_cell(self, body: str, args: Any) -> Any:
         if args.fit is None:

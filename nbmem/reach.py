@@ -308,8 +308,22 @@ class TypeCache:
         self._d[id(t)] = (ref, value)
 
 
+_SKIP = frozenset(SKIP_MODULES)
+
+
 def is_library_module(modname: str) -> bool:
-    return modname == "builtins" or modname.startswith(SKIP_MODULES)
+    """A module of the libraries above or one of their submodules (``torch._C``), never a module that merely
+    starts with the same letters (``replay_buffer`` is not ``re``, ``common`` not ``comm``)."""
+    if modname == "builtins":
+        return True
+    head = modname
+    while True:
+        if head in _SKIP:
+            return True
+        cut = head.rfind(".")
+        if cut < 0:
+            return False
+        head = head[:cut]
 
 
 _MODULE_DICT: Any = vars(types.ModuleType)["__dict__"]

@@ -329,6 +329,8 @@ class Scanner:
             sid = self.storages.sid(f.storage, f.device, n, cell)
             sid_of_node[f.node] = sid
             st = self.storages.states[sid]
+            if st.nbytes != n:  # resized in place (`resize_`, an `out=` that grew it): the same storage, bigger
+                st.nbytes = n
             if f.span > st.span or not st.dtype:
                 st.span = max(st.span, f.span)
                 _describe(st, f.tensor, w.TB)

@@ -243,7 +243,7 @@ class Walk:
                     for k, v in reach.dict_items(inner):
                         add(v, node, L_ATTR, k, root)
             for k, v in reach.dict_items(d):
-                if k not in ("_parameters", "_buffers", "_modules"):
+                if type(k) is not str or k not in ("_parameters", "_buffers", "_modules"):  # no key's __eq__
                     add(v, node, L_ATTR, k, root)
         elif s == _FUNC:
             self._function(obj, node, root)
@@ -370,7 +370,7 @@ class Walk:
                 dev = str(TB.device.__get__(t))
                 ours = self.lk[node] == L_TEXT  # our own label text; other labels may be user objects
                 # A Parameter is one whichever path reached it first (the optimizer's state is keyed by them).
-                is_param = self.Param in type(t).__mro__ or self._is_param(node)
+                is_param = reach.derives(type(t), self.Param) or self._is_param(node)
                 role = ROLE_PARAM if is_param else ROLE_GRAD if ours and self.lv[node] == ".grad" else ""
                 if not role and self._under_optimizer_state(node):
                     role = ROLE_OPTIM

@@ -85,3 +85,17 @@ def test_the_state_a_fit_restores_is_found_by_walking_what_the_cell_names(nb):
     modules, optimizers = reachable_state(torch, roots, sess.holdings.scanner.type_cache)
     assert {id(m) for m in modules} == {id(ns["trainer"].model), id(ns["model"])}, "outermost modules only"
     assert {id(o) for o in optimizers} == {id(ns["trainer"].optimizer), id(ns["opt"])}
+
+
+def test_a_fit_finds_the_state_a_cell_changes_through_the_functions_it_calls(nb):
+    """`train_step(batch)` trains `model` and `opt` through its globals: they are what a fit must restore."""
+    from nbmem.fitting import state_reached
+
+    ok(nb, "def _inner(x):\n    return model(x).sum()\n"
+           "def train_step(b):\n    loss = _inner(torch.randn(b, 64))\n    loss.backward()\n    opt.step()")
+    sess = session_of(nb)
+    used = sess.adapter.mentioned("train_step(batch)") - {"batch"}
+    modules, optimizers = state_reached(sess.adapter, torch, sess.holdings.scanner.type_cache, used, [],
+                                        budget_s=None)
+    assert [id(m) for m in modules] == [id(nb.user_ns["model"])]
+    assert [id(o) for o in optimizers] == [id(nb.user_ns["opt"])]

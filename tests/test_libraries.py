@@ -102,3 +102,29 @@ def test_the_replay_and_the_line_clock_ask_the_same_rule(tmp_path) -> None:
     files = {code.co_filename for _t, code, _line in marks}
     assert str(path) in files
     assert not any(libraries.is_library_file(f) for f in files)
+
+
+@pytest.mark.parametrize(("name", "library"), [
+    ("re", True), ("torch._C", True), ("torch._C._nn", True), ("IPython.core.interactiveshell", True),
+    ("builtins", True), ("replay_buffer", False), ("research.models", False), ("common", False),
+    ("regression", False), ("sslkit", False), ("torch", False), ("abcd", False),
+])
+def test_a_library_is_a_package_or_its_submodule_never_a_name_that_starts_the_same(name: str, library: bool) -> None:
+    assert reach.is_library_module(name) is library
+
+
+def test_objects_of_a_user_module_named_like_a_library_are_walked(tmp_path, monkeypatch) -> None:
+    from nbmem.records import HolderKind
+    from nbmem.scanner import Scanner
+    from nbmem.walk import Root
+
+    (tmp_path / "replay_buffer.py").write_text("class ReplayBuffer:\n    def __init__(self, t):\n        self.t = t\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    import replay_buffer
+
+    try:
+        buf = replay_buffer.ReplayBuffer(torch.empty(1024))
+        s = Scanner(lambda: torch).update([Root("buf", HolderKind.NAMESPACE, buf)], cell=1, walk="all")
+        assert [h.holders for h in s.storages.values()] == [("buf.t",)]
+    finally:
+        sys.modules.pop("replay_buffer", None)

@@ -488,3 +488,18 @@ def test_an_unclosed_quote_is_a_usage_error_and_the_cell_does_not_run(ip):
     assert "ran" not in ip.user_ns
     with pytest.raises(UsageError, match="No closing quotation"):
         ip.run_line_magic("cudamem", "clean 'x")
+
+
+def test_a_failure_inside_nbmem_never_keeps_a_cudamem_cell_from_running(ip, monkeypatch):
+    sess = _ACTIVE[ip].session
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("nbmem's own bug")
+
+    monkeypatch.setattr(sess.cells, "begin", broken)
+    ok(ip, "%%cudamem\nran = 1")
+    assert ip.user_ns["ran"] == 1 and any("nbmem's own bug" in f.error for f in sess.faults)
+    monkeypatch.undo()
+    monkeypatch.setattr(sess.cells, "_end", broken)
+    ok(ip, "%%cudamem\nran = 2")
+    assert ip.user_ns["ran"] == 2 and not sess.in_cell
