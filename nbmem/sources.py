@@ -201,9 +201,10 @@ class NvmlSource:
         if mine:
             self._pid_invisible.discard(device)
             own = mine[0].used_bytes
-        elif cuda_in_use:
-            # We hold a CUDA context yet NVML lists no process with our PID: we are in a PID namespace
-            # (a container without --pid=host), so NVML's PIDs are the host's and cannot be matched.
+        elif cuda_in_use or device in self._pid_invisible:
+            # We hold (or held: a context outlives an emptied cache) a CUDA context yet NVML lists no process
+            # with our PID: we are in a PID namespace (a container without --pid=host), so NVML's PIDs are
+            # the host's and cannot be matched; what this process holds is unknown, not 0.
             self.process_reason = ("NVML lists no process with this PID although CUDA is in use: a container "
                                    "without host PIDs; per-process numbers are unknown")
             return GpuReading(used, total, None, None, tuple(p for p in procs if p.pid != me))

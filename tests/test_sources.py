@@ -109,8 +109,12 @@ def test_container_without_host_pids_is_unknown_not_zero():
     g = s.read("cuda:0", cuda_in_use=True)
     assert g.process_used_bytes is None and g.other_processes_bytes is None
     assert "container" in s.process_reason
-    idle = s.read("cuda:0", cuda_in_use=False)  # no CUDA context here: this process holds nothing
-    assert idle.process_used_bytes == 0 and idle.other_processes_bytes == 700
+    # After its cache is emptied the context is still there: once its PID cannot be matched, unknown stays unknown
+    idle = s.read("cuda:0", cuda_in_use=False)
+    assert idle.process_used_bytes is None and idle.other_processes_bytes is None
+    never = started(FakeNvml(procs=[SimpleNamespace(pid=4242, usedGpuMemory=700)]))
+    fresh = never.read("cuda:0", cuda_in_use=False)  # never used CUDA here: this process holds nothing
+    assert fresh.process_used_bytes == 0 and fresh.other_processes_bytes == 700
 
 
 def test_wddm_or_mig_per_process_na():
