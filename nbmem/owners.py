@@ -116,7 +116,7 @@ def _row(owner: str, device: str, members: list[Held], saved: Mapping[int, int],
     rows.sort(key=lambda f: -f.bytes)
     shown = tuple(rows[:MEMBERS_SHOWN])
     also = _also(owner, members)
-    roots = tuple(dict.fromkeys(n for h in [first, *members] for n in judge.deletable(h)))
+    roots = tuple(dict.fromkeys(n for h in members for n in judge.deletable(h)))
     if kind is HolderKind.NAMESPACE and owner.isidentifier():
         roots = (owner, *(n for n in roots if n != owner))
     holders = tuple(dict.fromkeys(p for f in rows[:MEMBERS_SHOWN] for p in f.holders))[:HOLDERS_KEPT]

@@ -241,20 +241,22 @@ class TorchSource:
         except Exception:
             return False
 
+    def _cuda(self) -> Any | None:
+        """torch, once CUDA is initialised in this process; None before (nothing here may start it)."""
+        return self.torch() if self.cuda_initialized() else None
+
     def device_count(self) -> int:
         """Devices torch sees; asked only once CUDA is initialised, so asking costs nothing."""
-        if not self.cuda_initialized():
+        t = self._cuda()
+        if t is None:
             return 0
-        t = self.torch()
-        assert t is not None
         return int(t.cuda.device_count())
 
     # -- the one choke point -------------------------------------------------------------------
     def _stats(self, index: int) -> dict[str, Any] | None:
-        if not self.cuda_initialized():
+        t = self._cuda()
+        if t is None:
             return None
-        t = self.torch()
-        assert t is not None
         try:
             # The nested form is what the allocator returns; memory_stats() flattens and sorts it in
             # Python, which is most of its ~115 µs.
@@ -334,9 +336,8 @@ class TorchSource:
 
     def reset_peak(self, index: int) -> None:
         """Reset the allocator's peak counter: only ever on an explicit ``--reset-peak``."""
-        if self.cuda_initialized():
-            t = self.torch()
-            assert t is not None
+        t = self._cuda()
+        if t is not None:
             t.cuda.reset_peak_memory_stats(index)
 
     # -- the allocator's segments and the device's free memory (fits, out-of-memory advice, pools) ------
@@ -344,10 +345,9 @@ class TorchSource:
         """The allocator's segments and their blocks (``torch.cuda.memory_snapshot()``: every device, each
         segment with its ``device``, ``segment_pool_id`` and ``blocks``), or None when CUDA is not up or the
         read failed. A host-side walk of the allocator's state: no kernel runs, nothing changes."""
-        if not self.cuda_initialized():
+        t = self._cuda()
+        if t is None:
             return None
-        t = self.torch()
-        assert t is not None
         try:
             return list(t.cuda.memory_snapshot())
         except Exception:
@@ -355,30 +355,27 @@ class TorchSource:
 
     def device_free(self, index: int) -> tuple[int, int] | None:
         """(free, total) bytes of the device as the driver sees them (``cudaMemGetInfo``), CUDA being up."""
-        if not self.cuda_initialized():
+        t = self._cuda()
+        if t is None:
             return None
-        t = self.torch()
-        assert t is not None
         try:
             free, total = t.cuda.mem_get_info(index)
         except Exception:
             return None
         return int(free), int(total)
 
-    def give_back_cached(self, index: int) -> None:
-        """``torch.cuda.empty_cache()`` on one device: only on an explicit request (cleanup, a fit)."""
-        t = self.torch()
-        if t is not None and self.cuda_initialized():
-            with t.cuda.device(index):
-                t.cuda.synchronize()
-                t.cuda.empty_cache()
-
-    def empty_cache(self) -> bool:
-        """``torch.cuda.empty_cache()``, every device: only on an explicit request (cleanup); False without CUDA."""
-        t = self.torch()
-        if t is None or not self.cuda_initialized():
+    def empty_cache(self, device: int | None = None) -> bool:
+        """``torch.cuda.empty_cache()``: only on an explicit request (cleanup, a fit); False without CUDA.
+        With ``device``, that device's work is waited for first, so blocks its streams still use come back too."""
+        t = self._cuda()
+        if t is None:
             return False
-        t.cuda.empty_cache()
+        if device is None:
+            t.cuda.empty_cache()
+            return True
+        with t.cuda.device(device):
+            t.cuda.synchronize()
+            t.cuda.empty_cache()
         return True
 
     def reset_compiled(self) -> str:
@@ -393,9 +390,8 @@ class TorchSource:
 
     def clear_cublas_workspaces(self) -> bool:
         """Drop cuBLAS's per-handle workspaces (a fit that made them takes them back); False where torch cannot."""
-        t = self.torch()
-        clear = getattr(getattr(t, "_C", None), "_cuda_clearCublasWorkspaces", None)
-        if clear is None or not self.cuda_initialized():
+        clear = getattr(getattr(self._cuda(), "_C", None), "_cuda_clearCublasWorkspaces", None)
+        if clear is None:
             return False
         clear()
         return True

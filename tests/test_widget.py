@@ -6,6 +6,7 @@ exactly as the comm delivers it.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import os
@@ -123,10 +124,19 @@ class FakeAllocator(TorchSource):
 
 @pytest.fixture
 def gpu_session() -> Iterator[Session]:
-    session = Session(adapter=None, probe=Probe(nvml=NvmlSource(nvml=FakeNvml(), environ={}), torch=FakeAllocator()))
+    with fake_gpu_session(FakeNvml()) as session:
+        yield session
+
+
+@contextlib.contextmanager
+def fake_gpu_session(nvml: FakeNvml) -> Iterator[Session]:
+    """A session over a fake NVML and allocator (a GPU this machine does not have), closed afterwards."""
+    session = Session(adapter=None, probe=Probe(nvml=NvmlSource(nvml=nvml, environ={}), torch=FakeAllocator()))
     session.probe.start()
-    yield session
-    session.close()
+    try:
+        yield session
+    finally:
+        session.close()
 
 
 def columns(g: Gauge, device: str) -> dict[str, Any]:
@@ -212,38 +222,34 @@ def test_gpu_layout_from_fake_samples(gpu_session: Session) -> None:
 
 def test_the_notebooks_child_processes_are_its_own_not_other_processes() -> None:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    session = Session(adapter=None, probe=Probe(nvml=NvmlSource(nvml=FakeNvml(children=(child.pid,)), environ={}),
-                                                torch=FakeAllocator()))
-    session.probe.start()
-    g = Gauge(session, start=False)
     try:
-        publish(g)
-        gpu = columns(g, "cuda:0")
-        assert (gpu["process"], gpu["children"], gpu["others"]) == (11 * GiB, 2 * GiB, 17 * GiB)
-        assert [p["pid"] for p in g.processes["cuda:0"]] == [4242]
-        (kid,) = g.children["cuda:0"]
-        assert (kid["pid"], kid["bytes"]) == (child.pid, 2 * GiB) and "time.sleep(60)" in kid["command"]
+        with fake_gpu_session(FakeNvml(children=(child.pid,))) as session:
+            g = Gauge(session, start=False)
+            try:
+                publish(g)
+                gpu = columns(g, "cuda:0")
+                assert (gpu["process"], gpu["children"], gpu["others"]) == (11 * GiB, 2 * GiB, 17 * GiB)
+                assert [p["pid"] for p in g.processes["cuda:0"]] == [4242]
+                (kid,) = g.children["cuda:0"]
+                assert (kid["pid"], kid["bytes"]) == (child.pid, 2 * GiB) and "time.sleep(60)" in kid["command"]
+            finally:
+                g.close()
     finally:
-        g.close()
-        session.close()
         child.kill()
         child.wait()
 
 
 def test_unknown_numbers_are_sent_as_null_never_zero() -> None:
-    session = Session(adapter=None, probe=Probe(nvml=NvmlSource(nvml=FakeNvml(per_process=False), environ={}),
-                                                torch=FakeAllocator()))
-    session.probe.start()
-    g = Gauge(session, start=False)
-    try:
-        publish(g)
-        gpu = columns(g, "cuda:0")
-        assert gpu["process"] is None and gpu["others"] is None
-        assert '"process": [' in json.dumps(g.snapshot) and "null" in json.dumps(g.snapshot["others"])
-        assert g.note.startswith("per-process numbers unknown: NVML cannot list processes")
-    finally:
-        g.close()
-        session.close()
+    with fake_gpu_session(FakeNvml(per_process=False)) as session:
+        g = Gauge(session, start=False)
+        try:
+            publish(g)
+            gpu = columns(g, "cuda:0")
+            assert gpu["process"] is None and gpu["others"] is None
+            assert '"process": [' in json.dumps(g.snapshot) and "null" in json.dumps(g.snapshot["others"])
+            assert g.note.startswith("per-process numbers unknown: NVML cannot list processes")
+        finally:
+            g.close()
 
 
 def test_history_keeps_each_buckets_peak_and_unknowns() -> None:
