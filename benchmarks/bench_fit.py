@@ -13,7 +13,7 @@ binds ``x``, ``out``, ``loss`` in a namespace that outlives it, and runs one tra
 - real: the largest value for which the body runs 3 times in a row without CUDA out of memory, found by
   bisection with real OOMs in this process, from the state of the row (restored between tries and freed,
   ``empty_cache``), to 1 %;
-- nbmem: ``nbmem.fitting.fit`` at three small values (warm-up included), state restored afterwards;
+- nbmem: ``nbmem.fitting.runner.fit`` at three small values (warm-up included), state restored afterwards;
 - line: the straight-line baseline of issue 23, a line through ``max_memory_allocated()`` at the same
   three values, solved for free + reserved;
 - batch-probe (PyPI, 0.4.0) and torch-kitsune (0.7.0), where installed: optional comparisons only.
@@ -296,9 +296,9 @@ def main() -> int:
     if a.kitsune_only:
         return kitsune_child(torch, a.kitsune_only.split(","))
 
-    from nbmem import fitting
+    from nbmem.fitting import runner as fitting
     from nbmem.formatting import fmt_bytes
-    from nbmem.prediction import plot_fit
+    from nbmem.plotting import plot_fit
 
     if not torch.cuda.is_available():
         try:
@@ -398,8 +398,9 @@ def main() -> int:
 def replay(paths: list[str]) -> int:
     """The fit's analysis over recorded runs (pure: the same traces give the same prediction), against the real
     boundary and the straight line those runs measured."""
-    from nbmem import allocmodel, fitmodel
-    from nbmem import prediction as fit
+    from nbmem.fitting import allocator as allocmodel
+    from nbmem.fitting import model as fitmodel
+    from nbmem.fitting import prediction as fit
 
     head = ("family", "state", "var", "real (to)", "nbmem then", "nbmem now", "now/real", "line", "line/real",
             "method", "t analysis")
@@ -514,7 +515,8 @@ def _slim(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def measure(torch: Any, fitting: Any, fam: Family, state: str, row: Row, competitors: dict[str, Any],
             saved: list[dict[str, Any]], keep_traces: bool) -> None:
     """One row: the state, nbmem's fit, the straight line, the real boundary, and the comparisons."""
-    from nbmem import prediction as fitmod
+    from nbmem.fitting import prediction as fitmod
+    from nbmem.fitting.state import restore_state, snapshot_state
     from nbmem.sources import TorchSource
 
     model = fam.make("cuda")
@@ -533,7 +535,7 @@ def measure(torch: Any, fitting: Any, fam: Family, state: str, row: Row, competi
         del small
     gc.collect()
     torch.cuda.empty_cache()
-    start = fitting.snapshot_state([model], [opt])
+    start = snapshot_state([model], [opt])
 
     def run(v: int) -> None:
         fam.body(model, opt, ns, v)
@@ -577,7 +579,7 @@ def measure(torch: Any, fitting: Any, fam: Family, state: str, row: Row, competi
         run(v)
         peaks.append(torch.cuda.max_memory_allocated())
         clean()
-    fitting.restore_state(start)
+    restore_state(start)
     row.line = straight_line(fam.values, peaks, room)
     row.t_line = time.perf_counter() - t
 
@@ -604,7 +606,7 @@ def measure(torch: Any, fitting: Any, fam: Family, state: str, row: Row, competi
         finally:
             entries = (source.finish_trace(trace, read=True) or [[]])[0] if trace is not None else []
             ns.clear()
-            fitting.restore_state(start)
+            restore_state(start)
             gc.collect()
             torch.cuda.empty_cache()
         trials.append({"value": v, "ok": ok, "free": free, "reserved": reserved})
@@ -634,7 +636,7 @@ def measure(torch: Any, fitting: Any, fam: Family, state: str, row: Row, competi
             row.notes.append(f"batch-probe failed: {type(e).__name__}: {str(e)[:80]}")
         finally:
             ns.clear()
-            fitting.restore_state(start)
+            restore_state(start)
             gc.collect()
             torch.cuda.empty_cache()
         row.t_probe = time.perf_counter() - t

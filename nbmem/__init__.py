@@ -122,7 +122,7 @@ def fit(body: Any, name: str, values: Any, *, restore: bool = True, warmup: bool
     ``.to_frame()`` and ``.row()`` for code. ``largest_value`` is None with ``reason`` when there is no
     prediction. A machine without CUDA raises ``RuntimeError`` saying so, and nothing runs.
     """
-    from .fitting import FitRefused
+    from .fitting.state import FitRefused
 
     if not isinstance(name, str) or not name.isidentifier():
         raise TypeError(f"nbmem.fit(name=...) takes a variable name, got {name!r:.40}")
@@ -143,7 +143,7 @@ def fit(body: Any, name: str, values: Any, *, restore: bool = True, warmup: bool
 
 def plot_fit(result: Any = None, ax: Any = None) -> Any:
     """The last fit (or ``result``) drawn: each run's peak, the model over the value, the memory it fits in."""
-    from .prediction import plot_fit as _plot
+    from .plotting import plot_fit as _plot
 
     result = result if result is not None else _session().last_fit
     if result is None:

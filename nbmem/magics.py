@@ -93,7 +93,7 @@ from traitlets import Bool, Enum, Float, Int, TraitType
 from traitlets.config import Configurable
 
 from .cleanup_request import CleanupRefused, CleanupRequest
-from .fitting import FitRefused
+from .fitting.state import FitRefused
 from .options import OPTION_BY_NAME, OPTIONS, Option, OptionError, Settings
 from .session import Session
 from .shell import ShellAdapter

@@ -1,4 +1,5 @@
-"""``nbmem.plot()``: memory over time per device, stacked as the gauge splits it, monitored cells shaded.
+"""``nbmem.plot()``: memory over time per device, stacked as the gauge splits it, monitored cells shaded;
+``nbmem.plot_fit()``: a fit's runs, its model over the value and the room (drawn from the result record).
 
 Each panel stacks the gauge's memory kinds with the gauge's names and colours. A kind that is unknown
 at some time is left out of the stack there, never drawn as zero; what NVML (or the host) counts as in
@@ -12,7 +13,7 @@ import io
 import itertools
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 import numpy as np
 from matplotlib.artist import Artist
@@ -20,10 +21,13 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 from matplotlib.text import Text
-from matplotlib.ticker import Formatter, Locator
+from matplotlib.ticker import Formatter, FuncFormatter, Locator
 from matplotlib.transforms import ScaledTranslation, blended_transform_factory
 
 from .formatting import fmt_bytes
+
+if TYPE_CHECKING:
+    from .fitting.prediction import FitResult
 
 #: The gauge's colours (js/gauge.js), by the gauge's names.
 COLORS = {
@@ -137,6 +141,39 @@ def plot(session: Any, *, clock: bool = False) -> MemoryFigure:
         fig.legend(handles=list(legend.values()), loc="outside upper center", ncols=math.ceil(len(legend) / lines),
                    frameon=False, fontsize=9, handlelength=1.2, columnspacing=1.4)
     return fig
+
+
+# -- a fit ---------------------------------------------------------------------------------------------
+def plot_fit(result: FitResult, ax: Any = None) -> Any:
+    """The runs' peaks, the model's peak reserved memory over the value, the room and the prediction."""
+    fig = None
+    if ax is None:
+        fig = MemoryFigure(figsize=(7.2, 3.6), dpi=100, layout="constrained")
+        FigureCanvasAgg(fig)
+        ax = fig.subplots()
+    if result.curve:
+        xs = [v for v, _, _ in result.curve]
+        ax.plot(xs, [r for _, _, r in result.curve], color="#1976d2", lw=1.6, label="model: peak reserved")
+        ax.plot(xs, [a for _, a, _ in result.curve], color="#90caf9", lw=1.2, ls="--", label="model: peak allocated")
+    runs = [p for p in result.points if p.counted and not p.skipped and p.peak_reserved_bytes is not None]
+    if runs:
+        ax.scatter([p.value for p in runs], [p.peak_reserved_bytes for p in runs], color="#0d47a1", zorder=3,
+                   label="runs: peak reserved")
+    if result.room is not None:
+        ax.axhline(result.room.capacity_bytes, color="#d32f2f", lw=1.2,
+                   label=f"room ({fmt_bytes(result.room.margin_bytes)} margin kept)")
+    if result.largest_value is not None:
+        ax.axvline(result.largest_value, color="#424242", lw=1, ls=":",
+                   label=f"largest that fits: {result.largest_value:,}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel(result.name)
+    ax.set_ylim(bottom=0)
+    ax.yaxis.set_major_locator(BinaryLocator())
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda x, pos: tick_bytes(x)))
+    ax.spines[["top", "right"]].set_visible(False)
+    ax.legend(frameon=False, fontsize=8)
+    ax.set_title(f"{result.name}: {result.answer()}", fontsize=10)
+    return fig if fig is not None else ax.figure
 
 
 # -- what is stacked --------------------------------------------------------------------------------

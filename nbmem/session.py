@@ -19,17 +19,17 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from . import fitting
 from .advice import RESTART_ADVICE
 from .cellwatch import CellWatch
 from .cleaner import Cleaner
 from .cleanup_request import CleanupRequest
+from .fitting.prediction import FitResult
+from .fitting.runner import fit_in_notebook
 from .formatting import fmt_bytes, spans
 from .holdings import Holdings
 from .options import Settings
 from .owners import Rows
 from .pools import pool_lines
-from .prediction import FitResult
 from .processes import child_lines
 from .records import (
     CELL_COLUMNS,
@@ -352,9 +352,9 @@ class Session:
         """Run ``body`` once per value (a cell's source, ``name`` bound; or a function of the value) and
         predict the largest value that fits; the modules and optimizers it reaches are restored after."""
         try:
-            result = fitting.fit_in_notebook(self.adapter, self.probe.torch, self.holdings.scanner.type_cache, body,
-                                             name, values, cell=cell, warmup=warmup, restore=restore,
-                                             budget_s=self.settings.scan_budget_s)
+            result = fit_in_notebook(self.adapter, self.probe.torch, self.holdings.scanner.type_cache, body, name,
+                                     values, cell=cell, warmup=warmup, restore=restore,
+                                     budget_s=self.settings.scan_budget_s)
         finally:
             self.holdings.closed_scan = None  # the fit ran code: the next cell's baseline is scanned again
         self.last_fit = result

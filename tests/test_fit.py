@@ -2,24 +2,28 @@
 
 A body here is a generator of ``("alloc", name, bytes, line)``, ``("free", name, line)`` and ``("keep", name)``
 (the name outlives the run: state, or a notebook variable). ``record`` turns runs of it into allocator trace
-entries as ``fitting`` records them (the caller cleans the namespace between runs, outside the trace), and
+entries as ``fit.runner`` records them (the caller cleans the namespace between runs, outside the trace), and
 ``true_limit`` runs it 3 times in a row through the same allocator model, rebinding names as a notebook
 does: the limit the prediction is checked against.
 """
 
 from __future__ import annotations
 
+import ast
 import itertools
 from collections.abc import Callable, Iterator
+from pathlib import Path
 from typing import Any
 
 import pytest
 
-from nbmem import allocmodel, fitmodel
-from nbmem import prediction as F
-from nbmem.allocmodel import CachingAllocatorModel, SegmentState
-from nbmem.fitmodel import Room, RunTrace, fit_size
-from nbmem.prediction import analyse
+import nbmem.fitting
+from nbmem.fitting import allocator as allocmodel
+from nbmem.fitting import model as fitmodel
+from nbmem.fitting import prediction as F
+from nbmem.fitting.allocator import CachingAllocatorModel, SegmentState
+from nbmem.fitting.model import Room, RunTrace, fit_size
+from nbmem.fitting.prediction import analyse
 
 MiB, GiB = 2**20, 2**30
 NAMESPACE = ("x", "out", "loss")
@@ -469,7 +473,9 @@ def test_the_result_reads_as_text_html_a_row_and_a_frame() -> None:
     frame = res.to_frame()
     assert list(frame["kind"]).count("run") == 3 and (frame["kind"] == "model").sum() == len(res.curve)
     assert res.lines[0].where == "a = layer(x)"
-    fig = F.plot_fit(res)
+    from nbmem.plotting import plot_fit
+
+    fig = plot_fit(res)
     assert fig.axes and fig._repr_png_()[:4] == b"\x89PNG"
 
 
@@ -480,10 +486,30 @@ def test_largest_fitting_stays_below_a_failure_under_the_answer() -> None:
     assert F.largest_fitting(lambda v: False, 8) is None
 
 
+# -- the layers --------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["allocator.py", "model.py", "prediction.py"])
+def test_the_fit_analysis_imports_neither_torch_nor_the_runner_nor_the_plots(name: str) -> None:
+    path = Path(nbmem.fitting.__file__).parent / name
+    t = ast.parse(path.read_text())
+    mods = {("." * n.level) + (n.module or "") for n in ast.walk(t) if isinstance(n, ast.ImportFrom)}
+    mods |= {a.name for n in ast.walk(t) if isinstance(n, ast.Import) for a in n.names}
+    below = {m for m in mods if m.split(".")[0] in ("torch", "matplotlib", "IPython")
+             or m.lstrip(".") in ("runner", "state", "plotting", "sources", "session")}
+    assert not below, f"fitting/{name} imports {sorted(below)}"
+
+
+def test_the_package_does_not_shadow_nbmem_fit() -> None:
+    """``nbmem.fit`` is the function: a sub-package of that name would replace it once imported."""
+    import nbmem
+    import nbmem.fitting.runner
+
+    assert callable(nbmem.fit) and callable(nbmem.plot_fit)
+
+
 # -- the runner without CUDA -------------------------------------------------------------------------------------
 def test_without_cuda_a_fit_refuses_in_one_line_and_the_body_does_not_run() -> None:
     torch = pytest.importorskip("torch")
-    from nbmem import fitting
+    from nbmem.fitting import runner as fitting
 
     if torch.cuda.is_available():
         pytest.skip("checks a machine without CUDA")
@@ -496,7 +522,7 @@ def test_without_cuda_a_fit_refuses_in_one_line_and_the_body_does_not_run() -> N
 
 def test_state_goes_to_host_and_back_bit_for_bit() -> None:
     torch = pytest.importorskip("torch")
-    from nbmem import fitting
+    from nbmem.fitting import state as fitting
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 2))
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
@@ -526,7 +552,7 @@ def test_state_goes_to_host_and_back_bit_for_bit() -> None:
 
 def test_state_made_during_the_fit_is_dropped_and_a_copy_host_memory_cannot_hold_is_refused() -> None:
     torch = pytest.importorskip("torch")
-    from nbmem import fitting
+    from nbmem.fitting import state as fitting
 
     model = torch.nn.Linear(8, 2)
     opt = torch.optim.Adam(model.parameters())

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from nbmem.allocmodel import SegmentState
-from nbmem.fitmodel import Room, RunTrace
-from nbmem.prediction import analyse
+from nbmem.fitting.allocator import SegmentState
+from nbmem.fitting.model import Room, RunTrace
+from nbmem.fitting.prediction import analyse
 
 ROWS = json.load(gzip.open(Path(__file__).parent / "data" / "fit_traces_h100.json.gz", "rt"))
 

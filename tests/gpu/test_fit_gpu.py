@@ -13,7 +13,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from nbmem import fitting  # noqa: E402
+from nbmem.fitting import runner as fitting  # noqa: E402
+from nbmem.fitting.state import state_bytes  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -77,7 +78,7 @@ def test_the_state_is_restored_bit_for_bit_after_a_fit() -> None:
     res = fitting.fit(lambda v: step(model, opt, ns, v), [16, 32, 64], clean=ns.clear, modules=[model],
                       optimizers=[opt], name="batch")
     assert res.largest_value is not None and res.largest_value > 64, str(res)
-    assert res.restored_bytes == fitting.state_bytes([model], [opt]) > 0
+    assert res.restored_bytes == state_bytes([model], [opt]) > 0
     assert same(state_bits(model, opt), before)
     assert allocated() == held
 

@@ -44,11 +44,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from .allocmodel import CachingAllocatorModel, SegmentState
-from .fitmodel import ALLOC, FREE, Room, Run, RunTrace, Sim, Site, Timeline, build_timeline, fit_size
-from .formatting import Column, esc, fmt_bytes, fmt_seconds, html_table, prose, text_table
-from .linetrace import cell_line, deepest_user_frame
-from .reports import Shown
+from ..formatting import Column, esc, fmt_bytes, fmt_seconds, html_table, prose, text_table
+from ..linetrace import cell_line, deepest_user_frame
+from ..reports import Shown
+from .allocator import CachingAllocatorModel, SegmentState
+from .model import ALLOC, FREE, Room, Run, RunTrace, Sim, Site, Timeline, build_timeline, fit_size
 
 #: Where the search stops when nothing stops it (memory that does not grow with the value).
 SEARCH_CAP = 1 << 40
@@ -194,7 +194,8 @@ class FitResult(Shown):
     def _head(self) -> str:
         return f"nbmem fit · {self.name} · {self.device}"
 
-    def _answer(self) -> str:
+    def answer(self) -> str:
+        """The answer in one line: the largest value that fits, or why there is none."""
         if self.largest_value is None:
             return f"no prediction: {self.reason}"
         pow2 = "" if self.power_of_two in (None, self.largest_value) else (
@@ -264,7 +265,7 @@ class FitResult(Shown):
         return [f for f in facts if f]
 
     def __str__(self) -> str:
-        parts = [self._head(), self._answer(), *self._facts()]
+        parts = [self._head(), self.answer(), *self._facts()]
         if self.lines:
             parts += ["lines whose memory grows:", text_table(self._line_columns(), self._line_rows())]
         if self.points:
@@ -274,7 +275,7 @@ class FitResult(Shown):
 
     def _repr_html_(self) -> str:
         parts = [f"<div class='nbmem-report'><div style='font-weight:600'>{esc(self._head())}</div>",
-                 f"<div style='font-size:1.1em'>{esc(self._answer())}</div>"]
+                 f"<div style='font-size:1.1em'>{esc(self.answer())}</div>"]
         parts += [f"<div>{esc(f)}</div>" for f in self._facts()]
         if self.lines:
             parts.append(html_table(self._line_columns(), self._line_rows(), caption="lines whose memory grows"))
@@ -466,44 +467,5 @@ def proportional_bound(run: RunTrace, value: int) -> int | None:
     return run.allocated_before_bytes + math.ceil(r.peak_growth_bytes * value / max(1, run.value))
 
 
-# -- the plot ----------------------------------------------------------------------------------------------------
-def plot_fit(result: FitResult, ax: Any = None) -> Any:
-    """The runs' peaks, the model's peak reserved memory over the value, the room and the prediction."""
-    from matplotlib.ticker import FuncFormatter
-
-    from .plotting import BinaryLocator, MemoryFigure, tick_bytes
-
-    fig = None
-    if ax is None:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-
-        fig = MemoryFigure(figsize=(7.2, 3.6), dpi=100, layout="constrained")
-        FigureCanvasAgg(fig)
-        ax = fig.subplots()
-    if result.curve:
-        xs = [v for v, _, _ in result.curve]
-        ax.plot(xs, [r for _, _, r in result.curve], color="#1976d2", lw=1.6, label="model: peak reserved")
-        ax.plot(xs, [a for _, a, _ in result.curve], color="#90caf9", lw=1.2, ls="--", label="model: peak allocated")
-    runs = [p for p in result.points if p.counted and not p.skipped and p.peak_reserved_bytes is not None]
-    if runs:
-        ax.scatter([p.value for p in runs], [p.peak_reserved_bytes for p in runs], color="#0d47a1", zorder=3,
-                   label="runs: peak reserved")
-    if result.room is not None:
-        ax.axhline(result.room.capacity_bytes, color="#d32f2f", lw=1.2,
-                   label=f"room ({fmt_bytes(result.room.margin_bytes)} margin kept)")
-    if result.largest_value is not None:
-        ax.axvline(result.largest_value, color="#424242", lw=1, ls=":",
-                   label=f"largest that fits: {result.largest_value:,}")
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel(result.name)
-    ax.set_ylim(bottom=0)
-    ax.yaxis.set_major_locator(BinaryLocator())
-    ax.yaxis.set_major_formatter(FuncFormatter(lambda x, pos: tick_bytes(x)))
-    ax.spines[["top", "right"]].set_visible(False)
-    ax.legend(frameon=False, fontsize=8)
-    ax.set_title(f"{result.name}: {result._answer()}", fontsize=10)
-    return fig if fig is not None else ax.figure
-
-
-__all__ = ["ASSUMPTIONS", "FitPoint", "FitResult", "GrowthLine", "analyse", "largest_fitting", "plot_fit",
+__all__ = ["ASSUMPTIONS", "FitPoint", "FitResult", "GrowthLine", "analyse", "largest_fitting",
            "power_of_two_below", "proportional_bound"]

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from difflib import SequenceMatcher
 from typing import Any
 
-from .allocmodel import CachingAllocatorModel, SegmentState
-from .formatting import fmt_bytes
-from .records import block_bytes
+from ..formatting import fmt_bytes
+from ..records import block_bytes
+from .allocator import CachingAllocatorModel, SegmentState
 
 #: The margin kept below the room: kernels CUDA loads for sizes not run yet, cuDNN/cuBLAS handles and other
 #: processes take device memory outside the allocator while the user's run goes on.
