@@ -12,9 +12,12 @@ import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .formatting import fmt_bytes
+
+if TYPE_CHECKING:
+    from .limits import MemoryLimit
 
 
 class HolderKind(StrEnum):
@@ -131,6 +134,7 @@ class Sample:
     processes: tuple[GpuProcess, ...] = ()  # other processes on this GPU, named where possible
     children_used_bytes: int | None = None  # this notebook's child processes on this GPU (NVML); cpu: None
     children: tuple[GpuProcess, ...] = ()  # those processes, with their command lines
+    memory_limit: MemoryLimit | None = None  # cpu: the cgroup's limit read; host_total/used use it where lower
 
 
 #: Sample fields that become columns of ``nbmem.samples()`` (t_wall becomes ``time``).

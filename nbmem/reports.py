@@ -396,11 +396,13 @@ class Status(Shown):
     scan: tuple[str, ...] = field(default=())  # how the last holder scans went (skipped objects, unfinished roots)
     children: tuple[str, ...] = ()  # this notebook's child processes on each GPU, a line each
     pools: tuple[str, ...] = ()  # CUDA-graph pools per device, a line each
+    memory: str = ""  # the memory limit that applies (limits.MemoryLimit.text), or why it is unknown
 
     def __str__(self) -> str:
         lines = [f"nbmem: sampling every {self.interval_s:g} s ({'running' if self.sampler_running else 'stopped'}); "
                  f"per-cell monitoring {'on' if self.monitoring else 'off'}",
                  "sees: " + (", ".join(self.devices) or "nothing")]
+        lines += [self.memory] if self.memory else []
         lines += [f"cannot see: {c}" for c in self.cannot]
         lines += [f"scan: {s}" for s in self.scan]
         lines += [f"child process: {c}" for c in self.children]

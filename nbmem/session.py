@@ -27,6 +27,7 @@ from .fitting.prediction import FitResult
 from .fitting.runner import fit_in_notebook
 from .formatting import fmt_bytes, spans
 from .holdings import Holdings
+from .limits import limit_line
 from .options import Settings
 from .owners import Rows
 from .pools import pool_lines
@@ -205,7 +206,7 @@ class Session:
         devices = ["cpu (RSS, CPU tensors)"] + [f"{d.name} = {d.model} (NVML #{d.nvml_index})" for d in p.nvml.devices]
         return Status(tuple(devices), tuple(cannot), self.sampler.running, self.sampler.interval_s, self.monitoring,
                       self.faults, scan_lines(self.holdings.last_scan), child_lines(self.store.latest_tick()),
-                      pool_lines(p.torch.segments(), self.holdings.last_scan))
+                      pool_lines(p.torch.segments(), self.holdings.last_scan), limit_line(self.store.latest_tick()))
 
     def greeting(self) -> str:
         gpus = [f"{d.name} = {d.model}" for d in self.probe.nvml.devices]

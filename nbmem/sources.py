@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import processes as lineage
+from .limits import Cgroup, MemoryLimit, applied
 from .notebooks import notebook_of_pids
 from .records import AllocatorReading, Boundary, GpuDevice, GpuProcess, GpuReading, Sample
 
@@ -422,9 +423,10 @@ class Trace:
 
 @dataclass
 class HostSource:
-    """This process's resident memory."""
+    """This process's resident memory, and the memory it may use: the host's, or its container's limit."""
 
     _proc: Any = field(default=None, repr=False)
+    limits: Cgroup = field(default_factory=Cgroup, repr=False)
 
     def rss_bytes(self) -> int | None:
         try:
@@ -436,16 +438,20 @@ class HostSource:
         except Exception:
             return _statm_rss()
 
-    @staticmethod
-    def memory() -> tuple[int | None, int | None]:
-        """(total, used) host RAM; used is total minus what the kernel calls available."""
+    def memory(self) -> tuple[int | None, int | None, MemoryLimit]:
+        """(total, used) of the memory this process may use, and the limit read: host RAM (used is total
+        minus what the kernel calls available), or the cgroup's limit and its usage where that is lower."""
+        total: int | None = None
+        used: int | None = None
         try:
             import psutil
 
             vm = psutil.virtual_memory()
-            return int(vm.total), int(vm.total - vm.available)
+            total, used = int(vm.total), int(vm.total - vm.available)
         except Exception:
-            return None, None
+            pass
+        lim = self.limits.read(total)
+        return (*applied(lim, total, used), lim)
 
     @staticmethod
     def max_rss_bytes() -> int | None:
@@ -532,8 +538,9 @@ class Probe:
         """One sample per device (``cpu`` first), as the sampler stores them."""
         now = self._wall()
         rss = self.host.rss_bytes()
-        out = [Sample(now, "cpu", None, None, None, None, None, None, None, None, rss, *self.host.memory(),
-                      self.host.max_rss_bytes())]
+        total, used, limit = self.host.memory()
+        out = [Sample(now, "cpu", None, None, None, None, None, None, None, None, rss, total, used,
+                      self.host.max_rss_bytes(), memory_limit=limit)]
         alloc = self.allocator()
         for name in self.gpu_names():
             a = alloc.get(name)

@@ -29,6 +29,7 @@ except ImportError as e:  # the magics turn this into "the gauge cannot be shown
 import traitlets
 
 from .cleanup_request import CleanupRefused, CleanupRequest
+from .limits import near_limit
 from .records import CellRecord, Finding, HolderKind, Holders, Sample, Tick
 from .reports import CellReport, CleanupReport
 
@@ -78,7 +79,7 @@ def snapshot_columns(batch: Sequence[Sample], *, models: Mapping[str, str], peak
                      cpu_tensors_bytes: int | None) -> dict[str, Any]:
     """One column per quantity, one entry per device (``cpu`` first); None where unknown."""
     cols: dict[str, Any] = {k: [] for k in ("device", "model", "allocated", "reserved", "process", "others",
-                                             "used", "total", "tensors", "peak", "children")}
+                                             "used", "total", "tensors", "peak", "children", "limit", "near_limit")}
     cols["t"] = batch[0].t_wall if batch else time.time()
     for s in batch:
         cpu = s.device == "cpu"
@@ -93,6 +94,9 @@ def snapshot_columns(batch: Sequence[Sample], *, models: Mapping[str, str], peak
         cols["tensors"].append(cpu_tensors_bytes if cpu else None)
         cols["peak"].append(peaks.get(s.device))
         cols["children"].append(None if cpu else s.children_used_bytes)
+        lim = s.memory_limit if cpu and s.memory_limit is not None and s.memory_limit.applies else None
+        cols["limit"].append(lim.source if lim else None)  # cpu: `total` is this container limit, not host RAM
+        cols["near_limit"].append(near_limit(lim, s.rss_bytes) if lim else None)  # cpu: >= 90 % of it: warn
     return cols
 
 
