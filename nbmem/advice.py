@@ -8,7 +8,7 @@ from __future__ import annotations
 import re
 from collections.abc import Mapping, Sequence
 
-from .formatting import fmt_bytes
+from .formatting import fmt_bytes, fmt_times
 from .linetrace import Replay, line_of_exception
 from .records import Boundary, CellRecord
 
@@ -64,24 +64,39 @@ def fragmentation(records: Sequence[CellRecord], asked: int | None, largest_free
     return out
 
 
+#: The headroom line shows when a cell's transient growth took more than this share of the room it had ...
+HEADROOM_SHARE = 0.25
+#: ... or when what it kept would fill the rest of the device within this many more cells like it.
+HEADROOM_CELLS = 3
+
+
 def headroom(records: Sequence[CellRecord], after: Boundary, threshold_bytes: int) -> list[str]:
-    """"peak 12.3 GiB of 79.1 GiB free for this process: room for ~2.4× this cell's growth", per GPU where
-    the cell grew by at least the threshold. Free for this process: what its allocator holds plus what the
-    device has free (other processes and the CUDA context are not this process's to take)."""
+    """How much room a GPU cell left, only where the memory left is at stake: its peak took more than a quarter
+    of the room this process had ("room for ~2.4× this cell's growth"), or what it kept would fill the device
+    within a few more cells like it. Free for this process: what its allocator holds plus what the device has
+    free (other processes and the CUDA context are not this process's to take)."""
     out = []
     for r in records:
         nv = after.nvml.get(r.device)
         if (not r.device.startswith("cuda") or nv is None or nv.used_bytes is None or nv.total_bytes is None
                 or r.peak_allocated_bytes is None or r.allocated_before_bytes is None
-                or r.reserved_after_bytes is None):
+                or r.reserved_after_bytes is None or r.allocated_after_bytes is None):
             continue
         growth = r.peak_allocated_bytes - r.allocated_before_bytes
         if growth < max(threshold_bytes, 1):
             continue
         capacity = r.reserved_after_bytes + (nv.total_bytes - nv.used_bytes)
         room = capacity - r.allocated_before_bytes
-        out.append(f"{r.device}: peak {fmt_bytes(r.peak_allocated_bytes)} of {fmt_bytes(capacity)} free for this "
-                   f"process: room for ~{room / growth:.1f}× this cell's growth")
+        kept = r.allocated_after_bytes - r.allocated_before_bytes
+        cells_left = (capacity - r.allocated_after_bytes) / kept if kept >= max(threshold_bytes, 1) else None
+        head = f"{r.device}: peak {fmt_bytes(r.peak_allocated_bytes)} of {fmt_bytes(capacity)} free for this process"
+        if cells_left is not None and cells_left <= HEADROOM_CELLS:
+            n = max(int(cells_left), 0)
+            more = "no more cells like this one fit" if n == 0 else (
+                f"about {n} more cell{'s' if n != 1 else ''} like this one fit")
+            out.append(f"{head}: it kept {fmt_bytes(kept)}, so {more} before the device is full")
+        elif growth > room * HEADROOM_SHARE:
+            out.append(f"{head}: room for {fmt_times(room / growth)} this cell's growth")
     return out
 
 

@@ -60,6 +60,7 @@ class CellWatch:
         self._open: _Open | None = None
         self.lines: dict[int, tuple[LineRecord, ...]] = {}
         self.children_seen: frozenset[processes.ChildKey] = frozenset()  # on the GPUs when the last cell ended
+        self.unattributed_explained = False  # the long text is said once a session, then a pointer to the status
 
     @property
     def in_cell(self) -> bool:
@@ -157,7 +158,8 @@ class CellWatch:
         report = CellReport(o.cell, records[0].duration_s, tuple(records), found.owners, unnamed.gaps, err,
                             tips, lines=line_records, notes=tuple(notes), held_bytes=found.total_bytes,
                             pools=unnamed.pools, compiled=unnamed.compiled, children=children,
-                            children_use=children_use)
+                            children_use=children_use, explain_unattributed=not self.unattributed_explained)
+        self.unattributed_explained |= report.says_unattributed
         return report, changed, broken
 
     def _largest_free(self, records: Any) -> dict[str, int]:

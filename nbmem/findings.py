@@ -106,7 +106,7 @@ def finding(h: Held, cell: int, graphs: Mapping[int, Graph], lost: Sequence[str]
                    f"{h.device}:{h.sid}", owner=h.owner)
 
 
-def _group(members: list[Held], cell: int, graphs: Mapping[int, Graph]) -> Finding:
+def group_finding(members: Sequence[Held], cell: int, graphs: Mapping[int, Graph]) -> Finding:
     """A container of small tensors, as one finding; a graph its members share is counted once."""
     first = min(members, key=lambda h: h.sid)
     container = first.container
@@ -121,7 +121,7 @@ def _group(members: list[Held], cell: int, graphs: Mapping[int, Graph]) -> Findi
                    deletable(first), f"{first.device}:g{first.sid}", owner=first.owner)
 
 
-def _with_groups(candidates: Sequence[Held], cell: Callable[[Sequence[Held]], int], threshold: int,
+def with_groups(candidates: Sequence[Held], cell: Callable[[Sequence[Held]], int], threshold: int,
                  graphs: Mapping[int, Graph], lost: Mapping[int, Sequence[str]],
                  cache: dict[int, tuple[Held, int, Finding]] | None = None, *,
                  gained: Mapping[int, Sequence[str]] | None = None) -> list[Finding]:
@@ -149,7 +149,7 @@ def _with_groups(candidates: Sequence[Held], cell: Callable[[Sequence[Held]], in
             small.setdefault((h.container, h.device, h.kind), []).append(h)
     for group in small.values():
         if len(group) > 1:
-            f = _group(group, cell(group), graphs)
+            f = group_finding(group, cell(group), graphs)
             if f.bytes >= threshold:
                 out.append(f)
     _mark_shared(out, members, graphs)
@@ -232,7 +232,7 @@ def findings(cur: Scan, prev: Scan | None, cell: int, *, threshold_bytes: int,
              graphs: Mapping[int, Graph], found: Changes | None = None) -> list[Finding]:
     """What ``cell`` added, a row per storage over the threshold (containers of small ones grouped)."""
     c = found or changes(cur, prev, threshold_bytes=threshold_bytes, graphs=graphs)
-    return _with_groups(c.candidates, lambda _hs: cell, threshold_bytes, graphs, c.lost, gained=c.gained)
+    return with_groups(c.candidates, lambda _hs: cell, threshold_bytes, graphs, c.lost, gained=c.gained)
 
 
 def _through_kept(lost: str, kept: Sequence[str]) -> bool:
@@ -266,5 +266,5 @@ def current(cur: Scan, *, threshold_bytes: int, graphs: Mapping[int, Graph],
     if cache is not None:
         for sid in [s for s in cache if s not in cur.storages]:
             del cache[sid]
-    return _with_groups(list(cur.storages.values()), lambda hs: min(h.first_cell for h in hs), threshold_bytes,
+    return with_groups(list(cur.storages.values()), lambda hs: min(h.first_cell for h in hs), threshold_bytes,
                         graphs, {}, cache)

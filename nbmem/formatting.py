@@ -48,6 +48,11 @@ def fmt_count(n: int) -> str:
     return str(n)
 
 
+def fmt_times(x: float) -> str:
+    """A ratio as a person reads it: "~2.4×" below ten, "~12×" above."""
+    return f"~{x:.1f}×" if round(x, 1) < 10 else f"~{x:.0f}×"
+
+
 def fmt_seconds(s: float | None) -> str:
     """A duration: ms below a second, else seconds or minutes."""
     if is_na(s):

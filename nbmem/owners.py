@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
+from functools import cached_property
 from typing import Any
 
 from . import findings as judge
@@ -40,31 +41,84 @@ class Rows:
     """What a scan says at two levels: a row per owner, and a row per storage (the detail)."""
 
     owners: tuple[Finding, ...]
-    detail: tuple[Finding, ...]
+    details: tuple[Finding, ...] | Callable[[], Sequence[Finding]] = ()  # or how to work them out
     total_bytes: int = 0  # the owners' storages and graphs together, a graph several owners keep counted once
+
+    @cached_property
+    def detail(self) -> tuple[Finding, ...]:
+        """The per-storage rows, worked out when first asked for: most readers want the owner rows only."""
+        d = self.details
+        return tuple(d() if callable(d) else d)
 
 
 def cell_rows(cur: Scan, prev: Scan | None, cell: int, *, threshold_bytes: int, graphs: Mapping[int, Graph],
               lines: Mapping[int, int]) -> Rows:
     """What ``cell`` added: its owners over the threshold, and the per-storage rows behind them."""
     c = judge.changes(cur, prev, threshold_bytes=threshold_bytes, graphs=graphs)
-    detail = _with_lines(judge.findings(cur, prev, cell, threshold_bytes=threshold_bytes, graphs=graphs, found=c),
-                         cur, lines)
     before = prev.storages if prev is not None else {}
     grown = frozenset(h.owner for h in before.values())
     rows, total = group(c.candidates, lambda _hs: cell, threshold_bytes=threshold_bytes, graphs=graphs,
                         types=cur.root_types, lost=c.lost, gained=c.gained, lines=lines,
                         added=lambda o, hs: o in grown and not any(h.sid in before for h in hs))
-    return Rows(rows, tuple(detail), total)
+    detail = detail_rows(rows, c.candidates, lambda _hs: cell, threshold_bytes=threshold_bytes, graphs=graphs,
+                         lost=c.lost, gained=c.gained)
+    return Rows(rows, tuple(_with_lines(detail, cur, lines)), total)
 
 
 def current_rows(cur: Scan, *, threshold_bytes: int, graphs: Mapping[int, Graph],
                  cache: dict[int, Any] | None = None) -> Rows:
     """Everything held now, each owner with the cell its memory first appeared in."""
-    detail = judge.current(cur, threshold_bytes=threshold_bytes, graphs=graphs, cache=cache)
-    rows, total = group(list(cur.storages.values()), lambda hs: min(h.first_cell for h in hs),
-                        threshold_bytes=threshold_bytes, graphs=graphs, types=cur.root_types)
-    return Rows(rows, tuple(detail), total)
+    held = list(cur.storages.values())
+    rows, total = group(held, lambda hs: min(h.first_cell for h in hs), threshold_bytes=threshold_bytes,
+                        graphs=graphs, types=cur.root_types)
+    # Worked out only when asked for (``leaks(detail=True)``); what it reads is the scan the session keeps anyway.
+    return Rows(rows, lambda: detail_rows(rows, held, lambda hs: min(h.first_cell for h in hs),
+                                          threshold_bytes=threshold_bytes, graphs=graphs, cache=cache), total)
+
+
+#: An owner with more members than this lists those over the threshold and groups the rest.
+DETAIL_MEMBERS = 20
+
+
+def detail_rows(rows: Sequence[Finding], held: Sequence[Held], cell_of: Callable[[Sequence[Held]], int], *,
+                threshold_bytes: int, graphs: Mapping[int, Graph], lost: Mapping[int, Sequence[str]] | None = None,
+                gained: Mapping[int, Sequence[str]] | None = None, cache: dict[int, Any] | None = None
+                ) -> list[Finding]:
+    """The members of each owner row, in the rows' order: every storage of an owner with few, and for one
+    with many its storages over the threshold, its containers of small ones, and what is left as one row
+    under the owner's name. Together they hold exactly the owner rows' storages: never an empty table
+    beneath a full one."""
+    kept = {(r.owner, r.device): i for i, r in enumerate(rows)}
+    by_row: list[list[Held]] = [[] for _ in rows]
+    for h in held:
+        i = kept.get((h.owner, h.device))
+        if i is not None:
+            by_row[i].append(h)
+    out: list[Finding] = []
+    for row, members in zip(rows, by_row):
+        cut = 0 if len(members) <= DETAIL_MEMBERS else threshold_bytes
+        found = judge.with_groups(members, cell_of, cut, graphs, lost or {}, cache, gained=gained)
+        listed = sum(f.tensors for f in found)
+        if listed < len(members):
+            taken = {h.sid for h in members if h.nbytes + _graph_bytes(graphs, h.sid) >= cut}
+            grouped = {f.name for f in found if f.tensors > 1}
+            rest = [h for h in members if h.sid not in taken and h.container not in grouped]
+            if len(rest) == 1:
+                found.append(judge.finding(rest[0], cell_of(rest), graphs))
+            elif rest:
+                f = judge.group_finding(rest, cell_of(rest), graphs)
+                if len({h.container for h in rest}) > 1:
+                    # Small tensors in many places under the owner: one row by the owner's name, whose cleanup
+                    # is the owner's.
+                    f = replace(f, name=row.owner, holders=(row.owner,), hint=row.hint)
+                found.append(replace(f, id=f"{row.device}:r:{row.owner}"))
+        out += found
+    return out
+
+
+def _graph_bytes(graphs: Mapping[int, Graph], sid: int) -> int:
+    g = graphs.get(sid)
+    return g.nbytes if g else 0
 
 
 def group(held: Sequence[Held], cell_of: Any, *, threshold_bytes: int, graphs: Mapping[int, Graph],
@@ -111,27 +165,29 @@ def _row(owner: str, device: str, members: list[Held], saved: Mapping[int, int],
     members.sort(key=lambda h: (-h.nbytes, h.sid))
     first = members[0]
     kind = first.kind
+    # A finding for the members shown only: a model has thousands, and the rest are counted, not listed.
+    order = sorted(members, key=lambda h: -(h.nbytes + _graph_bytes(graphs, h.sid)))
     rows = [_with_line(judge.finding(h, cell, graphs, lost.get(h.sid, ()), gained.get(h.sid, ())), lines.get(h.sid))
-            for h in members]
-    rows.sort(key=lambda f: -f.bytes)
-    shown = tuple(rows[:MEMBERS_SHOWN])
+            for h in order[:MEMBERS_SHOWN]]
+    shown = tuple(rows)
     also = _also(owner, members)
     roots = tuple(dict.fromkeys(n for h in members for n in judge.deletable(h)))
     if kind is HolderKind.NAMESPACE and owner.isidentifier():
         roots = (owner, *(n for n in roots if n != owner))
-    holders = tuple(dict.fromkeys(p for f in rows[:MEMBERS_SHOWN] for p in f.holders))[:HOLDERS_KEPT]
+    holders = tuple(dict.fromkeys(p for f in rows for p in f.holders))[:HOLDERS_KEPT]
     graph_bytes = sum(saved.values())
     words = describe(owner, kind, members, graph_bytes, types.get(owner, ""), new=added)
     if len(members) == 1:
         hint = shown[0].hint
     else:
         hint = _hint(owner, kind, members, graph_bytes, also, lost, gained)
-    line = next((f.line for f in rows if f.line is not None), None)
+    line = next((lines[h.sid] for h in order if h.sid in lines), None)
     return Finding(cell, owner, holders, kind, device, sum(h.nbytes for h in members), graph_bytes,
                    any(h.holds_graph for h in members), len(members),
                    shown[0].view_bytes if len(members) == 1 else None, (), hint, roots, f"{device}:o:{owner}", line,
                    owner=owner, description=words, members=shown,
-                   more_bytes=sum(f.bytes for f in rows[MEMBERS_SHOWN:]), also_held_by=tuple(o for o, _k in also))
+                   more_bytes=sum(h.nbytes + _graph_bytes(graphs, h.sid) for h in order[MEMBERS_SHOWN:]),
+                   also_held_by=tuple(o for o, _k in also))
 
 
 def _with_line(f: Finding, line: int | None) -> Finding:

@@ -219,18 +219,33 @@ def pool_text(p: PoolUse) -> str:
             f"graphs' own inputs, intermediates and outputs); {free}")
 
 
-def unnamed_texts(unattributed: Sequence[tuple[str, int]], pools: Sequence[PoolUse],
-                  compiled: Sequence[str]) -> list[str]:
-    """The report's lines on memory no name reaches: the CUDA-graph pools first, then the rest as unattributed."""
-    out = [pool_text(p) for p in pools]
+#: The short form, once the long one was said in this session.
+UNATTRIBUTED_SHORT = "no name reaches it: `%cudamem status` says what that can be"
+
+
+def _unattributed_rest(unattributed: Sequence[tuple[str, int]], pools: Sequence[PoolUse]
+                       ) -> list[tuple[str, int, bool]]:
+    """(device, bytes no pool explains, whether pools explained some) for each line the report says."""
     by_device = {p.device: p for p in pools}
+    out = []
     for dev, b in unattributed:
         pool = by_device.get(dev)
         rest = b - (pool.unnamed_bytes if pool else 0)
         if pool is not None and rest < 2**20:
             continue  # the pools explain it (a remainder under a MiB is older workspaces, told before)
-        line = f"unattributed on {dev}: {fmt_bytes(rest)}{' more' if pool else ''} ({UNATTRIBUTED})"
-        if compiled and pool is None:
+        out.append((dev, rest, pool is not None))
+    return out
+
+
+def unnamed_texts(unattributed: Sequence[tuple[str, int]], pools: Sequence[PoolUse],
+                  compiled: Sequence[str], *, explain: bool = True) -> list[str]:
+    """The report's lines on memory no name reaches: the CUDA-graph pools first, then the rest as unattributed,
+    explained in full when ``explain`` (once a session), else in a short line that points to the status."""
+    out = [pool_text(p) for p in pools]
+    for dev, rest, pooled in _unattributed_rest(unattributed, pools):
+        line = (f"unattributed on {dev}: {fmt_bytes(rest)}{' more' if pooled else ''} "
+                f"({UNATTRIBUTED if explain else UNATTRIBUTED_SHORT})")
+        if compiled and not pooled:
             line += (f"; torch.compile is in use ({', '.join(f'`{n}`' for n in compiled)}): its caches may hold some "
                      f"of it, and `%cudamem clean --compiled` drops them")
         out.append(line)
@@ -270,6 +285,7 @@ class CellReport(Shown):
     compiled: tuple[str, ...] = ()  # the notebook's compiled modules, when the report speaks of unnamed memory
     children: tuple[ChildProcess, ...] = ()  # child processes this cell left running with memory on a GPU
     children_use: tuple[ChildrenUse, ...] = ()  # what this notebook's child processes held per GPU in the cell
+    explain_unattributed: bool = True  # the long explanation of unattributed memory (once a session)
 
     @property
     def holders(self) -> HolderTable:
@@ -301,8 +317,13 @@ class CellReport(Shown):
         c = self.last_report_cleanup()
         return f"`%cudamem clean --last-report` would run: {cleanup_text(c)[len('%cudamem clean '):]}" if c else ""
 
+    @property
+    def says_unattributed(self) -> bool:
+        """Whether the report has an unattributed line (the session then explains it in short from now on)."""
+        return bool(_unattributed_rest(self.unattributed, self.pools))
+
     def _unnamed(self) -> list[str]:
-        return [*unnamed_texts(self.unattributed, self.pools, self.compiled),
+        return [*unnamed_texts(self.unattributed, self.pools, self.compiled, explain=self.explain_unattributed),
                 *child_texts(self.children_use, self.children)]
 
     def __str__(self) -> str:
@@ -408,4 +429,5 @@ class Status(Shown):
         lines += [f"child process: {c}" for c in self.children]
         lines += [f"CUDA graphs: {p}" for p in self.pools]
         lines += [f"fault in {f.where} (x{f.count}): {f.error}" for f in self.faults]
+        lines.append(f"unattributed memory in reports: {UNATTRIBUTED}")
         return "\n".join(lines)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from nbmem import advice
+from nbmem.formatting import fmt_times
 from nbmem.records import Boundary, CellRecord, GpuReading
 
 GiB, MiB = 2**30, 2**20
@@ -18,10 +19,35 @@ def boundary(used: int | None, total: int | None) -> Boundary:
 
 
 def test_the_headroom_line_says_how_many_times_the_cells_growth_still_fits() -> None:
-    r = record(before=2 * GiB, after=3 * GiB, reserved=6 * GiB, peak=5 * GiB)
-    # free for this process: its 6 GiB cache + the device's 80 - 20 GiB free = 66 GiB; room 64 GiB for 3 GiB growth
-    (line,) = advice.headroom([r], boundary(20 * GiB, 80 * GiB), MiB)
-    assert line == "cuda:0: peak 5.00 GiB of 66.0 GiB free for this process: room for ~21.3× this cell's growth"
+    r = record(before=2 * GiB, after=2 * GiB, reserved=6 * GiB, peak=12 * GiB)
+    (line,) = advice.headroom([r], boundary(70 * GiB, 80 * GiB), MiB)
+    # capacity 6 + 10 = 16 GiB; room 14 GiB for 10 GiB of growth: more than a quarter of the room is at stake
+    assert line == "cuda:0: peak 12.0 GiB of 16.0 GiB free for this process: room for ~1.4× this cell's growth"
+
+
+def test_no_headroom_line_where_the_cell_used_a_sliver_of_the_room() -> None:
+    # The tutorial case: a peak of a few MiB on an idle 80 GiB device helps no one.
+    small = record(before=2 * GiB, after=2 * GiB, reserved=3 * GiB, peak=2 * GiB + 3 * MiB)
+    assert advice.headroom([small], boundary(3 * GiB, 80 * GiB), MiB) == []
+    # A quarter of the room is the line: 19 GiB of growth in 79 GiB of room is not at stake, 20 GiB is.
+    under = record(before=1 * GiB, after=1 * GiB, reserved=20 * GiB, peak=20 * GiB)
+    assert advice.headroom([under], boundary(20 * GiB, 80 * GiB), MiB) == []
+    over = record(before=1 * GiB, after=1 * GiB, reserved=21 * GiB, peak=21 * GiB + 1)
+    assert advice.headroom([over], boundary(21 * GiB, 80 * GiB), MiB) != []
+
+
+def test_what_a_cell_keeps_is_told_when_a_few_more_like_it_fill_the_device() -> None:
+    r = record(before=30 * GiB, after=50 * GiB, reserved=50 * GiB, peak=50 * GiB)
+    (line,) = advice.headroom([r], boundary(50 * GiB, 80 * GiB), MiB)
+    # 30 GiB left after it, 20 GiB kept: one more cell like it fits
+    assert line.endswith("it kept 20.0 GiB, so about 1 more cell like this one fit before the device is full")
+    # Kept 1 GiB with 29 GiB left: 29 more cells, not at stake, and the peak was small: nothing said.
+    calm = record(before=30 * GiB, after=31 * GiB, reserved=31 * GiB, peak=31 * GiB)
+    assert advice.headroom([calm], boundary(31 * GiB, 60 * GiB), MiB) == []
+
+
+def test_ratios_are_rounded_the_way_a_person_reads_them() -> None:
+    assert (fmt_times(2.4444), fmt_times(31713.02), fmt_times(9.96)) == ("~2.4×", "~31713×", "~10×")
 
 
 def test_no_headroom_line_without_growth_or_without_nvml() -> None:

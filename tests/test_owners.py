@@ -63,7 +63,10 @@ def test_a_40_layer_model_is_one_row_with_its_parameters_in_words(ip):
     assert row["what"] == "Sequential: 42M parameters", row["what"]
     assert row["hint"] == "`del model` frees it" and row["action"] == "%cudamem clean model"
     detail = rows(last_cell(ip), detail=True)
-    assert len(detail) == 40 and set(detail["owner"]) == {"model"} and detail["bytes"].sum() == 40 * 4 * MiB
+    # The detail explains the row: its 40 weights, and the 40 small biases as one row under the owner.
+    assert len(detail) == 41 and set(detail["owner"]) == {"model"} and detail["bytes"].sum() == row["bytes"]
+    assert (detail["bytes"] == 4 * MiB).sum() == 40
+    assert detail.iloc[-1]["name"] == "model" and detail.iloc[-1]["tensors"] == 40
     report = session_of(ip).last_report
     assert len(report.findings) == 1 and "<details>" in report._repr_html_()
     assert "model.0.weight" in report._repr_html_(), "the HTML row expands to its biggest members"
@@ -202,3 +205,24 @@ def test_many_ways_to_a_model_through_a_trainer_do_not_hide_that_the_models_own_
     assert not f["hint"].str.contains("was deleted").any(), f[["name", "hint"]].to_string()
     assert set(f["name"]) == {"model", "opt"}, "the gradients are the model's, the Adam state the optimizer's"
     assert rows().set_index("name").loc["model", "also_held_by"] == ["trainer", "opt"]
+
+
+def test_the_detail_explains_every_owner_row_even_of_many_small_tensors(ip):
+    # 1,000 dicts of one 4 KiB tensor each: every tensor far under the threshold, in a container of its own.
+    ok(ip, "import torch\nmetrics = []")
+    ok(ip, "for i in range(1000):\n    metrics.append({'loss': torch.zeros(1024)})")
+    cell = last_cell(ip)
+    owners, detail = rows(cell), rows(cell, detail=True)
+    assert list(owners["name"]) == ["metrics"]
+    assert len(detail) >= 1 and detail["bytes"].sum() == owners["bytes"].sum() == 1000 * 4096
+    assert set(detail["owner"]) == {"metrics"} and detail["tensors"].sum() == 1000
+    text = str(ip.run_line_magic("cudamem", f"leaks --cell {cell} --detail"))
+    assert "metrics" in text and "nothing" not in text
+    # Held now, with a big tensor beside small ones under one owner: the big one is its own row, the 50
+    # small ones in one container are grouped, and the rows add up to the owner's.
+    ok(ip, "big = {'w': torch.zeros(2**20), 'small': [torch.zeros(100) for _ in range(50)]}")
+    now = rows(detail=True)
+    mine = now[now["owner"] == "big"]
+    assert list(mine["name"]) == ["big['w']", "big['small']"] and list(mine["tensors"]) == [1, 50]
+    assert mine["bytes"].sum() == rows().set_index("name").loc["big", "bytes"]
+    assert set(now["owner"]) == set(rows()["name"]), "every owner row has its detail"

@@ -18,7 +18,7 @@ import nbmem
 from nbmem import pools
 from nbmem.magics import _magics
 from nbmem.records import AllocatorReading, PoolUse
-from nbmem.reports import CellReport
+from nbmem.reports import UNATTRIBUTED, UNATTRIBUTED_SHORT, CellReport
 from nbmem.sources import TorchSource
 from tests.conftest import ok
 
@@ -199,3 +199,20 @@ def test_without_torch_compile_there_is_nothing_to_reset() -> None:
             "print(TorchSource().reset_compiled())\nprint('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.splitlines() == ["torch.compile was not used in this process: nothing to reset", "False"]
+
+
+def test_the_long_unattributed_text_is_said_once_then_the_status_has_it(ip: Any, graphs: GraphPoolAllocator) -> None:
+    def grow(n: int) -> None:  # memory no name reaches: a C extension's, say
+        graphs.allocated += n
+        graphs.reserved += n
+
+    ip.user_ns["_grow"] = grow
+    ok(ip, "_grow(8 * 2**20)")
+    first = _magics(ip).session.last_report
+    ok(ip, "_grow(8 * 2**20)")
+    second = _magics(ip).session.last_report
+    assert first is not None and second is not None and first.cell != second.cell
+    assert UNATTRIBUTED in str(first) and "memory torch keeps in C++, such as the cuBLAS" in first._repr_html_()
+    assert "unattributed on cuda:0: " in str(second)
+    assert UNATTRIBUTED not in str(second) and UNATTRIBUTED_SHORT in str(second)
+    assert UNATTRIBUTED in str(nbmem.status()), "the status keeps the explanation the short line points to"
