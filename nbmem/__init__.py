@@ -14,6 +14,7 @@ __all__ = [
     "__version__",
     "cleanup",
     "fit",
+    "last_death",
     "leaks",
     "lines",
     "load_ipython_extension",
@@ -113,9 +114,10 @@ def fit(body: Any, name: str, values: Any, *, restore: bool = True, warmup: bool
     ``body`` is a cell's source (run in the notebook's namespace with ``name`` bound to each value, as
     ``%%cudamem --fit name=...`` does) or a function called with each value. ``values``: 2 to 5 positive
     whole numbers, small enough to run (e.g. ``[8, 16, 32]``). The smallest runs once first, uncounted (a
-    warm-up, so one-time allocations such as optimizer state are not taken for growth). The modules and
-    optimizers it reaches are copied to host memory before and restored bit for bit after (``restore=False``
-    skips that; the fit then trains them).
+    warm-up, so one-time allocations such as optimizer state are not taken for growth). The training state
+    it reaches (modules, optimizers, LR schedulers, gradient scalers) and the random generators are copied
+    before and put back bit for bit after, also after an error (``restore=False`` skips that; the fit then
+    trains them); ``restored`` and ``not_restored`` name them, a line each.
 
     Returns a ``FitResult``: ``largest_value``, ``power_of_two``, ``fixed_bytes``, ``bytes_per_unit``,
     ``lines`` (where memory grows), ``room`` (the memory it fits into and the margin), ``notes``;
@@ -164,6 +166,11 @@ def report() -> Any:
 def status() -> Any:
     """What nbmem can and cannot see, and why."""
     return _session().status()
+
+
+def last_death() -> Any:
+    """How this notebook's previous kernel died (told by ``%load_ext nbmem``), or None when it ended cleanly."""
+    return _session().last_death
 
 
 def plot(**kwargs: Any) -> Any:

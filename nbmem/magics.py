@@ -67,9 +67,12 @@ memory, never above it: a timeline of every allocation fitted to the value and r
 of the caching allocator (its blocks, segments and pools), from what the notebook already holds. It
 prints fixed bytes, bytes per unit, the lines whose memory grows, the memory it fits into with the margin
 stated, and the prediction with the power of two below it (``nbmem.fit()`` returns the same record;
-``nbmem.plot_fit()`` draws it). The modules and optimizers the cell reaches are copied to host memory
-first and restored bit for bit after (``--no-restore`` skips that, and says the fit trained them); what
-the cell's runs bound is put back as it was. A value predicted not to fit is never run; an out-of-memory
+``nbmem.plot_fit()`` draws it). The training state the cell reaches (parameters, buffers, gradients,
+optimizers, LR schedulers, gradient scalers, train/eval flags) and the random generators are copied first
+and put back bit for bit after, also after an error, so training goes on as if the fit never ran; the
+report names what was restored and what could not be (an iterator the cell advanced), a line each
+(``--no-restore`` skips that, and says the fit trained them); what the cell's runs bound is put back as it
+was. A value predicted not to fit is never run; an out-of-memory
 in a run is caught and freed. GPU only: on a machine without CUDA it says so and the cell does not run.
 
 Options: ``%config Nbmem.<name> = value``, or ``c.Nbmem.<name>`` in ipython_config.py; ``%config Nbmem``
@@ -231,6 +234,8 @@ class NbmemMagics(Magics):
     def pre_run_cell(self, info: Any) -> None:
         try:
             s = self.session
+            if not self._nested and getattr(info, "store_history", False) and not getattr(info, "silent", False):
+                s.running(self.shell.execution_count - 1, getattr(info, "raw_cell", "") or "")
             if self._nested or not s.monitoring or s.in_cell:
                 return
             if getattr(info, "silent", False) or not getattr(info, "store_history", False):
@@ -244,6 +249,8 @@ class NbmemMagics(Magics):
 
     def post_run_cell(self, result: Any) -> None:
         try:
+            if not self._nested:
+                self.session.running(None, error=getattr(result, "error_in_exec", None))
             if self._nested or not self.session.in_cell:
                 return
             report = self.session.end_cell(getattr(result, "error_in_exec", None))
@@ -576,6 +583,8 @@ def load_ipython_extension(shell: Any) -> None:
     shell.events.register("pre_run_cell", magics.pre_run_cell)
     shell.events.register("post_run_cell", magics.post_run_cell)
     _ACTIVE[shell] = magics
+    if session.last_death is not None:
+        magics._display(session.last_death)  # the story of the last kernel's death first
     print(session.greeting())
     if options.gauge != "none":
         magics.show_gauge(options.gauge)

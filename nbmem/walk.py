@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from . import reach
-from .naming import L_ATTR, L_INDEX, L_KEY, L_ROOT, L_TEXT, L_TKEY, MAX_HOLDERS
+from .naming import L_ATTR, L_INDEX, L_KEY, L_ROOT, L_TEXT, L_TKEY, MAX_HOLDERS, PathBuilder
 from .records import HolderKind
 
 #: Containers at least this long are first tried as a whole, at C speed.
@@ -415,25 +415,45 @@ class Walk:
         return False
 
 
-def reachable_state(torch: Any, roots: Sequence[Root], types_: reach.TypeCache, *,
-                    budget_s: float | None = None) -> tuple[list[Any], list[Any]]:
-    """The outermost ``nn.Module``s and every optimizer reachable from ``roots``: the state a cell's code
-    can change, which a fit copies and restores. Found by a walk (no user code runs); the caller holds the
-    objects only while it needs them."""
+@dataclass
+class TrainingState:
+    """What a cell's code can change, found by a walk: held only while a fit needs the objects."""
+
+    modules: list[Any]  # the outermost nn.Modules
+    optimizers: list[Any]
+    others: list[Any]  # objects of the kinds asked for (LR schedulers, gradient scalers)
+    iterators: list[str]  # paths to iterators and generators: the code may advance them, nothing puts them back
+
+
+def reachable_state(torch: Any, roots: Sequence[Root], types_: reach.TypeCache, *, budget_s: float | None = None,
+                    kinds: tuple[type, ...] = ()) -> TrainingState:
+    """The outermost ``nn.Module``s, every optimizer and every object of ``kinds`` reachable from ``roots``:
+    the state a cell's code can change, which a fit copies and restores; and the iterators it could advance.
+    Found by a walk (no user code runs); the caller holds the objects only while it needs them."""
     deadline = None if budget_s is None else time.perf_counter() + budget_s
     w = Walk(torch, types_, deadline)
     with torch._C.DisableTorchFunction():
         for r in roots:
             if not w.run_root(r)[0]:
                 break
-    modules: list[Any] = []
-    optimizers: list[Any] = []
+    found = TrainingState([], [], [], [])
+    paths = PathBuilder(w, lambda t: "")
     for node, obj in enumerate(w.keep):
-        info = w.info(type(obj))
+        t = type(obj)
+        info = w.info(t)
         if info.optimizer:
-            optimizers.append(obj)
+            found.optimizers.append(obj)
         elif info.strategy == _NNMOD:
             p = w.parent[node]
             if p < 0 or w.info(type(w.keep[p])).strategy != _NNMOD:
-                modules.append(obj)
-    return modules, optimizers
+                found.modules.append(obj)
+        elif any(reach.derives(t, k) for k in kinds):
+            found.others.append(obj)
+        elif info.strategy == _GEN or (info.strategy in (_REFS, _OBJ) and _is_iterator(t)):
+            found.iterators.append(f"{paths.primary(node)[1]} ({reach.type_name(t)})")
+    return found
+
+
+def _is_iterator(t: type) -> bool:
+    """An iterator (its type defines ``__next__``), read from the classes' own namespaces."""
+    return any(type(k) is str and k == "__next__" for c in reach.mro(t) for k, _ in reach.own_items(c))

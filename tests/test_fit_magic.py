@@ -82,9 +82,26 @@ def test_the_state_a_fit_restores_is_found_by_walking_what_the_cell_names(nb):
     sess = session_of(nb)
     ns = nb.user_ns
     roots = [Root(n, HolderKind.NAMESPACE, ns[n]) for n in ("trainer", "model", "opt")]
-    modules, optimizers = reachable_state(torch, roots, sess.holdings.scanner.type_cache)
-    assert {id(m) for m in modules} == {id(ns["trainer"].model), id(ns["model"])}, "outermost modules only"
-    assert {id(o) for o in optimizers} == {id(ns["trainer"].optimizer), id(ns["opt"])}
+    found = reachable_state(torch, roots, sess.holdings.scanner.type_cache)
+    assert {id(m) for m in found.modules} == {id(ns["trainer"].model), id(ns["model"])}, "outermost modules only"
+    assert {id(o) for o in found.optimizers} == {id(ns["trainer"].optimizer), id(ns["opt"])}
+
+
+def test_a_fit_finds_schedulers_scalers_and_the_iterators_it_cannot_put_back(nb):
+    from nbmem.fitting.runner import state_reached
+
+    ok(nb, "sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=100)\n"
+           "scaler = torch.amp.GradScaler('cpu')\n"
+           "class Loop:\n    def __init__(self):\n        self.sched, self.batches = sched, iter([1, 2, 3])\n"
+           "loop = Loop()\n"
+           "def gen():\n    yield 1\n"
+           "g = gen()")
+    sess = session_of(nb)
+    used = sess.adapter.mentioned("loop.sched.step(); scaler.update(); next(g); opt.step()")
+    found = state_reached(sess.adapter, torch, sess.holdings.scanner.type_cache, used, [], budget_s=None)
+    assert sorted(type(o).__name__ for o in found.others) == ["GradScaler", "OneCycleLR"]
+    assert [id(o) for o in found.optimizers] == [id(nb.user_ns["opt"])]
+    assert sorted(found.iterators) == ["g (generator)", "loop.batches (list_iterator)"]
 
 
 def test_a_fit_finds_the_state_a_cell_changes_through_the_functions_it_calls(nb):
@@ -95,7 +112,6 @@ def test_a_fit_finds_the_state_a_cell_changes_through_the_functions_it_calls(nb)
            "def train_step(b):\n    loss = _inner(torch.randn(b, 64))\n    loss.backward()\n    opt.step()")
     sess = session_of(nb)
     used = sess.adapter.mentioned("train_step(batch)") - {"batch"}
-    modules, optimizers = state_reached(sess.adapter, torch, sess.holdings.scanner.type_cache, used, [],
-                                        budget_s=None)
-    assert [id(m) for m in modules] == [id(nb.user_ns["model"])]
-    assert [id(o) for o in optimizers] == [id(nb.user_ns["opt"])]
+    found = state_reached(sess.adapter, torch, sess.holdings.scanner.type_cache, used, [], budget_s=None)
+    assert [id(m) for m in found.modules] == [id(nb.user_ns["model"])]
+    assert [id(o) for o in found.optimizers] == [id(nb.user_ns["opt"])]

@@ -160,6 +160,8 @@ class FitResult(Shown):
     curve: tuple[tuple[int, int, int], ...] = ()  # (value, modelled peak allocated bytes, peak reserved bytes)
     notes: tuple[str, ...] = ()
     restored_bytes: int | None = None
+    restored: tuple[str, ...] = ()  # what was put back after the fit, a line each
+    not_restored: tuple[str, ...] = ()  # what the body may have changed that could not be put back, a line each
     steps_run: int = 0
     duration_s: float | None = None
 
@@ -178,7 +180,8 @@ class FitResult(Shown):
                 "reserved_bytes": room.reserved_bytes if room else None,
                 "held_bytes": room.allocated_bytes if room else None,
                 "margin_bytes": room.margin_bytes if room else None,
-                "restored_bytes": self.restored_bytes, "steps_run": self.steps_run, "duration_s": self.duration_s}
+                "restored_bytes": self.restored_bytes, "restored": list(self.restored),
+                "not_restored": list(self.not_restored), "steps_run": self.steps_run, "duration_s": self.duration_s}
 
     def to_frame(self) -> Any:
         """One row per run and per modelled value (``kind``: run, warm-up, model), as a pandas DataFrame."""
@@ -258,8 +261,9 @@ class FitResult(Shown):
     def _facts(self) -> list[str]:
         facts = [self._room(), self._model(), self._where()]
         if self.restored_bytes is not None:
-            facts.append(f"restored the model and optimizer state afterwards ({fmt_bytes(self.restored_bytes)} "
-                         "copied to host and back)")
+            facts.append(f"put back after the fit ({fmt_bytes(self.restored_bytes)} copied to host and back):")
+            facts += [f"  restored: {r}" for r in self.restored]
+        facts += [f"  not restored: {r}" for r in self.not_restored]
         if self.duration_s is not None:
             facts.append(f"took {fmt_seconds(self.duration_s)}")
         return [f for f in facts if f]

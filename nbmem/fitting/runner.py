@@ -10,8 +10,9 @@ runs the cell again). The allocator's events are recorded only through ``TorchSo
 A fit is the one place nbmem may change the allocator's cache: between runs it frees what each run left
 (``torch.cuda.empty_cache()``), because the user asked for the fit. It never runs a value predicted not to
 fit, catches an out-of-memory in a run (frees what the run allocated, reports it, and stops), and with
-``restore`` (the default) copies the modules' and optimizers' state to host memory before the first run
-and back, bit for bit, after the last, so the training steps the fit ran leave no trace in the model.
+``restore`` (the default) copies the training state the body reaches (``state.snapshot_state``: modules,
+optimizers, LR schedulers, gradient scalers, random generators) before the first run and puts it back, bit
+for bit, after the last, also after a failure, so the training steps the fit ran leave no trace.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ from typing import Any
 from ..formatting import fmt_bytes
 from ..records import HolderKind
 from ..sources import TorchSource
-from ..walk import Root, reachable_state
+from ..walk import Root, TrainingState, reachable_state
 from .allocator import segments_from_snapshot
 from .model import Room, RunTrace, margin_bytes_for
 from .prediction import FitResult, analyse, proportional_bound
-from .state import FitRefused, restore_state, snapshot_state
+from .state import FitRefused, restore_state, snapshot_state, training_kinds
 
 #: How many allocator events one run may record; a run that fills it cannot be lined up with the others.
 DEFAULT_MAX_ENTRIES = 1_000_000
@@ -87,15 +88,17 @@ def _allocated_reserved(src: TorchSource, device: int) -> tuple[int, int]:
 
 def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSource | None = None,
         name: str = "value", device: int | None = None, clean: Callable[[], object] | None = None,
-        warmup: bool = True, modules: Iterable[Any] = (), optimizers: Iterable[Any] = (), restore: bool = True,
-        margin_bytes: int | None = None, stacks: bool = False, cell_files: frozenset[str] = frozenset(),
-        sources: Mapping[int, str] | None = None, max_value: int | None = None,
-        max_entries: int = DEFAULT_MAX_ENTRIES) -> FitResult:
+        warmup: bool = True, modules: Iterable[Any] = (), optimizers: Iterable[Any] = (), others: Iterable[Any] = (),
+        iterators: Sequence[str] = (), restore: bool = True, margin_bytes: int | None = None, stacks: bool = False,
+        cell_files: frozenset[str] = frozenset(), sources: Mapping[int, str] | None = None,
+        max_value: int | None = None, max_entries: int = DEFAULT_MAX_ENTRIES) -> FitResult:
     """Run ``run(value)`` at each value (ascending) under the allocator's trace and predict the largest that fits.
 
     ``warmup`` runs the smallest value once first, not counted, so the one-time allocations (optimizer
-    state, workspaces) are made before the counted runs. ``modules`` and ``optimizers`` are the state the
-    body reaches, copied to host and restored afterwards when ``restore``. ``stacks`` records Python
+    state, workspaces) are made before the counted runs. ``modules``, ``optimizers`` and ``others`` (LR
+    schedulers, gradient scalers) are the state the body reaches, copied and restored afterwards with the
+    random generators when ``restore``; ``iterators`` name what it may advance that cannot be put back.
+    ``stacks`` records Python
     stacks, so the result names the lines that grow (``cell_files`` and ``sources`` name the cell's own).
     ``margin_bytes`` defaults to ``fit.margin_bytes_for``. A body that raises anything but CUDA's
     out-of-memory error stops the fit (cleaned up and restored) and the error propagates.
@@ -115,8 +118,8 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
     unsupported = src.trace_unsupported()
     if unsupported:
         raise FitRefused(f"fitting needs the allocator's trace, and {unsupported}")
-    modules, optimizers = list(modules), list(optimizers)
-    saved = snapshot_state(modules, optimizers) if restore and (modules or optimizers) else None
+    saved = snapshot_state(modules, optimizers, others, iterators=iterators) if restore else None
+    modules = optimizers = others = ()
     runs: list[RunTrace] = []
     skipped: list[int] = []
     notes: list[str] = []
@@ -157,8 +160,8 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
         raise
     finally:
         restored = restore_state(saved) if saved is not None else None
+        lines = (tuple(saved.restored), tuple(saved.not_restored)) if saved is not None else ((), ())
         saved = None
-        modules = optimizers = []
         _free_cached(src, dev)
     after = _allocated_reserved(src, dev)[0]
     # cuBLAS keeps a workspace per handle and stream from its first matrix product on: where the fit's runs
@@ -173,15 +176,16 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
         notes.append(f"not restored: the fit ran the body {steps} times, and whatever it trains was trained")
     result = analyse(runs, room, name=name, segments=segments, cell_files=cell_files, sources=sources,
                      max_value=max_value, notes=notes, skipped=skipped)
-    return replace(result, restored_bytes=restored, steps_run=steps, duration_s=time.perf_counter() - started)
+    return replace(result, restored_bytes=restored, restored=lines[0], not_restored=lines[1], steps_run=steps,
+                   duration_s=time.perf_counter() - started)
 
 
 def fit_in_notebook(adapter: Any, source: TorchSource, type_cache: Any, body: str | Callable[[int], object],
                     name: str, values: Sequence[int], *, cell: int, warmup: bool, restore: bool,
                     budget_s: float | None) -> FitResult:
     """A fit of a cell's source (run in the notebook's namespace, ``name`` bound, put back after each run) or
-    of a function of the value; the modules and optimizers it reaches (found by a walk from the names it
-    uses) are the state restored. ``adapter`` is the IPython adapter (``shell.ShellAdapter``)."""
+    of a function of the value; the training state it reaches (found by a walk from the names it uses) is
+    what is restored. ``adapter`` is the IPython adapter (``shell.ShellAdapter``)."""
     why = refusal()
     if why:
         raise FitRefused(why)
@@ -195,25 +199,29 @@ def fit_in_notebook(adapter: Any, source: TorchSource, type_cache: Any, body: st
         runner, clean, files, lines = space.run, space.clean, frozenset({space.filename}), space.sources
         used = set(adapter.mentioned(body)) - {name}
         extra = []
-    modules, optimizers = state_reached(adapter, source.torch(), type_cache, used, extra, budget_s=budget_s)
+    found = state_reached(adapter, source.torch(), type_cache, used, extra, budget_s=budget_s)
     del extra
+    nothing = not (found.modules or found.optimizers or found.others)
     try:
-        result = fit(runner, values, source=source, name=name, clean=clean, warmup=warmup, modules=modules,
-                     optimizers=optimizers, restore=restore, stacks=True, cell_files=files, sources=lines)
-        if restore and not modules and not optimizers:
-            result = replace(result, notes=("no model or optimizer was found under the names the cell uses or the "
-                                            "functions it calls, so nothing was copied or restored: what the fit's "
-                                            "runs changed stays changed", *result.notes))
+        result = fit(runner, values, source=source, name=name, clean=clean, warmup=warmup, modules=found.modules,
+                     optimizers=found.optimizers, others=found.others, iterators=found.iterators, restore=restore,
+                     stacks=True, cell_files=files, sources=lines)
+        if restore and nothing:
+            result = replace(result, notes=("no model, optimizer, LR scheduler or gradient scaler was found under the "
+                                            "names the cell uses or the functions it calls: only the random "
+                                            "generators were put back, and what else the fit's runs changed stays "
+                                            "changed", *result.notes))
         return result
     finally:
-        del modules, optimizers
+        del found
         if space is not None:
             space.close()
 
 
 def state_reached(adapter: Any, torch: Any, type_cache: Any, used: set[str], extra: Sequence[Root], *,
-                  budget_s: float | None) -> tuple[list[Any], list[Any]]:
-    """The modules and optimizers a cell can change: reached by a walk from the names it uses, and from the
+                  budget_s: float | None) -> TrainingState:
+    """The training state a cell can change (modules, optimizers, schedulers, scalers, and the iterators it
+    may advance): reached by a walk from the names it uses, and from the
     globals of the user's functions among them (``train_step(batch)`` reaches ``model`` and ``opt``)."""
     items = dict(adapter.namespace_items(used))
     for _ in range(_CALL_DEPTH):
@@ -224,7 +232,7 @@ def state_reached(adapter: Any, torch: Any, type_cache: Any, used: set[str], ext
         items.update(new)
     roots = [Root(n, HolderKind.NAMESPACE, v) for n, v in items.items()] + list(extra)
     del items
-    return reachable_state(torch, roots, type_cache, budget_s=budget_s)
+    return reachable_state(torch, roots, type_cache, budget_s=budget_s, kinds=training_kinds(torch))
 
 
 #: How deep a fit follows the user's functions to the globals they use (a step that calls a helper).

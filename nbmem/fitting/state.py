@@ -1,21 +1,33 @@
-"""The training state a fit's body can change, copied to host memory before the fit and put back after it.
+"""The training state a fit's body can change, copied before the fit and put back after it, bit for bit.
 
-The engine part of a fit that touches the user's objects: it reads and writes only tensors and the plain
-state of modules and optimizers handed to it (found by ``walk.reachable_state``), never calls their code.
+What is copied: the parameters, buffers, gradients (``None`` stays ``None``) and train/eval flags of the
+modules handed in, the optimizers' state, param groups and own attributes, the instance attributes of LR
+schedulers and gradient scalers (``training_kinds``: what their ``state_dict`` holds, and the state they
+create lazily, such as a scaler's ``_scale``), and the random number generators: torch's CPU generator,
+every CUDA device's once CUDA is up, Python's ``random`` and NumPy's global one. Tensors go to host memory;
+containers are put back in place (a hook handle keeps pointing at its dict). The objects come from a walk
+(``walk.reachable_state``); no method of a user's object is ever called, only torch's tensor operations and
+the C methods of plain containers.
 """
 
 from __future__ import annotations
 
-import copy
+import random
 import sys
+from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from .. import reach
 from ..formatting import fmt_bytes
 
 #: Host memory a state copy may take, of what the kernel calls available.
 HOST_FRACTION = 0.9
+#: How deep a copy of an object's attributes follows plain containers (a scaler's per-optimizer state is 3).
+_DEPTH = 6
+#: The optimizer's attributes copied on their own (their tensors are keyed by parameter).
+_OPT_OWN = ("state", "param_groups")
 
 
 class FitRefused(Exception):
@@ -26,12 +38,99 @@ def _torch() -> Any:
     return sys.modules.get("torch")
 
 
+def training_kinds(torch: Any) -> tuple[type, ...]:
+    """The classes, besides modules and optimizers, whose instances hold training state: LR schedulers and
+    gradient scalers, as this torch names them."""
+    out: list[type] = []
+    sched = getattr(getattr(torch, "optim", None), "lr_scheduler", None)
+    for owner, name in ((sched, "LRScheduler"), (sched, "_LRScheduler"), (sched, "ReduceLROnPlateau"),
+                        (getattr(torch, "amp", None), "GradScaler")):
+        k = getattr(owner, name, None)
+        if isinstance(k, type) and k not in out:
+            out.append(k)
+    for legacy in ("cuda", "cpu"):  # torch.cuda.amp.GradScaler is its own class in torch before 2.3
+        amp = sys.modules.get(f"torch.{legacy}.amp")
+        k = getattr(amp, "GradScaler", None)
+        if isinstance(k, type) and not any(reach.derives(k, b) for b in out):
+            out.append(k)
+    return tuple(out)
+
+
+# -- copies of values --------------------------------------------------------------------------------------------
+@dataclass
+class _Tensor:
+    """A tensor copied to host: the tensor itself (to write back into) and where it lived."""
+
+    original: Any
+    host: Any
+    device: Any
+
+
+@dataclass
+class _Box:
+    """A plain container copied item by item; put back into the same container object."""
+
+    original: Any
+    items: list[Any]  # values, or (key, value) pairs for a dict
+
+
+class _Copier:
+    """Copies an attribute's value: tensors to host, plain containers item by item, anything else by reference
+    (an object that holds state of its own is walked and copied on its own)."""
+
+    def __init__(self, torch: Any) -> None:
+        self.torch = torch
+        self.bytes = 0
+
+    def copy(self, v: Any, depth: int = 0) -> Any:
+        t = type(v)
+        if reach.derives(t, self.torch.Tensor):
+            host = v.detach().to("cpu", copy=True)
+            self.bytes += _nbytes(host)
+            return _Tensor(v, host, v.device)
+        if depth >= _DEPTH:
+            return v
+        if t is list:
+            return _Box(v, [self.copy(x, depth + 1) for x in list(v)])
+        if t is dict or t is defaultdict or t is OrderedDict:
+            return _Box(v, [(k, self.copy(x, depth + 1)) for k, x in dict.items(v)])
+        if t is tuple:
+            return tuple(self.copy(x, depth + 1) for x in v)
+        return v
+
+
+def _put_back(v: Any) -> Any:
+    """The value a copy stands for, written back into the objects it came from where they still fit."""
+    if isinstance(v, _Tensor):
+        old = v.original
+        if _fits_in(old, v.host, v.device):
+            old.copy_(v.host)
+            return old
+        return v.host.to(v.device)
+    if isinstance(v, _Box):
+        c = v.original
+        if type(c) is list:
+            c[:] = [_put_back(x) for x in v.items]
+        else:
+            c.clear()
+            c.update((k, _put_back(x)) for k, x in v.items)
+        return c
+    if type(v) is tuple:
+        return tuple(_put_back(x) for x in v)
+    return v
+
+
+def _instance_dict(obj: Any) -> dict[Any, Any] | None:
+    return reach.instance_dict(obj, reach.layout(type(obj)))
+
+
+# -- the copy ----------------------------------------------------------------------------------------------------
 @dataclass
 class StateCopy:
-    """A host copy of modules' and optimizers' tensors, taken before a fit, put back bit for bit after it.
+    """Training state taken before a fit, put back after it by ``restore_state``.
 
-    It holds the tensors it will write back into (the parameters, buffers and optimizer state themselves)
-    until ``restore_state`` is called; nothing of it is kept in a result.
+    It holds the objects it will write back into (parameters, buffers, optimizers, schedulers, scalers) until
+    ``restore_state`` is called; a result keeps only ``restored`` and ``not_restored``, one line each.
     """
 
     copied_bytes: int
@@ -40,6 +139,10 @@ class StateCopy:
     _training: list[tuple[Any, bool]] = field(default_factory=list, repr=False)
     _optimizers: list[tuple[Any, dict[Any, dict[str, Any]], list[dict[str, Any]]]] = field(default_factory=list,
                                                                                           repr=False)
+    _attrs: list[tuple[Any, dict[Any, Any]]] = field(default_factory=list, repr=False)  # (object, its dict copied)
+    _rng: list[tuple[str, Any]] = field(default_factory=list, repr=False)
+    restored: list[str] = field(default_factory=list)
+    not_restored: list[str] = field(default_factory=list)
 
 
 def _nbytes(t: Any) -> int:
@@ -52,7 +155,7 @@ def _host(t: Any) -> tuple[Any, Any]:
 
 
 def state_bytes(modules: Iterable[Any] = (), optimizers: Iterable[Any] = ()) -> int:
-    """Bytes ``snapshot_state`` would copy: parameters, their grads, buffers and optimizer state tensors."""
+    """Bytes ``snapshot_state`` would copy for these: parameters, their grads, buffers, optimizer state tensors."""
     total = 0
     seen: set[int] = set()
     modules, optimizers = list(modules), list(optimizers)
@@ -103,14 +206,18 @@ def host_available_bytes() -> int | None:
         return None
 
 
-def snapshot_state(modules: Iterable[Any] = (), optimizers: Iterable[Any] = (), *,
-                   available_bytes: int | None = None) -> StateCopy:
-    """Copy parameters, their ``.grad``s, buffers, training flags and optimizer state to host memory.
+def snapshot_state(modules: Iterable[Any] = (), optimizers: Iterable[Any] = (), others: Iterable[Any] = (), *,
+                   rng: bool = True, iterators: Sequence[str] = (), available_bytes: int | None = None) -> StateCopy:
+    """Copy the training state of ``modules``, ``optimizers`` and ``others`` (LR schedulers, gradient scalers:
+    their instance attributes) and, with ``rng``, the random generators. ``iterators`` are named in
+    ``not_restored``: the body may advance them, and nothing can put them back.
 
     Raises ``FitRefused`` (one line) when host memory cannot hold the copy: ``available_bytes`` defaults to
     what psutil calls available, of which at most ``HOST_FRACTION`` is used.
     """
-    modules, optimizers = list(modules), list(optimizers)
+    t = _torch()
+    assert t is not None
+    modules, optimizers, others = list(modules), list(optimizers), list(others)
     need = state_bytes(modules, optimizers)
     avail = host_available_bytes() if available_bytes is None else available_bytes
     if avail is not None and need > HOST_FRACTION * avail:
@@ -124,12 +231,60 @@ def snapshot_state(modules: Iterable[Any] = (), optimizers: Iterable[Any] = (), 
         saved._params.append((p, data, grad))
     saved._buffers = [(b, _host(b)[0]) for b in _buffers(modules)]
     saved._training = [(m, bool(m.training)) for top in modules for m in top.modules()]
+    copier = _Copier(t)
     for opt in optimizers:
-        state = {p: {k: (_host(v) if _is_tensor(v) else copy.deepcopy(v)) for k, v in st.items()}
+        state = {p: {k: (_host(v) if _is_tensor(v) else copier.copy(v)) for k, v in st.items()}
                  for p, st in opt.state.items()}
-        groups = [{k: copy.deepcopy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
+        groups = [{k: copier.copy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
         saved._optimizers.append((opt, state, groups))
+        own = _instance_dict(opt) or {}
+        saved._attrs.append((opt, {k: copier.copy(v) for k, v in dict.items(own) if k not in _OPT_OWN}))
+    for obj in others:
+        d = _instance_dict(obj)
+        if d is None:
+            saved.not_restored.append(f"{reach.type_name(type(obj))}: its attributes cannot be read without running "
+                                      "its code")
+            continue
+        saved._attrs.append((obj, {k: copier.copy(v) for k, v in dict.items(d)}))
+    saved.copied_bytes += copier.bytes
+    if rng:
+        saved._rng = _rng_states(t)
+    saved.restored = _restored_lines(saved, modules, optimizers, others)
+    saved.not_restored += [f"{where}: the body may have advanced it, and an iterator cannot be put back"
+                           for where in iterators]
     return saved
+
+
+def _rng_states(t: Any) -> list[tuple[str, Any]]:
+    out: list[tuple[str, Any]] = [("torch", t.get_rng_state())]
+    if t.cuda.is_initialized():  # never the first CUDA call
+        out.append(("cuda", t.cuda.get_rng_state_all()))
+    out.append(("random", random.getstate()))
+    np = sys.modules.get("numpy")
+    if np is not None:
+        out.append(("numpy", np.random.get_state()))
+    return out
+
+
+def _restored_lines(saved: StateCopy, modules: Sequence[Any], optimizers: Sequence[Any],
+                    others: Sequence[Any]) -> list[str]:
+    """What will be put back, a line each, in the words of the objects' types."""
+    lines = []
+
+    def name(o: Any) -> str:
+        return reach.type_name(type(o))
+
+    if modules:
+        grads = sum(g is not None for _, _, g in saved._params)
+        lines.append(f"parameters, buffers and train/eval flags of {', '.join(name(m) for m in modules)}; "
+                     f"gradients as they were ({grads} set, {len(saved._params) - grads} None)")
+    lines += [f"optimizer {name(o)}: state, param groups (learning rates) and attributes" for o in optimizers]
+    lines += [f"{name(o)}: its state (what its state_dict holds, and what it made lazily)" for o in others]
+    if saved._rng:
+        words = {"torch": "torch CPU", "cuda": "every CUDA device's", "random": "Python random",
+                 "numpy": "NumPy global"}
+        lines.append("random generators: " + ", ".join(words[k] for k, _ in saved._rng))
+    return lines
 
 
 def _fits_in(old: Any, host: Any, device: Any) -> bool:
@@ -139,51 +294,97 @@ def _fits_in(old: Any, host: Any, device: Any) -> bool:
 
 
 def restore_state(saved: StateCopy) -> int:
-    """Put a ``snapshot_state`` copy back, bit for bit, in place where the tensors still fit; its bytes.
+    """Put a ``snapshot_state`` copy back, bit for bit, in place where the tensors still fit; its tensor bytes.
 
     Parameters and buffers are written into their own storage; a ``.grad`` or an optimizer state tensor the
-    fit freed or replaced is made again on its device; state the fit created (an optimizer's first step)
-    is dropped, and so are grads that were not there.
+    fit freed or replaced is made again on its device; state the fit created (an optimizer's first step, a
+    scaler's first scale) is dropped, and so are grads that were not there. A part that cannot be put back is
+    named in ``saved.not_restored`` and the rest is still restored.
     """
     t = _torch()
     assert t is not None
     with t.no_grad():
-        for p, data, grad in saved._params:
-            p.copy_(data)
-            if grad is None:
-                p.grad = None
-            else:
-                host, device = grad
-                if _fits_in(p.grad, host, device):
-                    p.grad.copy_(host)
-                else:
-                    p.grad = host.to(device)
-        for b, data in saved._buffers:
-            b.copy_(data)
-        for opt, state, groups in saved._optimizers:
-            for p in [p for p in opt.state if p not in state]:
-                del opt.state[p]
-            for p, st in state.items():
-                cur = opt.state[p]
-                for k in [k for k in cur if k not in st]:
-                    del cur[k]
-                for k, v in st.items():
-                    if isinstance(v, tuple):
-                        host, device = v
-                        old = cur.get(k)
-                        if _fits_in(old, host, device):
-                            old.copy_(host)
-                        else:
-                            cur[k] = host.to(device)
-                    else:
-                        cur[k] = copy.deepcopy(v)
-            for g, saved_group in zip(opt.param_groups, groups):
-                for k, v in saved_group.items():
-                    g[k] = copy.deepcopy(v)
+        for part, put in _PARTS:
+            try:
+                put(saved, t)
+            except Exception as e:
+                saved.not_restored.append(f"{part}: putting them back failed ({type(e).__name__}: {str(e)[:120]})")
     for m, training in saved._training:
         m.training = training
     return saved.copied_bytes
 
 
+def _put_params(saved: StateCopy, t: Any) -> None:
+    for p, data, grad in saved._params:
+        p.copy_(data)
+        if grad is None:
+            p.grad = None
+        else:
+            host, device = grad
+            if _fits_in(p.grad, host, device):
+                p.grad.copy_(host)
+            else:
+                p.grad = host.to(device)
+
+
+def _put_buffers(saved: StateCopy, t: Any) -> None:
+    for b, data in saved._buffers:
+        b.copy_(data)
+
+
+def _put_optimizers(saved: StateCopy, t: Any) -> None:
+    for opt, state, groups in saved._optimizers:
+        for p in [p for p in opt.state if p not in state]:
+            del opt.state[p]
+        for p, st in state.items():
+            cur = opt.state[p]
+            for k in [k for k in cur if k not in st]:
+                del cur[k]
+            for k, v in st.items():
+                if isinstance(v, tuple) and len(v) == 2 and _is_tensor(v[0]):
+                    host, device = v
+                    old = cur.get(k)
+                    if _fits_in(old, host, device):
+                        old.copy_(host)
+                    else:
+                        cur[k] = host.to(device)
+                else:
+                    cur[k] = _put_back(v)
+        for g, saved_group in zip(opt.param_groups, groups):
+            for k, v in saved_group.items():
+                g[k] = _put_back(v)
+
+
+def _put_attrs(saved: StateCopy, t: Any) -> None:
+    for obj, attrs in saved._attrs:
+        d = _instance_dict(obj)
+        if d is None:
+            continue
+        own = _OPT_OWN if any(obj is o for o, _, _ in saved._optimizers) else ()
+        for k in [k for k in dict.keys(d) if k not in attrs and k not in own]:
+            del d[k]  # made during the fit: a scaler's per-optimizer state, a wrapper set on the instance
+        for k, v in attrs.items():
+            d[k] = _put_back(v)
+
+
+def _put_rng(saved: StateCopy, t: Any) -> None:
+    for kind, st in saved._rng:
+        if kind == "torch":
+            t.set_rng_state(st)
+        elif kind == "cuda":
+            t.cuda.set_rng_state_all(st)
+        elif kind == "random":
+            random.setstate(st)
+        elif kind == "numpy":
+            np = sys.modules.get("numpy")
+            if np is not None:
+                np.random.set_state(st)
+
+
+#: What ``restore_state`` puts back, in order; each part on its own, so one that fails leaves the others done.
+_PARTS = (("parameters and gradients", _put_params), ("buffers", _put_buffers), ("optimizer state", _put_optimizers),
+          ("attributes of optimizers, schedulers and scalers", _put_attrs), ("random generators", _put_rng))
+
+
 __all__ = ["HOST_FRACTION", "FitRefused", "StateCopy", "host_available_bytes", "restore_state", "snapshot_state",
-           "state_bytes"]
+           "state_bytes", "training_kinds"]
