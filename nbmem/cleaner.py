@@ -14,6 +14,7 @@ from functools import partial
 from typing import Protocol
 
 from .cleanup_request import CleanupRequest
+from .formatting import fmt_bytes
 from .records import CleanupStep
 from .reports import CleanupReport
 
@@ -34,10 +35,13 @@ class Namespace(Protocol):
 
 
 def _freed(before: Mapping[str, tuple[int | None, int | None]],
-           after: Mapping[str, tuple[int | None, int | None]]) -> tuple[int | None, int | None]:
+           after: Mapping[str, tuple[int | None, int | None]], *, skip: str = "") -> tuple[int | None, int | None]:
+    """What the devices gave back between two measures (``skip``: a device left out of the sum)."""
     alloc: int | None = None
     res: int | None = None
     for dev, (a0, r0) in before.items():
+        if dev == skip:
+            continue
         a1, r1 = after.get(dev, (None, None))
         if a0 is not None and a1 is not None:
             alloc = (alloc or 0) + (a0 - a1)
@@ -60,7 +64,7 @@ class Cleaner:
         steps: list[CleanupStep] = []
         last = self.measure()
 
-        def step(action: str, target: str, fn: Callable[[], str | None]) -> None:
+        def step(action: str, target: str, fn: Callable[[], str | None], *, moves_to_cpu: bool = False) -> None:
             # Nothing runs between two steps, so one step's "after" is the next one's "before".
             nonlocal last
             note, error = "", ""
@@ -73,14 +77,22 @@ class Cleaner:
             except Exception as e:
                 steps.append(CleanupStep(action, target, None, None, note, error or f"measuring failed: {e}"))
                 return
-            a, r = _freed(last, now)
+            if moves_to_cpu:
+                # What left the GPUs is not freed on the host: it arrived there. Summed with the CPU's growth,
+                # a move would read as 0 B freed; the GPUs' bytes are the step's, the host's growth its note.
+                a, r = _freed(last, now, skip="cpu")
+                grew = _freed({"cpu": now.get("cpu", (None, None))}, {"cpu": last.get("cpu", (None, None))})[0]
+                if grew:
+                    note = "; ".join(x for x in (note, f"{fmt_bytes(grew)} more on the CPU") if x)
+            else:
+                a, r = _freed(last, now)
             last = now
             steps.append(CleanupStep(action, target, a, r, note, error))
 
         for name in req.names:
             step("del", name, partial(_delete, self.ns, name))
         for name in req.to_cpu:
-            step("to CPU", name, partial(self.ns.to_cpu, name))
+            step("to CPU", name, partial(self.ns.to_cpu, name), moves_to_cpu=True)
         if req.outputs:
             step("clear outputs", "Out, _N, _, last result", lambda: f"{self.ns.clear_outputs()} outputs cleared")
         if req.traceback:

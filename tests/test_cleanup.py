@@ -316,3 +316,38 @@ def test_memory_a_deleted_name_left_to_the_last_exception_says_how_to_free_it(ip
     assert list(f["name"]) == ["<traceback step>"], f
     assert f["hint"].iloc[0] == ("`batch` was deleted or rebound, but the last exception's frames still hold it "
                                  "(`<traceback step>.b`): `%cudamem clean --traceback` frees it (ends %debug for it)")
+
+
+class _Moves:
+    """A namespace whose one model moves 200 bytes from a GPU to the host: the cleaner's arithmetic alone (the
+    real move is measured on a GPU in tests/gpu/test_cleanup_gpu.py)."""
+
+    def __init__(self, state: dict) -> None:
+        self.state = state
+
+    def has(self, name: str) -> bool:
+        return name == "m"
+
+    def protected(self, name: str) -> None:
+        return None
+
+    def movable(self, name: str) -> None:
+        return None
+
+    def to_cpu(self, name: str) -> str:
+        self.state.update({"cuda:0": (100, 400), "cpu": (210, None)})
+        return "module moved in place"
+
+
+def test_a_move_to_the_cpu_counts_what_left_the_gpu_and_says_what_the_host_gained():
+    from nbmem.cleaner import Cleaner
+    from nbmem.cleanup_request import CleanupRequest
+
+    state = {"cuda:0": (300, 400), "cpu": (10, None)}
+    ns = _Moves(state)
+    rep = Cleaner(ns, lambda: dict(state), lambda: True, lambda: "").run(  # type: ignore[arg-type]
+        CleanupRequest(to_cpu=("m",), collect=False, empty_cache=False))
+    (move,) = rep.steps
+    assert (move.freed_allocated_bytes, move.freed_reserved_bytes) == (200, 0), "not 0: the host's gain is apart"
+    assert move.note == "module moved in place; 200 B more on the CPU"
+    assert rep.freed_allocated_bytes == 200
