@@ -170,7 +170,9 @@ def status() -> Any:
 
 def last_death() -> Any:
     """How this notebook's previous kernel died (told by ``%load_ext nbmem``), or None when it ended cleanly."""
-    return _session().last_death
+    from .magics import _magics
+
+    return _magics().last_death
 
 
 def plot(**kwargs: Any) -> Any:

@@ -96,7 +96,9 @@ from traitlets import Bool, Enum, Float, Int, TraitType
 from traitlets.config import Configurable
 
 from .cleanup_request import CleanupRefused, CleanupRequest
+from .deaths import Death
 from .fitting.state import FitRefused
+from .flight import FlightRecorder, open_flight
 from .options import OPTION_BY_NAME, OPTIONS, Option, OptionError, Settings
 from .session import Session
 from .shell import ShellAdapter
@@ -229,13 +231,15 @@ class NbmemMagics(Magics):
         self.session = session
         self._nested = False
         self.gauge: Any = None
+        self.flight: FlightRecorder | None = None  # this kernel's capsule on disk, fed by the session
+        self.last_death: Death | None = None  # how this notebook's previous kernel died, told on load
 
     # -- events ------------------------------------------------------------------------------------
     def pre_run_cell(self, info: Any) -> None:
         try:
             s = self.session
-            if not self._nested and getattr(info, "store_history", False) and not getattr(info, "silent", False):
-                s.running(self.shell.execution_count - 1, getattr(info, "raw_cell", "") or "")
+            if self.flight and not self._nested:  # every cell, measured or not: the capsule names it
+                self.flight.pre_run_cell(info, self.shell.execution_count - 1)
             if self._nested or not s.monitoring or s.in_cell:
                 return
             if getattr(info, "silent", False) or not getattr(info, "store_history", False):
@@ -249,8 +253,8 @@ class NbmemMagics(Magics):
 
     def post_run_cell(self, result: Any) -> None:
         try:
-            if not self._nested:
-                self.session.running(None, error=getattr(result, "error_in_exec", None))
+            if self.flight and not self._nested:
+                self.flight.running(None, error=getattr(result, "error_in_exec", None))
             if self._nested or not self.session.in_cell:
                 return
             report = self.session.end_cell(getattr(result, "error_in_exec", None))
@@ -569,6 +573,10 @@ def load_ipython_extension(shell: Any) -> None:
     options = Nbmem(parent=shell)
     session = Session(ShellAdapter(shell), options.settings())
     magics = NbmemMagics(shell, options, session)
+    try:
+        magics.flight, magics.last_death = open_flight(session.subscribe)
+    except Exception as e:
+        session.fault("the flight recorder", e)
     session.start()
 
     def _changed(change: Any) -> None:
@@ -583,8 +591,8 @@ def load_ipython_extension(shell: Any) -> None:
     shell.events.register("pre_run_cell", magics.pre_run_cell)
     shell.events.register("post_run_cell", magics.post_run_cell)
     _ACTIVE[shell] = magics
-    if session.last_death is not None:
-        magics._display(session.last_death)  # the story of the last kernel's death first
+    if magics.last_death is not None:
+        magics._display(magics.last_death)  # the story of the last kernel's death first
     print(session.greeting())
     if options.gauge != "none":
         magics.show_gauge(options.gauge)
@@ -610,3 +618,5 @@ def unload_ipython_extension(shell: Any) -> None:
             del mm.magics[kind]["cudamem"]
     mm.registry.pop(type(magics).__name__, None)
     magics.close()
+    if magics.flight is not None:
+        magics.flight.close()  # a clean end: no capsule is left to tell of a death

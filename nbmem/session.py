@@ -23,6 +23,7 @@ from .advice import RESTART_ADVICE
 from .cellwatch import CellWatch
 from .cleaner import Cleaner
 from .cleanup_request import CleanupRequest
+from .deaths import with_pressure
 from .fitting.prediction import FitResult
 from .fitting.runner import fit_in_notebook
 from .formatting import fmt_bytes, spans
@@ -230,6 +231,7 @@ class Session:
         if ended is None:
             return None
         report, changed, broken = ended
+        report = with_pressure(report, self.store.last_samples(report.duration_s + 1.0, time.time()))
         self.cuda_broken |= broken
         self.last_report = report
         self._publish(report)

@@ -95,7 +95,7 @@ def samples_frame(samples: Sequence[Sample]) -> Any:
     """One row per (time, device); integer bytes, NA where a value is unknown."""
     import pandas as pd
 
-    names = [f.name for f in fields(Sample) if f.name not in ("processes", "children")]
+    names = [f.name for f in fields(Sample) if f.name not in ("processes", "children", "memory_limit")]
     cols: dict[str, list[Any]] = {n: [getattr(s, n) for s in samples] for n in names}
     df = pd.DataFrame({
         "time": pd.to_datetime(pd.Series(cols.pop("t_wall"), dtype="float64"), unit="s", utc=True),

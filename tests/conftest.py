@@ -10,6 +10,8 @@ import pytest
 
 # A private IPython profile dir and no history database, before IPython is imported anywhere.
 os.environ.setdefault("IPYTHONDIR", tempfile.mkdtemp(prefix="nbmem-ipython-"))
+# Flight-recorder capsules (nbmem/flight.py) go to a private runtime dir, not the user's.
+os.environ.setdefault("JUPYTER_RUNTIME_DIR", tempfile.mkdtemp(prefix="nbmem-runtime-"))
 
 from IPython.core.interactiveshell import InteractiveShell
 from traitlets.config import Config

@@ -1,0 +1,277 @@
+"""The flight recorder's capsule and the story a restarted kernel tells from it (real kernels: test_flight_kernels)."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+import struct
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+import nbmem
+from nbmem.deaths import Death, cause_of, explain, pressure_note
+from nbmem.flight import FORMAT, FlightRecorder, error_text, first_line, flight_dir, kernel_id, take_dead
+from nbmem.limits import Cgroup, MemoryLimit
+from nbmem.magics import _magics, session_of
+from nbmem.records import Finding, HolderKind, Holders, Sample, Tick
+from tests.conftest import ok, run
+from tests.test_limits import v1_layout
+
+GiB = 2**30
+MiB = 2**20
+
+
+class Clock:
+    def __init__(self, t: float = 1_000_000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def tick(t: float, rss: int, *, limit: int | None = 4 * GiB, used: int | None = None, oom_kills: int | None = 0,
+         gpus: int = 1) -> Tick:
+    lim = MemoryLimit(limit, used if used is not None else rss, oom_kills, "cgroup v1 memory.limit_in_bytes",
+                      "/sys/fs/cgroup/memory/x", host_total_bytes=64 * GiB)
+    cpu = Sample(t, "cpu", None, None, None, None, None, None, None, None, rss,
+                 limit if limit else 64 * GiB, used if used is not None else rss, memory_limit=lim)
+    gs = [Sample(t, f"cuda:{i}", 1 * GiB + i, 2 * GiB, None, None, 3 * GiB, 80 * GiB, 2 * GiB + 5, 0, rss)
+          for i in range(gpus)]
+    return Tick((cpu, *gs))
+
+
+def recorder(tmp_path: Path, clock: Clock, **kw: object) -> FlightRecorder:
+    rec = FlightRecorder(tmp_path / "flight", pid=4242, started=clock.t - 100, notebook="work/a.ipynb", kernel="k1",
+                         clock=clock, **kw)  # type: ignore[arg-type]
+    rec.start()
+    return rec
+
+
+def dead_pid() -> int:
+    p = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(p.stdout)
+
+
+# -- the capsule ----------------------------------------------------------------------------------------------
+def test_the_capsule_is_private_atomic_and_written_at_most_every_two_seconds(tmp_path: Path) -> None:
+    clock = Clock()
+    rec = recorder(tmp_path, clock)
+    for i in range(20):  # ten seconds of half-second ticks
+        clock.t += 0.5
+        rec.listen(tick(clock.t, (1 + i) * 100 * MiB))
+    assert rec.writes == 5  # the first tick, then every 2 s
+    assert stat.S_IMODE(rec.path.stat().st_mode) == 0o600
+    assert stat.S_IMODE(rec.directory.stat().st_mode) == 0o700
+    assert [p.name for p in rec.directory.iterdir()] == [rec.name]  # no temporary file left behind
+    c = json.loads(rec.path.read_bytes())
+    assert c["format"] == FORMAT and (c["pid"], c["notebook"], c["kernel_id"]) == (4242, "work/a.ipynb", "k1")
+    assert c["samples"]["rss"][-1] == 17 * 100 * MiB  # as of the last write (tick 17)
+    assert c["samples"]["gpus"]["cuda:0"]["allocated"][-1] == GiB and c["limit"]["bytes"] == 4 * GiB
+    rec.running(7, "\n\n  x = load('big.pt')  \ny = 2\n")
+    clock.t += 0.5
+    rec.listen(tick(clock.t, 2 * GiB))  # a new cell is written at the next tick, not 2 s later
+    c = json.loads(rec.path.read_bytes())
+    assert c["cell"]["number"] == 7 and c["cell"]["first_line"] == "x = load('big.pt')"
+    rec.close()
+    assert not rec.path.exists()
+    clock.t += 5
+    rec.listen(tick(clock.t, GiB))
+    assert not rec.path.exists()  # nothing is written after the clean end
+
+
+def test_the_capsule_keeps_two_minutes_and_stays_under_its_bound(tmp_path: Path) -> None:
+    clock = Clock()
+    rec = recorder(tmp_path, clock, max_bytes=16 * 1024)
+    for _ in range(600):  # five minutes, eight GPUs
+        clock.t += 0.5
+        rec.listen(tick(clock.t, GiB, gpus=8))
+    t = json.loads(rec.path.read_bytes())["samples"]["t"]
+    assert rec.path.stat().st_size <= 16 * 1024 and rec.last_bytes <= 16 * 1024
+    assert t[-1] - t[0] <= 120.0 and t[-1] >= clock.t - 2.0
+    assert len(t) < 240  # thinned to fit
+    full = FlightRecorder(tmp_path / "f2", pid=1, started=0.0, notebook="", kernel="", clock=clock)
+    full.start()
+    for _ in range(600):
+        clock.t += 0.5
+        full.listen(tick(clock.t, GiB, gpus=8))
+    assert len(json.loads(full.path.read_bytes())["samples"]["t"]) == 241  # the default bound keeps them all
+    assert full.last_bytes <= 256 * 1024
+    full.close()
+    rec.close()
+
+
+def test_only_the_type_of_an_ordinary_error_is_kept_and_cuda_errors_in_full() -> None:
+    assert error_text(ValueError("secret 3.14159")) == ("ValueError", False)
+    text, cuda = error_text(RuntimeError("CUDA error: device-side assert triggered"))
+    assert cuda and text == "RuntimeError: CUDA error: device-side assert triggered"
+    assert error_text(None) == ("", False)
+    assert first_line("x" * 500).endswith("…") and len(first_line("x" * 500)) == 160
+
+
+def test_kernel_id_and_where_capsules_live(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert kernel_id(["ipykernel_launcher.py", "-f", "/run/user/1/jupyter/kernel-3f2a-bb.json"]) == "3f2a-bb"
+    assert kernel_id(["pytest"]) == ""
+    assert flight_dir({"JUPYTER_RUNTIME_DIR": str(tmp_path)}) == tmp_path / "nbmem-flight"
+
+
+# -- which capsule is told ------------------------------------------------------------------------------------
+def capsule_file(d: Path, *, pid: int, notebook: str = "work/a.ipynb", kernel: str = "k1", written: float | None = None,
+                 started: float = 1.0) -> Path:
+    d.mkdir(parents=True, exist_ok=True)
+    c = {"format": FORMAT, "pid": pid, "started": started, "kernel_id": kernel, "notebook": notebook,
+         "written": time.time() if written is None else written, "cell": {"number": 3, "first_line": "x = 1",
+                                                                            "started": 0.0},
+         "samples": {"t": [1.0, 2.0], "rss": [GiB, 2 * GiB], "used": [GiB, 2 * GiB], "total": [64 * GiB] * 2}}
+    p = d / f"kernel-{pid}-{int(started)}.json"
+    p.write_text(json.dumps(c))
+    return p
+
+
+def test_a_dead_kernels_capsule_is_taken_once_and_only_by_its_notebook(tmp_path: Path) -> None:
+    d = tmp_path / "flight"
+    pid = dead_pid()
+    mine = capsule_file(d, pid=pid)
+    other = capsule_file(d, pid=pid + 100_000, notebook="work/b.ipynb", kernel="k2")
+    alive = capsule_file(d, pid=os.getpid(), started=__import__("psutil").Process().create_time())
+    assert take_dead(d, notebook="work/c.ipynb", kernel="k9") is None  # another notebook: nothing
+    got = take_dead(d, notebook="work/a.ipynb", kernel="zz")
+    assert got is not None and got["pid"] == pid and not mine.exists()
+    assert take_dead(d, notebook="work/a.ipynb", kernel="zz") is None  # told once
+    assert other.exists() and alive.exists()
+    # Without a notebook path the kernel id (kept across a restart) decides; with neither, nothing is anyone's.
+    assert take_dead(d, notebook="", kernel="k2") is not None and not other.exists()
+    capsule_file(d, pid=pid, notebook="", kernel="")
+    assert take_dead(d, notebook="", kernel="") is None
+    # A capsule of a live process is never a death, even of this notebook.
+    assert take_dead(d, notebook="work/a.ipynb", kernel="k1") is None and alive.exists()
+
+
+def test_stale_capsules_nobody_claims_are_removed(tmp_path: Path) -> None:
+    d = tmp_path / "flight"
+    old = capsule_file(d, pid=dead_pid(), notebook="gone.ipynb", written=time.time() - 30 * 24 * 3600)
+    assert take_dead(d, notebook="a.ipynb", kernel="") is None and not old.exists()
+
+
+# -- the story ------------------------------------------------------------------------------------------------
+def growing(rec: FlightRecorder, clock: Clock, *, to: int, limit: int | None = 4 * GiB, kills: int = 0) -> None:
+    for i in range(41):  # twenty seconds of growth to `to`
+        clock.t += 0.5
+        rec.listen(tick(clock.t, int(to * (0.3 + 0.7 * i / 40)), limit=limit, oom_kills=kills))
+    rec.write()
+
+
+def test_the_story_of_a_kernel_killed_at_its_limit(tmp_path: Path) -> None:
+    clock = Clock()
+    rec = recorder(tmp_path, clock)
+    rec.listen(Holders((Finding(5, "ckpt", ("ckpt",), HolderKind.NAMESPACE, "cpu", 2 * GiB),)))
+    rec.running(5, "state = torch.load('ckpt.pt', map_location='cpu')\nmodel.load_state_dict(state)")
+    growing(rec, clock, to=int(3.96 * GiB))
+    c = json.loads(rec.path.read_bytes())
+    d = explain(c, oom_kills_now=None)
+    assert isinstance(d, Death) and d.cause == "limit" and d.cell == 5
+    assert d.first_line == "state = torch.load('ckpt.pt', map_location='cpu')"
+    assert d.rss_bytes == int(3.96 * GiB) and d.total_bytes == 4 * GiB and d.limit_source
+    assert d.growth_bytes == int(3.96 * GiB) - int(int(3.96 * GiB) * (0.3 + 0.7 * 0 / 40)) and d.growth_s == 20.0
+    text = str(d)
+    assert "host RSS 3.96 GiB of a 4.00 GiB container limit, +2.77 GiB in the last 20.00 s" in text
+    assert "It was running cell [5]: state = torch.load(" in text and "ckpt (namespace, cpu) 2.00 GiB" in text
+    assert "cuda:0 allocated 1.00 GiB, reserved 2.00 GiB" in text
+    assert "<div" in d._repr_html_() and "cell [5]" in d._repr_html_()
+    # The cgroup's OOM-kill count rising after the last sample is surer still.
+    assert explain(c, oom_kills_now=1).cause == "oom-kill"
+    assert "rose from 0 to 1" in explain(c, oom_kills_now=1).cause_text
+    rec.close()
+
+
+def test_causes_far_from_a_limit(tmp_path: Path) -> None:
+    clock = Clock()
+    rec = recorder(tmp_path, clock)
+    growing(rec, clock, to=GiB)
+    c = json.loads(rec.path.read_bytes())
+    assert cause_of(c, 0)[0] == "unknown" and cause_of(c, None)[0] == "unknown"
+    rec.running(8, "y = x.cuda()")
+    rec.running(None, error=RuntimeError("CUDA error: an illegal memory access was encountered"))
+    growing(rec, clock, to=GiB)
+    label, text = cause_of(json.loads(rec.path.read_bytes()), 0)
+    assert label == "cuda-error" and "cell [8]" in text and "illegal memory access" in text
+    rec.close()
+    host = recorder(tmp_path / "h", Clock())
+    growing(host, host._clock, to=63 * GiB, limit=None)  # type: ignore[arg-type]
+    assert cause_of(json.loads(host.path.read_bytes()), None)[0] == "host-memory"
+    host.close()
+
+
+def test_pressure_note_says_what_grew() -> None:
+    lim = MemoryLimit(4 * GiB, int(3.7 * GiB), 0, "cgroup v2 memory.max", host_total_bytes=64 * GiB)
+    near = Sample(10.0, "cpu", None, None, None, None, None, None, None, None, int(3.6 * GiB), memory_limit=lim)
+    f = Finding(2, "frame", ("frame",), HolderKind.NAMESPACE, "cpu", 3 * GiB)
+    note = pressure_note([near], since=5.0, findings=[f], rss_delta_bytes=3 * GiB)
+    assert "3.70 GiB of the 4.00 GiB container limit (92%)" in note and "RSS +3.00 GiB, `frame` 3.00 GiB" in note
+    assert pressure_note([near], since=11.0) == ""  # before the cell started
+    far = Sample(10.0, "cpu", None, None, None, None, None, None, None, None, GiB,
+                 memory_limit=MemoryLimit(4 * GiB, GiB, 0, "x", host_total_bytes=64 * GiB))
+    assert pressure_note([far], since=5.0) == ""
+
+
+# -- in a real shell ------------------------------------------------------------------------------------------
+SENTINEL = math.pi * 1e7
+
+
+def test_no_tensor_values_on_disk(shell) -> None:
+    ok(shell, "%load_ext nbmem")
+    ok(shell, "%cudamem on")
+    ok(shell, "import math, torch\nbig = torch.full((1_000_000,), math.pi * 1e7, dtype=torch.float64)")
+    ok(shell, "small = torch.full((4,), math.pi * 1e7)\nbig_out = big[:3]\nbig_out")
+    rec = _magics(shell).flight
+    assert rec is not None
+    rec.write()
+    data = rec.path.read_bytes()
+    c = json.loads(data)
+    assert [o["name"] for o in c["owners"]][:1] == ["big"] and c["owners"][0]["bytes"] == 8_000_000
+    for needle in (repr(SENTINEL).encode(), b"31415926", struct.pack("<d", SENTINEL),
+                   struct.pack("<f", SENTINEL), str(SENTINEL)[:8].encode()):
+        assert needle not in data, needle
+
+
+def test_unload_removes_the_capsule_and_a_crash_left_one_is_told_once(shell, monkeypatch: pytest.MonkeyPatch,
+                                                                      capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("JPY_SESSION_NAME", "/work/notebooks/train.ipynb")
+    d = flight_dir()
+    p = capsule_file(d, pid=dead_pid(), notebook="/work/notebooks/train.ipynb")
+    other = capsule_file(d, pid=dead_pid() + 200_000, notebook="/work/notebooks/other.ipynb")
+    ok(shell, "%load_ext nbmem")
+    out = capsys.readouterr().out
+    assert out.startswith("nbmem: the previous kernel of /work/notebooks/train.ipynb died after ")  # first
+    assert "It was running cell [3]: x = 1" in out and not p.exists() and other.exists()
+    death = nbmem.last_death()
+    assert isinstance(death, Death) and death.cell == 3
+    own = _magics(shell).flight
+    assert own is not None and own.notebook == "/work/notebooks/train.ipynb"
+    ok(shell, "1 + 1")
+    own.write()
+    assert own.path.exists()
+    ok(shell, "%unload_ext nbmem")
+    assert not own.path.exists()
+    ok(shell, "%load_ext nbmem")
+    assert "died" not in capsys.readouterr().out and nbmem.last_death() is None
+    other.unlink()
+
+
+def test_a_cell_near_the_limit_says_so_in_its_report(shell, tmp_path: Path) -> None:
+    v1_layout(tmp_path, usage=int(3.8 * GiB), inactive=0)
+    ok(shell, "%load_ext nbmem")
+    ok(shell, "%cudamem on")
+    s = session_of(shell)
+    s.probe.host.limits = Cgroup(tmp_path, environ={})
+    r = run(shell, "from nbmem.magics import session_of\nxs = [bytes(2**20) for _ in range(3)]\n"
+                   "session_of().sampler.sample_once()  # a tick while the cell runs")
+    assert r.success
+    rep = s.last_report
+    assert rep is not None and any("of the 4.00 GiB container limit (95%)" in n and "what grew: RSS" in n
+                                   for n in rep.notes), rep.notes
