@@ -9,6 +9,7 @@ at the end and how fast it grew, the likely cause and the biggest owners it held
 from __future__ import annotations
 
 import datetime as _dt
+import signal
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -168,8 +169,35 @@ def cause_of(capsule: Mapping[str, Any], oom_kills_now: int | None) -> tuple[str
     host = _last(total)
     if not limit and host and _at_limit(t, used, int(host)):
         return "host-memory", "the machine's memory was full: the kernel's OOM killer ends the largest process"
-    return "unknown", ("unknown: memory was not near a limit in its last sample (a crash in native code, an abort, "
-                       "or a signal from outside, such as `kill -9`)")
+    return exit_cause(capsule.get("exit") or {})
+
+
+#: The reason labels, as ``nbmem_kernel_deaths_total{reason}`` counts them (a bounded set).
+REASONS = ("oom-kill", "limit", "cuda-error", "host-memory", "killed", "crashed", "exited", "unknown")
+
+
+def exit_cause(ended: Mapping[str, Any]) -> tuple[str, str]:
+    """The cause from how the process ended, as the Jupyter server saw it (``{"status": -9}``), when memory
+    does not explain it: a signal (negative status) or an exit code; unknown without one."""
+    status = ended.get("status")
+    if not isinstance(status, int):
+        return "unknown", ("unknown: memory was not near a limit in its last sample (a crash in native code, an "
+                           "abort, or a signal from outside, such as `kill -9`)")
+    if status >= 0:
+        return "exited", f"its process exited with status {status} (the server saw it end)"
+    name = _signal_name(-status)
+    if -status == signal.SIGKILL:
+        return "killed", (f"it was killed with {name}, far from any memory limit nbmem could read: `kill -9`, or an "
+                          f"OOM killer acting on a limit outside this container's cgroup")
+    return "crashed", (f"it ended with {name}: a crash in native code (an extension, a driver) or an abort "
+                       f"(a fatal error in C++ or CUDA)")
+
+
+def _signal_name(n: int) -> str:
+    try:
+        return f"{signal.Signals(n).name} (signal {n})"
+    except ValueError:
+        return f"signal {n}"
 
 
 def explain(capsule: Mapping[str, Any], oom_kills_now: int | None = None) -> Death:

@@ -96,7 +96,7 @@ def error_text(error: BaseException | None) -> tuple[str, bool]:
     return (f"{name}: {msg}"[:ERROR_CHARS] if cuda else name), cuda
 
 
-def _write_private(directory: Path, name: str, data: bytes) -> None:
+def write_private(directory: Path, name: str, data: bytes) -> None:
     """Write ``directory/name`` atomically, owner-only."""
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=directory)  # mkstemp: mode 0o600
     try:
@@ -255,7 +255,7 @@ class FlightRecorder:
         with self._lock:
             if self._closed:
                 return
-            _write_private(self.directory, self.name, data)
+            write_private(self.directory, self.name, data)
             self._written, self._news = self._clock(), False
             self.writes += 1
             self.last_bytes = len(data)

@@ -1,4 +1,5 @@
-"""GPU memory of every notebook on a Jupyter server: ``GET /api/nbmem/gpu`` and metrics in ``/metrics``.
+"""GPU memory of every notebook on a Jupyter server: ``GET /api/nbmem/gpu`` and metrics in ``/metrics``;
+and which of its kernels died, and why (``nbmem_kernel_deaths_total{reason}``).
 
 A jupyter-server extension, enabled on install by ``etc/jupyter/jupyter_server_config.d/nbmem.json`` and
 turned off with ``jupyter server extension disable nbmem``. It reads NVML in the server process (never
@@ -10,26 +11,37 @@ and ``reason`` says why in words.
 
 One reading, at most ``MAX_AGE_S`` old, serves both the endpoint and the metrics. Only jupyter_server
 imports this module, so ``import nbmem`` stays light.
+
+A kernel that dies on its own is seen by its restarter, which calls ``DeathWatch.died`` before it starts
+the new one: the death is counted by its likely cause (from the capsule the kernel left, ``flight``, and
+the process's exit status), and the status is added to the capsule, so the story the notebook's next
+kernel tells names the signal.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from jupyter_client.provisioning import LocalProvisioner
 from jupyter_server.auth.decorator import authorized
 from jupyter_server.base.handlers import APIHandler
 from jupyter_server.extension.application import ExtensionApp
-from prometheus_client.core import REGISTRY, GaugeMetricFamily, Metric
+from prometheus_client.core import REGISTRY, CounterMetricFamily, GaugeMetricFamily, Metric
 from tornado import web
+from tornado.ioloop import PeriodicCallback
 from traitlets import Unicode
 from traitlets.utils.importstring import import_item
 
+from .deaths import REASONS, cause_of
+from .flight import flight_dir, read_capsule, write_private
+from .limits import oom_kills_of
 from .processes import known_total, lineage_of
 from .records import GpuDevice, GpuProcess
 from .sources import NvmlSource
@@ -234,6 +246,76 @@ class ServerMonitor:
         return Reading(tuple(gpus), "; ".join(known) or None, now)
 
 
+# -- kernels that died --------------------------------------------------------------------------------------
+def exit_status(kernel_manager: Any, kernel_id: str) -> int | None:
+    """How a local kernel's process ended (negative: the signal), None where it has not or is not local."""
+    try:
+        provisioner = kernel_manager.get_kernel(kernel_id).provisioner
+    except (KeyError, AttributeError):
+        return None
+    process = getattr(provisioner, "process", None) if isinstance(provisioner, LocalProvisioner) else None
+    return process.poll() if process is not None else None
+
+
+def death_reason(capsule: Mapping[str, Any] | None, status: int | None) -> str:
+    """The reason label of a death: from the dead kernel's capsule (nbmem was loaded) and its exit status."""
+    ended = {"status": status} if status is not None else {}
+    if capsule is None:
+        return cause_of({"exit": ended}, None)[0]
+    kills = oom_kills_of(str((capsule.get("limit") or {}).get("cgroup_dir") or ""))
+    return cause_of({**capsule, "exit": ended}, kills)[0]
+
+
+class DeathWatch:
+    """Counts this server's kernels that died (the restarter's "restart" and "dead" events) by reason, and
+    adds the exit status to the capsule the dead kernel left, for the story its notebook's next kernel tells."""
+
+    def __init__(self, kernel_manager: Any, directory: Path, log: Any) -> None:
+        self._kernel_manager = kernel_manager
+        self._directory = directory
+        self._log = log
+        self._watched: set[str] = set()
+        self._lock = threading.Lock()
+        self.counts: dict[str, int] = {}
+
+    def watch(self) -> None:
+        """Register for the kernels started since the last call (a periodic callback on the event loop)."""
+        ids = set(map(str, self._kernel_manager.list_kernel_ids()))
+        for kid in sorted(ids - self._watched):
+            try:
+                km = self._kernel_manager.get_kernel(kid)
+            except KeyError:  # shut down meanwhile
+                continue
+            if getattr(km, "_restarter", None) is None:
+                continue  # still starting (its restarter comes with it), or without auto-restart: nothing to see
+            for event in ("restart", "dead"):
+                km.add_restart_callback(functools.partial(self.died, kid), event)
+            self._watched.add(kid)
+        self._watched &= ids
+
+    def died(self, kernel_id: str) -> None:
+        try:
+            pid, status = kernel_pid(self._kernel_manager, kernel_id), exit_status(self._kernel_manager, kernel_id)
+            path = next(iter(sorted(self._directory.glob(f"kernel-{pid}-*.json"))), None) if pid else None
+            capsule = read_capsule(path) if path is not None else None
+            reason = death_reason(capsule, status)
+            if path is not None and capsule is not None and status is not None:
+                write_private(path.parent, path.name, json.dumps({**capsule, "exit": {"status": status}}).encode())
+        except Exception:  # never in the way of the server's own restart
+            self._log.exception("nbmem: reading how kernel %s died failed", kernel_id)
+            reason = "unknown"
+        with self._lock:
+            self.counts[reason] = self.counts.get(reason, 0) + 1
+
+    def families(self) -> list[Metric]:
+        deaths = CounterMetricFamily("nbmem_kernel_deaths", "Kernels of this server that died (their restarter "
+                                     "saw them gone) by likely cause: " + ", ".join(REASONS), labels=["reason"])
+        with self._lock:
+            for reason, n in sorted(self.counts.items()):
+                deaths.add_metric([reason], n)
+        return [deaths]
+
+
 # -- Prometheus --------------------------------------------------------------------------------------------
 def metric_families(reading: Reading | None) -> list[Metric]:
     """The three families; samples only for known numbers, and only for the kernels alive in ``reading``."""
@@ -263,21 +345,23 @@ class GpuCollector:
     the kernels alive now.
     """
 
-    def __init__(self, reading: Callable[[], Reading], log: Any) -> None:
+    def __init__(self, reading: Callable[[], Reading], log: Any, deaths: DeathWatch | None = None) -> None:
         self._reading = reading
         self._log = log
+        self._deaths = deaths
 
     def describe(self) -> list[Metric]:
         # Names without samples: registering the collector must not read NVML.
-        return metric_families(None)
+        return metric_families(None) + (self._deaths.families() if self._deaths else [])
 
     def collect(self) -> list[Metric]:
+        deaths = self._deaths.families() if self._deaths else []
         try:
             reading = self._reading()
         except Exception:  # one failure here would fail all of the server's metrics
             self._log.exception("nbmem: reading GPU memory for /metrics failed")
-            return metric_families(None)
-        return metric_families(reading)
+            return metric_families(None) + deaths
+        return metric_families(reading) + deaths
 
 
 # -- the extension -----------------------------------------------------------------------------------------
@@ -316,7 +400,9 @@ class NbmemServer(ExtensionApp):
     ).tag(config=True)
 
     monitor: ServerMonitor
+    deaths: DeathWatch
     _collector: GpuCollector | None = None
+    _watching: PeriodicCallback | None = None
 
     def initialize_settings(self) -> None:
         assert self.serverapp is not None
@@ -328,7 +414,9 @@ class NbmemServer(ExtensionApp):
         if why:
             self.log.warning("nbmem: %s; %s answers with this reason and no GPU numbers", why, ENDPOINT)
         self.settings["nbmem_monitor"] = self.monitor
-        collector = GpuCollector(self.monitor.reading, self.log)
+        # Capsules are where the server's kernels write them: the runtime dir they inherit from it.
+        self.deaths = DeathWatch(self.serverapp.kernel_manager, flight_dir(), self.log)
+        collector = GpuCollector(self.monitor.reading, self.log, self.deaths)
         try:
             REGISTRY.register(collector)
         except ValueError as e:  # another server in this process registered the families and is still up
@@ -339,7 +427,14 @@ class NbmemServer(ExtensionApp):
     def initialize_handlers(self) -> None:
         self.handlers.append((ENDPOINT, GpuHandler))
 
+    async def _start_jupyter_server_extension(self, serverapp: Any) -> None:
+        # Kernels started since the last look get the restarter's callbacks (the loop runs by now).
+        self._watching = PeriodicCallback(self.deaths.watch, 1000)
+        self._watching.start()
+
     async def stop_extension(self) -> None:
+        if self._watching is not None:
+            self._watching.stop()
         if self._collector is not None:
             REGISTRY.unregister(self._collector)
             self._collector = None

@@ -275,3 +275,24 @@ def test_a_cell_near_the_limit_says_so_in_its_report(shell, tmp_path: Path) -> N
     rep = s.last_report
     assert rep is not None and any("of the 4.00 GiB container limit (95%)" in n and "what grew: RSS" in n
                                    for n in rep.notes), rep.notes
+
+
+def test_the_exit_status_the_server_adds_names_the_signal_when_memory_does_not_explain(tmp_path: Path) -> None:
+    from nbmem.server import death_reason
+
+    clock = Clock()
+    rec = recorder(tmp_path, clock)
+    growing(rec, clock, to=GiB)  # far from the 4 GiB limit
+    c = json.loads(rec.path.read_bytes())
+    assert cause_of({**c, "exit": {"status": -9}}, 0)[0] == "killed"
+    label, text = cause_of({**c, "exit": {"status": -11}}, 0)
+    assert label == "crashed" and "SIGSEGV (signal 11)" in text
+    assert cause_of({**c, "exit": {"status": 1}}, 0) == ("exited", "its process exited with status 1 (the server "
+                                                                    "saw it end)")
+    assert death_reason(None, -6) == "crashed" and death_reason(None, None) == "unknown"
+    assert death_reason(c, -9) == "killed"
+    rec.close()
+    near = recorder(tmp_path / "n", Clock())
+    growing(near, near._clock, to=int(3.98 * GiB))  # type: ignore[arg-type]
+    assert death_reason(json.loads(near.path.read_bytes()), -9) == "limit"  # memory explains it first
+    near.close()

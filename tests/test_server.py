@@ -281,3 +281,36 @@ def test_the_gpu_check_says_so_and_passes_where_there_is_no_nvml() -> None:
     assert run.returncode == 0, run.stderr
     out = json.loads(run.stdout)
     assert out["ok"] is True and out["skipped"].startswith("NVML is not available")
+
+
+@pytest.mark.slow
+def test_a_kernel_that_dies_is_counted_by_reason_and_its_capsule_gets_the_signal(tmp_path: Path) -> None:
+    """A real kernel with nbmem loaded is killed: the server's restarter sees it, /metrics counts it, and the
+    restarted kernel's story has the signal the server added to the capsule."""
+    import signal
+
+    with JupyterServer(tmp_path, {}, {}) as server:
+        _, kernel = server.open_notebook("dies.ipynb")
+        pid = int(server.execute(kernel, "%load_ext nbmem\nimport os; print(os.getpid())").strip().splitlines()[-1])
+        flight = server.runtime / "nbmem-flight"
+        deadline = time.monotonic() + 20
+        while not list(flight.glob(f"kernel-{pid}-*.json")) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert list(flight.glob(f"kernel-{pid}-*.json")), "the kernel wrote no capsule"
+        assert not [m for m in server.metrics() if m.startswith("nbmem_kernel_deaths_total")]
+        time.sleep(1.5)  # the extension registers with a kernel's restarter within a second of its start
+        os.kill(pid, signal.SIGKILL)
+        counted: list[str] = []
+        while not counted and time.monotonic() < deadline + 20:
+            counted = [m for m in server.metrics() if m.startswith("nbmem_kernel_deaths_total")]
+            time.sleep(0.2)
+        assert counted == ['nbmem_kernel_deaths_total{reason="killed"} 1.0'], server.log()[-3000:]
+        # The restarter started a new kernel for the same notebook: its %load_ext tells the story, signal and all.
+        told = ""
+        while "previous kernel" not in told and time.monotonic() < deadline + 40:
+            try:
+                told = server.execute(kernel, "%load_ext nbmem\nimport nbmem; print(nbmem.last_death())")
+            except Exception:  # the new kernel may still be starting
+                time.sleep(0.5)
+        assert f"the previous kernel of {tmp_path / 'dies.ipynb'} died after " in told, told
+        assert "Likely cause: it was killed with SIGKILL (signal 9)" in told, told
