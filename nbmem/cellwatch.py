@@ -158,7 +158,8 @@ class CellWatch:
         report = CellReport(o.cell, records[0].duration_s, tuple(records), found.owners, unnamed.gaps, err,
                             tips, lines=line_records, notes=tuple(notes), held_bytes=found.total_bytes,
                             pools=unnamed.pools, compiled=unnamed.compiled, children=children,
-                            children_use=children_use, explain_unattributed=not self.unattributed_explained)
+                            children_use=children_use, explain_unattributed=not self.unattributed_explained,
+                            unattributed_before=unnamed.before)
         self.unattributed_explained |= report.says_unattributed
         return report, changed, broken
 

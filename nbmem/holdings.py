@@ -25,6 +25,9 @@ from .sources import Probe, heap_bytes
 
 #: Most cells whose findings are kept for ``nbmem.leaks(cell=N)``.
 CELLS_KEPT = 10_000
+#: The walk after a cell nobody measured: what changed since the last scan, this long at most (a truncated
+#: walk says so in the gauge, whose "rescan" walks everything).
+REFRESH_BUDGET_S = 0.05
 
 Mark = tuple[Any, ...]
 
@@ -58,6 +61,7 @@ class Holdings:
         self._finding_cache: dict[int, Any] = {}
         self._current = owners.Rows((), ())
         self._current_of: Scan | None = None  # the scan _current was computed from
+        self.scanned_at: float | None = None  # epoch seconds of the latest scan (the gauge says how old it is)
 
     @property
     def settings(self) -> Settings:
@@ -67,6 +71,7 @@ class Holdings:
         self._by_cell.clear()
         self._cells.clear()
         self.last_scan = self.closed_scan = None
+        self.scanned_at = None
 
     # -- scanning --------------------------------------------------------------------------------------
     def rescan(self, *, cell: int, walk: str, mentioned: frozenset[str] = frozenset(), budget_s: float | None = None,
@@ -76,6 +81,7 @@ class Holdings:
         self.last_scan = self.scanner.update(list(self.adapter.roots()), cell=cell, walk=walk, mentioned=mentioned,
                                              budget_s=budget_s, validate=validate)
         self._scan_mark = mark
+        self.scanned_at = time.time()
         return self.last_scan
 
     def scan_all(self) -> Scan:
@@ -83,6 +89,16 @@ class Holdings:
         self.rescan(cell=0, walk="all")
         self._current_of = None
         return self.last_scan  # type: ignore[return-value]
+
+    def refresh(self, budget_s: float) -> Scan | None:
+        """After a cell nobody measured: walk what changed since the last scan, within ``budget_s``, so what is
+        held now stays true without ``%cudamem on``. None when nothing could have changed (no walk at all)."""
+        mark = self.mark()
+        if not self._changed_since_scan(mark):
+            return None
+        self.rescan(cell=0, walk="changed", budget_s=budget_s, mark=mark)
+        self._current_of = None
+        return self.last_scan
 
     def mark(self, allocator: Any = None) -> Mark:
         readings = self.probe.allocator() if allocator is None else allocator
@@ -199,6 +215,7 @@ class Holdings:
         """Allocated bytes no name reaches (cuBLAS workspaces, C++-held buffers), when this cell made them grow;
         and where a device's private pools (CUDA graphs of a compiled model) hold memory that grew, those."""
         out = []
+        earlier = []
         grew = set()
         t = self.settings.threshold_bytes
         tensors = self.tensor_bytes(cur)
@@ -208,6 +225,7 @@ class Holdings:
             gap = r.allocated_after_bytes - tensors.get(r.device, 0)
             if gap - self._gaps.get(r.device, 0) >= t:
                 out.append((r.device, gap))
+                earlier.append((r.device, max(self._gaps.get(r.device, 0), 0)))
                 grew.add(r.device)
             elif (r.delta_reserved_bytes or 0) >= t:
                 grew.add(r.device)  # a graph's intermediates freed back to its pool stay reserved there
@@ -219,7 +237,8 @@ class Holdings:
         compiled = pools.compiled_modules(cur.root_types)
         named = pools.named_addresses((h.device, h.addr) for h in cur.storages.values())
         found = pools.private_pools(segments, named, compiled)
-        return pools.Unnamed(tuple(out), tuple(found[d] for d in sorted(grew) if d in found), compiled)
+        return pools.Unnamed(tuple(out), tuple(found[d] for d in sorted(grew) if d in found), compiled,
+                             tuple(earlier))
 
     def _remember(self, cell: int, found: owners.Rows) -> None:
         self._by_cell[cell] = found

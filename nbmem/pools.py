@@ -35,6 +35,7 @@ class Unnamed:
     gaps: tuple[tuple[str, int], ...]
     pools: tuple[PoolUse, ...]
     compiled: tuple[str, ...]
+    before: tuple[tuple[str, int], ...] = ()  # each gap as the cell found it: what earlier cells left unnamed
 
 
 def pool_of(segment: Mapping[str, Any]) -> tuple[int, int]:

@@ -231,20 +231,25 @@ def _unattributed_rest(unattributed: Sequence[tuple[str, int]], pools: Sequence[
     for dev, b in unattributed:
         pool = by_device.get(dev)
         rest = b - (pool.unnamed_bytes if pool else 0)
-        if pool is not None and rest < 2**20:
+        if rest <= 0 or (pool is not None and rest < 2**20):
             continue  # the pools explain it (a remainder under a MiB is older workspaces, told before)
         out.append((dev, rest, pool is not None))
     return out
 
 
 def unnamed_texts(unattributed: Sequence[tuple[str, int]], pools: Sequence[PoolUse],
-                  compiled: Sequence[str], *, explain: bool = True) -> list[str]:
+                  compiled: Sequence[str], *, explain: bool = True,
+                  before: Sequence[tuple[str, int]] = ()) -> list[str]:
     """The report's lines on memory no name reaches: the CUDA-graph pools first, then the rest as unattributed,
-    explained in full when ``explain`` (once a session), else in a short line that points to the status."""
+    explained in full when ``explain`` (once a session), else in a short line that points to the status.
+    ``before``: what earlier cells had left unnamed per device, so a line says what this cell added."""
     out = [pool_text(p) for p in pools]
+    earlier = dict(before)
     for dev, rest, pooled in _unattributed_rest(unattributed, pools):
-        line = (f"unattributed on {dev}: {fmt_bytes(rest)}{' more' if pooled else ''} "
-                f"({UNATTRIBUTED if explain else UNATTRIBUTED_SHORT})")
+        old = earlier.get(dev, 0)
+        amount = (f"{fmt_bytes(rest)}{' more' if pooled else ''}" if pooled or old <= 0 or old >= rest
+                  else f"{fmt_bytes(rest - old)} more in this cell ({fmt_bytes(rest)} in all)")
+        line = f"unattributed on {dev}: {amount} ({UNATTRIBUTED if explain else UNATTRIBUTED_SHORT})"
         if compiled and not pooled:
             line += (f"; torch.compile is in use ({', '.join(f'`{n}`' for n in compiled)}): its caches may hold some "
                      f"of it, and `%cudamem clean --compiled` drops them")
@@ -286,6 +291,7 @@ class CellReport(Shown):
     children: tuple[ChildProcess, ...] = ()  # child processes this cell left running with memory on a GPU
     children_use: tuple[ChildrenUse, ...] = ()  # what this notebook's child processes held per GPU in the cell
     explain_unattributed: bool = True  # the long explanation of unattributed memory (once a session)
+    unattributed_before: tuple[tuple[str, int], ...] = ()  # what earlier cells had left unnamed, per device
 
     @property
     def holders(self) -> HolderTable:
@@ -323,7 +329,8 @@ class CellReport(Shown):
         return bool(_unattributed_rest(self.unattributed, self.pools))
 
     def _unnamed(self) -> list[str]:
-        return [*unnamed_texts(self.unattributed, self.pools, self.compiled, explain=self.explain_unattributed),
+        return [*unnamed_texts(self.unattributed, self.pools, self.compiled, explain=self.explain_unattributed,
+                               before=self.unattributed_before),
                 *child_texts(self.children_use, self.children)]
 
     def __str__(self) -> str:

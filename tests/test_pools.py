@@ -216,3 +216,12 @@ def test_the_long_unattributed_text_is_said_once_then_the_status_has_it(ip: Any,
     assert "unattributed on cuda:0: " in str(second)
     assert UNATTRIBUTED not in str(second) and UNATTRIBUTED_SHORT in str(second)
     assert UNATTRIBUTED in str(nbmem.status()), "the status keeps the explanation the short line points to"
+
+
+def test_an_unattributed_line_says_what_this_cell_added_beside_what_earlier_cells_left() -> None:
+    rep = CellReport(9, 0.1, (), unattributed=(("cuda:0", 65 * MiB),), unattributed_before=(("cuda:0", 32 * MiB),),
+                     explain_unattributed=False)
+    assert f"unattributed on cuda:0: 33.0 MiB more in this cell (65.0 MiB in all) ({UNATTRIBUTED_SHORT})" in str(rep)
+    first = CellReport(9, 0.1, (), unattributed=(("cuda:0", 32 * MiB),), unattributed_before=(("cuda:0", 0),))
+    assert "unattributed on cuda:0: 32.0 MiB (" in str(first)
+    assert "unattributed" not in str(CellReport(9, 0.1, (), unattributed=(("cuda:0", 0),))), "never a 0 B line"
