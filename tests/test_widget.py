@@ -209,7 +209,7 @@ def test_gpu_layout_from_fake_samples(gpu_session: Session) -> None:
         gpu = columns(g, "cuda:0")
         assert gpu == {"device": "cuda:0", "model": "Fake H100", "allocated": 8 * GiB, "reserved": 10 * GiB,
                        "process": 11 * GiB, "others": 19 * GiB, "used": 30 * GiB, "total": 80 * GiB,
-                       "tensors": None, "peak": 9 * GiB, "children": 0}
+                       "tensors": None, "peak": 9 * GiB, "children": 0, "limit": None, "near_limit": None}
         assert g.children == {"cuda:0": []}
         assert [p["pid"] for p in g.processes["cuda:0"]] == [4242], "this process is not 'another process'"
         assert g.processes["cuda:0"][0]["bytes"] == 19 * GiB
@@ -497,7 +497,7 @@ def test_sidebar_then_inline_then_unload(ip: Any, kernel_like: list[Any]) -> Non
     second = m.gauge
     assert second is not first and second.sidecar is None and kernel_like == [second]
     assert first.comm is None and sidecar.comm is None, "the previous gauge and its panel are closed"
-    assert m.session.subscribers == 1, "only the second gauge listens"
+    assert m.session.subscribers == 2, "only the second gauge listens (beside the flight recorder)"
     ip.run_line_magic("unload_ext", "nbmem")
     assert second.comm is None
     assert not [t for t in threading.enumerate() if t.name == widget.THREAD_NAME]
@@ -556,7 +556,7 @@ def test_in_a_terminal_auto_shows_nothing_and_asking_explains(ip: Any) -> None:
     session = _magics(ip).session
     assert not widget.in_kernel(ip)
     assert show_gauge(session, "auto", shell=ip) is None
-    assert session.subscribers == 0
+    assert session.subscribers == 1  # the flight recorder alone
     with pytest.raises(RuntimeError, match="needs a Jupyter front end"):
         show_gauge(session, "inline", shell=ip, explicit=True)
     with pytest.raises(UsageError, match="needs a Jupyter front end"):
@@ -567,7 +567,7 @@ def test_show_gauge_closes_the_previous_one(ip: Any) -> None:
     session = _magics(ip).session
     old = Gauge(session, start=False)
     assert show_gauge(session, "auto", previous=old, shell=ip) is None
-    assert old.comm is None and session.subscribers == 0
+    assert old.comm is None and session.subscribers == 1  # the flight recorder alone
     with pytest.raises(ValueError, match="where must be"):
         show_gauge(session, "floating", shell=ip)
 
