@@ -564,3 +564,49 @@ def test_state_made_during_the_fit_is_dropped_and_a_copy_host_memory_cannot_hold
     with pytest.raises(fitting.FitRefused, match="does not fit into host memory") as e:
         fitting.snapshot_state([model], [opt], available_bytes=10)
     assert "\n" not in str(e.value)
+
+
+def test_a_run_whose_error_was_lost_under_stacks_runs_again_without_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPython's "returned NULL without setting an exception": the run again, and the rest, without stacks."""
+    from nbmem.fitting import runner
+
+    calls: list[tuple[int, bool]] = []
+
+    def one_run(run: Any, value: int, counted: bool, src: Any, dev: int, stacks: bool, max_entries: int) -> Any:
+        calls.append((value, stacks))
+        if stacks:
+            raise SystemError("<built-in method run_backward of torch._C._EngineBase object> returned NULL without "
+                              "setting an exception")
+        return RunTrace(value, [], counted, 0, 0), ""
+
+    monkeypatch.setattr(runner, "_one_run", one_run)
+    monkeypatch.setattr(runner, "_free_cached", lambda src, dev: None)
+    notes: list[str] = []
+    body = runner._Body(lambda v: None, None, 0, True, 10, None, "batch", notes)  # type: ignore[arg-type]
+    assert body.once(8, True)[0].value == 8 and body.once(16, True)[0].value == 16
+    assert calls == [(8, True), (8, False), (16, False)] and body.ran == 3
+    assert len(notes) == 1 and "batch=8 lost its error under the trace's Python stacks" in notes[0]
+
+
+def test_a_failed_runs_frames_let_go_of_what_they_held() -> None:
+    import gc
+    import weakref
+
+    from nbmem.fitting import runner
+
+    class Big:
+        pass
+
+    def body() -> None:
+        held = Big()
+        probe.append(weakref.ref(held))
+        raise ValueError("the user's error")
+
+    probe: list[Any] = []
+    try:
+        body()
+    except ValueError as e:
+        runner._let_go_of_frames(e)
+        gc.collect()
+        assert probe[0]() is None, "the failed body's locals are gone while its error is still held"
+        assert str(e) == "the user's error"

@@ -20,9 +20,10 @@ from __future__ import annotations
 import gc
 import sys
 import time
+import traceback
 import types
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..formatting import fmt_bytes
@@ -123,8 +124,9 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
     runs: list[RunTrace] = []
     skipped: list[int] = []
     notes: list[str] = []
-    durations: dict[int, float] = {}
-    steps = 0
+    body = _Body(run, src, dev, stacks, max_entries, clean, name, notes)
+    failed: BaseException | None = None
+    before: int | None = None
     try:
         _free_cached(src, dev)
         before, reserved = _allocated_reserved(src, dev)
@@ -141,10 +143,7 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
                 skipped += [w for w, c in schedule[k:] if c]
                 notes.append(f"{name}={v:,} was not run: the runs before it predict it does not fit")
                 break
-            try:
-                trace, oom = _timed_run(run, v, counted, src, dev, stacks, max_entries, clean, durations)
-            finally:
-                steps += 1
+            trace, oom = body.once(v, counted)
             runs.append(trace)
             if len(trace.entries) >= max_entries:
                 notes.append(f"the run at {name}={v:,} filled the trace ({max_entries:,} events): what it recorded "
@@ -153,16 +152,20 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
                 notes.append(f"what the run at {name}={v:,} allocated before it ran out of memory was freed ({oom})")
                 break
         else:
-            steps += _refine(run, runs, durations, room, segments, name, cell_files, notes, src, dev, stacks,
-                             max_entries, clean)
-    except BaseException:
+            _refine(body, runs, room, segments, cell_files)
+    except BaseException as e:
         runs.clear()  # the error's frames keep this one: let go of the traces (and the copy, below) now
+        failed = e
         raise
     finally:
+        steps = body.ran
         restored = restore_state(saved) if saved is not None else None
         lines = (tuple(saved.restored), tuple(saved.not_restored)) if saved is not None else ((), ())
         saved = None
         _free_cached(src, dev)
+        if failed is not None:
+            _say_what_was_put_back(failed, src, dev, before, lines, steps)
+            failed = None
     after = _allocated_reserved(src, dev)[0]
     # cuBLAS keeps a workspace per handle and stream from its first matrix product on: where the fit's runs
     # made it, it goes again (the user's next product makes it anew).
@@ -264,13 +267,12 @@ REFINE_RUNS = 3
 REFINE_SECONDS = 30.0
 
 
-def _refine(run: Callable[[int], object], runs: list[RunTrace], durations: dict[int, float], room: Room,
-            segments: Any, name: str, cell_files: frozenset[str], notes: list[str], src: TorchSource, dev: int,
-            stacks: bool, max_entries: int, clean: Callable[[], object] | None) -> int:
+def _refine(body: _Body, runs: list[RunTrace], room: Room, segments: Any, cell_files: frozenset[str]) -> None:
     """More counted runs far from the small values while the prediction lies far beyond them: kernels change
     their buffers with size (chunked products, buffers sized by the data), and a point near the answer shows
     it. Each run is halfway from the largest value run to the prediction, so it is predicted to fit with room
-    to spare; an out-of-memory there is caught, and the prediction stays below it. Returns the runs it ran."""
+    to spare; an out-of-memory there is caught, and the prediction stays below it."""
+    name, notes, durations = body.name, body.notes, body.durations
     made = executed = 0
     first: int | None = None
     while executed < REFINE_RUNS:
@@ -286,7 +288,7 @@ def _refine(run: Callable[[int], object], runs: list[RunTrace], durations: dict[
             value = int(top * REFINE_SECONDS / max(took, 1e-6))
         if value <= top:
             break
-        trace, oom = _timed_run(run, value, True, src, dev, stacks, max_entries, clean, durations)
+        trace, oom = body.once(value, True)
         runs.append(trace)
         made += 1
         executed += 1
@@ -305,21 +307,86 @@ def _refine(run: Callable[[int], object], runs: list[RunTrace], durations: dict[
         checked = ", ".join(f"{r.value:,}" for r in runs[-made:])
         notes.append(f"the small runs predicted {first:,}: {made} more run{'s' if made > 1 else ''} ({name}={checked}) "
                      "checked the growth nearer the answer")
-    return executed
 
 
-def _timed_run(run: Callable[[int], object], value: int, counted: bool, src: TorchSource, dev: int, stacks: bool,
-               max_entries: int, clean: Callable[[], object] | None, durations: dict[int, float]
-               ) -> tuple[RunTrace, str]:
-    """One run, timed; afterwards, whatever happened, the namespace put back and the cache given back."""
-    started = time.perf_counter()
+def _say_what_was_put_back(e: BaseException, src: TorchSource, dev: int, before: int | None,
+                           lines: tuple[tuple[str, ...], tuple[str, ...]], steps: int) -> None:
+    """A failed fit's error, told what the fit put back and whether memory is where it was before the fit."""
+    if not isinstance(e, Exception) or not hasattr(e, "add_note"):
+        return
     try:
-        return _one_run(run, value, counted, src, dev, stacks, max_entries)
-    finally:
-        durations[value] = time.perf_counter() - started
-        if clean is not None:
-            clean()
-        _free_cached(src, dev)
+        after = _allocated_reserved(src, dev)[0]
+    except Exception:
+        after = None
+    memory = ("" if before is None or after is None else
+              "; memory allocated is back where it was" if after == before else
+              f"; {fmt_bytes(after - before, signed=True)} stays allocated that was not before the fit")
+    restored = "training state put back" if lines[0] else "nothing restored"
+    kept = f"; not restored: {'; '.join(lines[1])}" if lines[1] else ""
+    e.add_note(f"nbmem fit: stopped after {steps} run{'s' if steps != 1 else ''} of the body; {restored}{kept}"
+               f"{memory}")
+
+
+@dataclass
+class _Body:
+    """The body as a fit runs it, and the instruments it runs under (which can fall back during the fit)."""
+
+    run: Callable[[int], object]
+    src: TorchSource
+    dev: int
+    stacks: bool
+    max_entries: int
+    clean: Callable[[], object] | None
+    name: str
+    notes: list[str]
+    durations: dict[int, float] = field(default_factory=dict)
+    ran: int = 0  # times the body was started
+
+    def once(self, value: int, counted: bool) -> tuple[RunTrace, str]:
+        """One run, timed; afterwards, whatever happened, the namespace put back and the cache given back.
+
+        A run whose error was lost on the way (CPython's ``SystemError``: a function "returned NULL without
+        setting an exception") while Python stacks were recorded runs again without them, and so does the rest
+        of the fit: the stacks are taken in whichever thread allocates, the autograd engine's too, while an
+        error from a hook there (checkpointing's recomputation) is still on its way to the caller.
+        """
+        try:
+            return self._timed(value, counted)
+        except SystemError as e:
+            if not self.stacks:
+                raise
+            why = (str(e).splitlines() or [""])[0][:160]
+            _let_go_of_frames(e)
+            del e
+        self.stacks = False
+        self.notes.append(f"the run at {self.name}={value:,} lost its error under the trace's Python stacks ({why}): "
+                          "the fit went on without stacks, so it cannot name the lines that grow")
+        return self._timed(value, counted)
+
+    def _timed(self, value: int, counted: bool) -> tuple[RunTrace, str]:
+        started = time.perf_counter()
+        self.ran += 1
+        try:
+            return _one_run(self.run, value, counted, self.src, self.dev, self.stacks, self.max_entries)
+        finally:
+            self.durations[value] = time.perf_counter() - started
+            if self.clean is not None:
+                self.clean()
+            _free_cached(self.src, self.dev)
+
+
+def _let_go_of_frames(e: BaseException) -> None:
+    """Clear the locals of the finished frames an error keeps (and of the errors it chains), so the tensors a
+    failed run made are freed now: the error still says what and where, a debugger sees no locals."""
+    seen: set[int] = set()
+    stack: list[BaseException | None] = [e]
+    while stack:
+        x = stack.pop()
+        if x is None or id(x) in seen or len(seen) > 32:
+            continue
+        seen.add(id(x))
+        traceback.clear_frames(x.__traceback__)
+        stack += [x.__cause__, x.__context__]
 
 
 def _one_run(run: Callable[[int], object], value: int, counted: bool, src: TorchSource, dev: int,
@@ -336,6 +403,7 @@ def _one_run(run: Callable[[int], object], value: int, counted: bool, src: Torch
         run(value)
     except BaseException as e:
         if not is_out_of_memory(e):
+            _let_go_of_frames(e)
             raise
         # The error's frames hold the run's tensors; only its first line is kept.
         oom = (str(e).strip().splitlines() or ["out of memory"])[0][:200]
