@@ -236,6 +236,11 @@ def applied(lim: MemoryLimit, host_total_bytes: int | None, host_used_bytes: int
     return lim.limit_bytes, lim.usage_bytes if lim.usage_bytes is not None else host_used_bytes
 
 
+def memory_name(lim: MemoryLimit | None) -> str:
+    """What the CPU row's total is, in the gauge's words: the host's RAM or the container's limit."""
+    return "container memory limit" if lim is not None and lim.applies else "host RAM"
+
+
 def near_limit(lim: MemoryLimit | None, rss_bytes: int | None = None) -> bool | None:
     """Whether memory is at or above ``WARN_SHARE`` of a limit that applies (None: no limit to be near)."""
     if lim is None or not lim.applies or not lim.limit_bytes:

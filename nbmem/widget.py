@@ -29,7 +29,7 @@ except ImportError as e:  # the magics turn this into "the gauge cannot be shown
 import traitlets
 
 from .cleanup_request import CleanupRefused, CleanupRequest
-from .limits import near_limit
+from .limits import memory_name, near_limit
 from .records import CellRecord, Finding, HolderKind, Holders, Sample, Tick
 from .reports import CellReport, CleanupReport
 
@@ -84,7 +84,7 @@ def snapshot_columns(batch: Sequence[Sample], *, models: Mapping[str, str], peak
     for s in batch:
         cpu = s.device == "cpu"
         cols["device"].append(s.device)
-        cols["model"].append("host RAM" if cpu else models.get(s.device, ""))
+        cols["model"].append(memory_name(s.memory_limit) if cpu else models.get(s.device, ""))
         cols["allocated"].append(s.allocated_bytes)
         cols["reserved"].append(s.reserved_bytes)
         cols["process"].append(s.rss_bytes if cpu else s.process_used_bytes)

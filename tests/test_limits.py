@@ -224,6 +224,7 @@ def test_status_and_the_gauge_show_the_limit(shell, tmp_path: Path) -> None:
     cols = snapshot_columns(s.store.latest_tick(), models={}, peaks={}, cpu_tensors_bytes=None)
     assert cols["device"][0] == "cpu" and cols["total"][0] == 4 * GiB and cols["used"][0] == int(3.9 * GiB)
     assert cols["limit"][0] == "cgroup v1 memory.limit_in_bytes" and cols["near_limit"][0] is True
+    assert cols["model"][0] == "container memory limit"
 
 
 def test_the_gauge_has_no_limit_where_none_applies(shell) -> None:
@@ -237,4 +238,5 @@ def test_the_gauge_has_no_limit_where_none_applies(shell) -> None:
     assert "memory limit unknown: no /proc/self/cgroup" in str(s.status())
     cols = snapshot_columns(s.store.latest_tick(), models={}, peaks={}, cpu_tensors_bytes=None)
     assert cols["limit"][0] is None and cols["near_limit"][0] is None
+    assert cols["model"][0] == "host RAM"
     assert cols["total"][0] == psutil.virtual_memory().total
