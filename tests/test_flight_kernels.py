@@ -140,7 +140,8 @@ def test_a_clean_shutdown_leaves_no_capsule_and_no_message(kernels: Any, tmp_pat
     k = kernels(str(tmp_path / "clean.ipynb"))
     k.run("%load_ext nbmem")
     k.run("x = b'x' * 50_000_000")
-    k.wait_capsule(lambda c: True)
+    k.kc.execute("import time\ntime.sleep(30)")  # restarted while busy, as a runaway cell is
+    k.wait_capsule(lambda c: bool(c["cell"]) and c["cell"]["first_line"] == "import time")
     k.restart(now=False)  # what Jupyter's "Restart kernel" does: a shutdown request, then a new kernel
     assert k.capsules() == []
     out = k.run("%load_ext nbmem")
