@@ -230,10 +230,10 @@ def oom_kills_of(cgroup_dir: str) -> int | None:
 def applied(lim: MemoryLimit, host_total_bytes: int | None, host_used_bytes: int | None) -> tuple[int | None,
                                                                                                    int | None]:
     """(total, used) of the memory this process may use: the host's, or the limit's where it is lower (used
-    is then what the cgroup charges; the host's figure where the cgroup's is unknown)."""
+    is then what the cgroup charges, unknown without one: the host's figure counts other containers)."""
     if not lim.applies:
         return host_total_bytes, host_used_bytes
-    return lim.limit_bytes, lim.usage_bytes if lim.usage_bytes is not None else host_used_bytes
+    return lim.limit_bytes, lim.usage_bytes
 
 
 def memory_name(lim: MemoryLimit | None) -> str:

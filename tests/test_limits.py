@@ -145,6 +145,7 @@ def test_no_proc_is_unknown_and_mem_limit_still_counts(tmp_path: Path) -> None:
     assert lim.limit_bytes is None and "no /proc/self/cgroup" in lim.reason
     hub = Cgroup(tmp_path, environ={"MEM_LIMIT": str(GiB)}).read(HOST)
     assert (hub.limit_bytes, hub.source, hub.usage_bytes, hub.reason) == (GiB, "JupyterHub's MEM_LIMIT", None, "")
+    assert applied(hub, HOST, 10 * GiB) == (GiB, None)  # the host's 10 GiB in use are not this container's
 
 
 def test_mem_limit_below_the_cgroup_wins_and_keeps_the_cgroup_usage(tmp_path: Path) -> None:
