@@ -1,26 +1,17 @@
 // The nbmem gauge's view (anywidget). Python writes every data trait; this module only draws them
-// and sends one kind of message back: a cleanup request, which Python checks against the findings it
-// currently lists. Everything from the kernel that a user named (variables, dict keys, paths) goes
+// and sends typed messages back: a cleanup request, which Python checks against the findings it
+// currently lists, and "rescan" for the holder list (panel.js sends the third, "placed"). Everything from the kernel that a user named (variables, dict keys, paths) goes
 // into the DOM through textContent or attributes, never as HTML.
 //
 // anywidget loads a single ES module, so relative imports would not resolve: nbmem/widget.py serves
-// format.js + layout.js + this file concatenated, with the `import … from "./…"` lines dropped.
+// format.js + layout.js + panel.js + this file concatenated, with the `import … from "./…"` lines dropped.
 
 import { fmtBytes, fmtSeconds, isNA } from "./format.js";
 import {
-  CONFIRM_MS, agoLabel, asksForSidebar, cellSpans, codeParts, holderList, peakPercent, press, rows, scaleOf, segments,
+  CONFIRM_MS, agoLabel, cellSpans, codeParts, holderList, peakPercent, press, rows, scaleOf, scannedLabel, segments,
   seriesMax, sparkMax, sparkPath, sparkStart, viewKind, widths,
 } from "./layout.js";
-
-/** The front end's name, as the page's Jupyter config says ("JupyterLab", "Jupyter Notebook"), or "". */
-function appName() {
-  try {
-    const node = document.getElementById("jupyter-config-data");
-    return node ? String(JSON.parse(node.textContent || "{}").appName || "") : "";
-  } catch {
-    return "";
-  }
-}
+import { dismissPanel, hasPanel, initialize, watchPanel } from "./panel.js";
 
 /**
  * The part of the anywidget model this view uses.
@@ -55,6 +46,9 @@ const CSS = `
 .nbmem-gauge .nbmem-device { margin-bottom: 10px; }
 .nbmem-gauge .nbmem-head { display: flex; flex-wrap: wrap; justify-content: space-between; align-items: baseline;
   column-gap: 8px; font-weight: 600; }
+.nbmem-gauge .nbmem-holders-head { display: flex; flex-wrap: wrap; align-items: baseline; column-gap: 6px; }
+.nbmem-gauge .nbmem-holders-head span { white-space: nowrap; }
+.nbmem-gauge .nbmem-holders-head button { margin-left: auto; }
 .nbmem-gauge .nbmem-head b { color: var(--jp-ui-font-color1, #212121); }
 .nbmem-gauge .nbmem-bar { position: relative; display: flex; height: 14px; margin: 4px 0;
   border: 1px solid var(--jp-border-color1, #bdbdbd); background: var(--jp-layout-color2, #eee); }
@@ -314,17 +308,24 @@ function pointer(el) {
 }
 
 const view = {
+  initialize,
+
   /**
-   * Draws the gauge, or a pointer to it; redrawn when the kernel moves it (its `placement` changes).
+   * Draws the gauge, or a pointer to it; redrawn when it moves (its `placement` changes, or this page's
+   * sidebar panel for it comes or goes).
    * @param {{model: Model, el: HTMLElement}} ctx
    * @returns {() => void} cleanup, run when the view goes away
    */
   render({ model, el }) {
+    const id = String(model.get("gauge_id") || "");
     const inSidebar = () => el.closest("#jp-right-stack") !== null;
+    let wasInSidebar = false;
     let shown = "";
     let undraw = () => {};
     const draw = () => {
-      const kind = viewKind(model.get("placement"), inSidebar());
+      const side = inSidebar();
+      wasInSidebar ||= side;
+      const kind = viewKind(model.get("placement"), side, hasPanel(id));
       if (kind === shown) return;
       undraw();
       shown = kind;
@@ -332,6 +333,7 @@ const view = {
     };
     draw();
     model.on("change:placement", draw);
+    const unwatch = watchPanel(id, draw);
     // A view is made before the page attaches it (sidecar's panel does so later): where it sits is known
     // once it is in the document, so look again until then.
     /** @type {ReturnType<typeof setTimeout> | undefined} */
@@ -342,12 +344,14 @@ const view = {
       if (!el.isConnected && ++tries < 200) settle = setTimeout(look, 50);
     };
     if (!el.isConnected) settle = setTimeout(look, 0);
-    // Only this page knows it is JupyterLab: it asks the kernel for the sidebar, the one other message it sends.
-    if (asksForSidebar(model.get("placement"), appName(), inSidebar())) model.send({ type: "place", where: "sidebar" });
     return () => {
       clearTimeout(settle);
       model.off("change:placement", draw);
+      unwatch();
       undraw();
+      // The view in this page's panel goes while the gauge lives: its tab was closed (when the gauge itself
+      // closed, its panel is gone already and this does nothing).
+      if (wasInSidebar) dismissPanel(id);
     };
   },
 
@@ -421,12 +425,19 @@ const view = {
         const req = `${viewId}-${++seq}`;
         pending.set(req, confirmLabel.replace(/\?$/, ""));
         /** @type {Record<string, string>} */
-        const msg = { type: "cleanup", req, action };
+        const msg = action === "rescan" ? { type: "rescan", req } : { type: "cleanup", req, action };
         if (opts.id) msg.id = opts.id;
         model.send(msg);
         drawStatus();
       };
       return b;
+    }
+
+    // How old the holder list is, on the kernel's clock; it ages with every sample.
+    const scanned = h("span", "nbmem-sub");
+    scanned.dataset.role = "scanned";
+    function drawScanned() {
+      scanned.textContent = scannedLabel(model.get("holders_at"), Number((model.get("snapshot") || {}).t));
     }
 
     function drawNote() {
@@ -498,7 +509,11 @@ const view = {
         else expanded.delete(id);
       }
       const list = holderList(model.get("holders"), model.get("holders_note"));
-      holders.replaceChildren(h("h3", "", "Top holders (last leak scan)"));
+      const head = h("h3", "nbmem-holders-head");
+      head.append(h("span", "", "Top holders"));
+      head.append(scanned, button("rescan", "rescan", "rescan", { destructive: false }));
+      drawScanned();
+      holders.replaceChildren(head);
       if (list.empty) {
         const empty = h("div", "nbmem-empty");
         empty.dataset.role = "holders-note";
@@ -583,7 +598,10 @@ const view = {
         status.textContent = `pending… ${[...pending.values()].join(", ")} (runs when the kernel is idle)`;
         status.dataset.state = "pending";
       } else if (a.req) {
-        if (a.ok) {
+        if (a.ok && a.text) {
+          status.textContent = `${a.label}: ${a.text}`;
+          status.dataset.state = "done";
+        } else if (a.ok) {
           const back = !isNA(a.freed_reserved) && a.freed_reserved !== 0
             ? `; ${fmtBytes(a.freed_reserved)} of cache returned to the driver` : "";
           const still = a.still ? ` (${a.still})` : "";
@@ -618,6 +636,8 @@ const view = {
       ["change:last_cell", later(drawLastCell)],
       ["change:holders", later(drawButtons)],
       ["change:holders_note", later(drawButtons)],
+      ["change:holders_at", later(drawScanned)],
+      ["change:snapshot", later(drawScanned)],
       ["change:action", later(drawStatus)],
     ];
     for (const [ev, fn] of handlers) model.on(ev, fn);

@@ -249,27 +249,66 @@ export function press(armed, key, now) {
 
 /**
  * What one view of the gauge shows: the gauge, or one line saying it is in the sidebar (a view under the
- * cell once the gauge has moved into JupyterLab's right sidebar).
+ * cell while the gauge is shown in JupyterLab's right sidebar, by the kernel's sidecar or by this page).
  * @param {string} placement the model's placement: "auto", "sidebar" or "inline"
  * @param {boolean} inSidebar whether this view sits in JupyterLab's right sidebar
+ * @param {boolean} pagePanel whether this page shows the gauge in a sidebar panel of its own
  * @returns {"gauge" | "pointer"}
  */
-export function viewKind(placement, inSidebar) {
-  return placement === "sidebar" && !inSidebar ? "pointer" : "gauge";
+export function viewKind(placement, inSidebar, pagePanel) {
+  return !inSidebar && (placement === "sidebar" || pagePanel) ? "pointer" : "gauge";
 }
 
 /**
- * Whether this view asks the kernel to move the gauge into the right sidebar. With automatic placement the
- * kernel shows the gauge under the cell, because only the page knows its front end: JupyterLab has the
- * sidebar (the sidecar package draws into it); Notebook 7, VS Code and Colab have none it can use, and
- * there the gauge stays under the cell with nothing to ask and nothing to fail in the console.
+ * Whether this page shows the gauge in a right-sidebar panel of its own. With automatic placement the kernel
+ * shows it under the cell, because only the page knows its front end: a JupyterLab page has the sidebar (the
+ * sidecar extension draws into it) and makes the panel itself, at once, without a round trip to a kernel that
+ * may be busy with queued cells; Notebook 7, VS Code and Colab have none it can use, and there the gauge stays
+ * under the cell with nothing to make and nothing to fail in the console.
  * @param {string} placement the model's placement
  * @param {string} appName the page's `appName` from #jupyter-config-data ("" when there is none: VS Code, Colab)
- * @param {boolean} inSidebar whether this view already sits in JupyterLab's right sidebar
  * @returns {boolean}
  */
-export function asksForSidebar(placement, appName, inSidebar) {
-  return placement === "auto" && appName === "JupyterLab" && !inSidebar;
+export function pageSidebar(placement, appName) {
+  return placement === "auto" && appName === "JupyterLab";
+}
+
+/** The sidecar extension's front-end model, as sidecar 0.8 registers it. */
+export const SIDECAR = {
+  model_name: "SidecarModel", model_module: "@jupyter-widgets/jupyterlab-sidecar", model_module_version: "1.1.0",
+  view_name: "SidecarView", view_module: "@jupyter-widgets/jupyterlab-sidecar", view_module_version: "1.1.0",
+};
+
+/**
+ * The arguments of `widget_manager.new_model` for a sidebar panel that shows the gauge: a sidecar model made by
+ * the page alone (no comm, so nothing waits on the kernel), titled "nbmem", whose one output is a view of the
+ * gauge's own model.
+ * @param {string} gaugeId the gauge model's id
+ * @param {string} panelId a fresh id for the panel's model
+ * @returns {[Record<string, string>, Record<string, unknown>]}
+ */
+export function sidebarModel(gaugeId, panelId) {
+  const view = { model_id: gaugeId, version_major: 2, version_minor: 0 };
+  return [
+    { ...SIDECAR, model_id: panelId },
+    { title: "nbmem", outputs: [{ output_type: "display_data", data: { "application/vnd.jupyter.widget-view+json": view },
+      metadata: {} }] },
+  ];
+}
+
+/**
+ * How long ago the holder scan ran, in words; both times on the kernel's clock (the browser's may differ).
+ * @param {number | null | undefined} at epoch seconds of the scan, null before one
+ * @param {number} now epoch seconds of the latest sample
+ * @returns {string}
+ */
+export function scannedLabel(at, now) {
+  if (isNA(at) || !Number.isFinite(now)) return "";
+  const s = Math.max(0, now - at);
+  if (s < 2) return "scanned just now";
+  if (s < 90) return `scanned ${Math.round(s)} s ago`;
+  if (s < 90 * 60) return `scanned ${Math.round(s / 60)} min ago`;
+  return `scanned ${Math.round(s / 3600)} h ago`;
 }
 
 /**

@@ -3,8 +3,8 @@ import assert from "node:assert/strict";
 import { test } from "node:test";
 
 import {
-  CONFIRM_MS, agoLabel, asksForSidebar, cellSpans, codeParts, diff, holderList, holderText, moduleOf, peakPercent, press, rows, scaleOf,
-  segments, seriesMax, sparkMax, sparkPath, sparkStart, viewKind, widths,
+  CONFIRM_MS, SIDECAR, agoLabel, cellSpans, codeParts, diff, holderList, holderText, moduleOf, peakPercent, press, rows, scaleOf,
+  pageSidebar, scannedLabel, segments, sidebarModel, seriesMax, sparkMax, sparkPath, sparkStart, viewKind, widths,
 } from "./layout.js";
 
 const GiB = 2 ** 30;
@@ -145,19 +145,40 @@ test("a young session's sparkline starts at its first sample, at least 30 s back
   assert.equal(agoLabel(300), "−5 min");
 });
 
-test("automatic placement: only JupyterLab asks for the sidebar; every other page keeps the gauge in the cell", () => {
-  assert.equal(asksForSidebar("auto", "JupyterLab", false), true);
-  assert.equal(asksForSidebar("auto", "JupyterLab", true), false); // already there
-  assert.equal(asksForSidebar("auto", "Jupyter Notebook", false), false); // Notebook 7: no sidebar sidecar can use
-  assert.equal(asksForSidebar("auto", "", false), false); // VS Code, Colab: no Jupyter page config at all
-  assert.equal(asksForSidebar("inline", "JupyterLab", false), false); // asked for under the cell
-  assert.equal(asksForSidebar("sidebar", "JupyterLab", false), false); // moved already: a second view asks nothing
-  // Until the kernel has moved it, the view under the cell is the gauge (Run All: the kernel is busy for a while).
-  assert.equal(viewKind("auto", false), "gauge");
-  assert.equal(viewKind("inline", false), "gauge");
-  // Once it has, the copy under the cell is a pointer and the sidebar's is the gauge.
-  assert.equal(viewKind("sidebar", false), "pointer");
-  assert.equal(viewKind("sidebar", true), "gauge");
+test("automatic placement: a JupyterLab page makes its own sidebar panel; every other page keeps the gauge in the cell", () => {
+  assert.equal(pageSidebar("auto", "JupyterLab"), true);
+  assert.equal(pageSidebar("auto", "Jupyter Notebook"), false); // Notebook 7: no sidebar sidecar can use
+  assert.equal(pageSidebar("auto", ""), false); // VS Code, Colab: no Jupyter page config at all
+  assert.equal(pageSidebar("inline", "JupyterLab"), false); // asked for under the cell
+  assert.equal(pageSidebar("sidebar", "JupyterLab"), false); // the kernel's own sidecar shows it: no second panel
+  // Under the cell: the gauge, unless it is in the sidebar (this page's panel or the kernel's sidecar).
+  assert.equal(viewKind("auto", false, false), "gauge");
+  assert.equal(viewKind("inline", false, false), "gauge");
+  assert.equal(viewKind("auto", false, true), "pointer");
+  assert.equal(viewKind("sidebar", false, false), "pointer");
+  // In the sidebar, always the gauge.
+  assert.equal(viewKind("auto", true, true), "gauge");
+  assert.equal(viewKind("sidebar", true, false), "gauge");
+});
+
+test("the page's panel is a sidecar model with no comm, showing a view of the gauge's own model", () => {
+  const [spec, state] = sidebarModel("g1", "p1");
+  assert.deepEqual(spec, { ...SIDECAR, model_id: "p1" });
+  assert.equal(spec.model_name, "SidecarModel");
+  assert.equal(spec.model_module, "@jupyter-widgets/jupyterlab-sidecar");
+  assert.equal(/** @type {any} */ (state).title, "nbmem");
+  assert.deepEqual(/** @type {any} */ (state).outputs, [{ output_type: "display_data", metadata: {},
+    data: { "application/vnd.jupyter.widget-view+json": { model_id: "g1", version_major: 2, version_minor: 0 } } }]);
+});
+
+test("the holder list says how old it is, on the kernel's clock", () => {
+  assert.equal(scannedLabel(null, 100), "");
+  assert.equal(scannedLabel(100, Number.NaN), "");
+  assert.equal(scannedLabel(100, 101), "scanned just now");
+  assert.equal(scannedLabel(110, 100), "scanned just now", "a scan stamped after the sample is not in the future");
+  assert.equal(scannedLabel(100, 145), "scanned 45 s ago");
+  assert.equal(scannedLabel(100, 100 + 600), "scanned 10 min ago");
+  assert.equal(scannedLabel(100, 100 + 3 * 3600), "scanned 3 h ago");
 });
 
 /**

@@ -255,7 +255,11 @@ class NbmemMagics(Magics):
         try:
             if self.flight and not self._nested:
                 self.flight.running(None, error=getattr(result, "error_in_exec", None))
-            if self._nested or not self.session.in_cell:
+            if self._nested:
+                return
+            if not self.session.in_cell:  # a cell nobody measured: the gauge's holders follow it (a few ms)
+                if not getattr(getattr(result, "info", None), "silent", False):
+                    self.session.refresh_holders()
                 return
             report = self.session.end_cell(getattr(result, "error_in_exec", None))
             if report is not None and self.session.should_show(report):

@@ -27,7 +27,7 @@ from .deaths import with_pressure
 from .fitting.prediction import FitResult
 from .fitting.runner import fit_in_notebook
 from .formatting import fmt_bytes, spans
-from .holdings import Holdings
+from .holdings import REFRESH_BUDGET_S, Holdings
 from .limits import limit_line
 from .options import Settings
 from .owners import Rows
@@ -300,6 +300,24 @@ class Session:
     def findings(self) -> tuple[Finding, ...]:
         """The owners above the threshold as of the latest scan (what the gauge lists)."""
         return self.holdings.current().owners
+
+    def refresh_holders(self, *, full: bool = False) -> None:
+        """Walk what changed since the last holder scan (``REFRESH_BUDGET_S`` at most), or
+        everything with ``full``, and tell the subscribers (the gauge's list follows without `%cudamem on`)."""
+        if not self.settings.scan or self.probe.torch.torch() is None:
+            return
+        try:
+            if full:
+                self.holdings.scan_all()
+            elif self.holdings.refresh(REFRESH_BUDGET_S) is None:
+                return
+            self._publish_holders()
+        except Exception as e:
+            self.fault("the holder refresh", e)
+
+    def holders_scanned_at(self) -> float | None:
+        """When the latest holder scan ran (epoch seconds), None before one."""
+        return self.holdings.scanned_at
 
     def holders_note(self) -> str:
         """What to say where no owner is listed: nothing passed the threshold, or why that is not known."""

@@ -3,10 +3,12 @@
 Presentation only. The gauge subscribes to the engine (``Session.subscribe``) and reads it through
 its public methods; a single publisher thread turns what arrives into compact columns of raw bytes (the
 JS formats them) and writes every data trait, at most ``MAX_UPDATES_PER_S`` times a second, one
-``hold_sync`` batch per update. The front end writes no trait. It sends two messages: a cleanup request,
-which becomes a ``CleanupRequest`` for a finding the session lists at that moment, through the same
-door as ``nbmem.cleanup``; and, from a JupyterLab page only, "place me in the sidebar" for a gauge placed
-automatically, because only the page knows which front end it is (it touches nothing of the user's).
+``hold_sync`` batch per update. The front end writes no trait. Its messages, each typed, come through
+one handler: a cleanup request, which becomes a ``CleanupRequest`` for a finding the session lists at that
+moment, through the same door as ``nbmem.cleanup``; "rescan", which walks the notebook for the holder list;
+and "placed", a JupyterLab page saying it has shown an automatically placed gauge in its own right sidebar.
+The page does that itself, without waiting for the kernel (js/gauge.js ``initialize``): a message to the
+kernel waits behind every queued cell, and the sidebar is most wanted while a long one runs.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import re
 import sys
 import threading
 import time
+import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -52,7 +55,7 @@ _REFUSED_KEPT = 100
 # there. The sources stay separate modules (node tests import format.js and layout.js directly), and
 # the widget gets them concatenated in dependency order with those relative imports dropped: the
 # names they import are then simply in scope. No bundler, no build step.
-_MODULES = ("format.js", "layout.js", "gauge.js")
+_MODULES = ("format.js", "layout.js", "panel.js", "gauge.js")
 _LOCAL_IMPORT = re.compile(r"^import\s[^;]*?\sfrom\s+[\"']\./[^\"']+[\"'];[ \t]*\n", re.M)
 
 
@@ -67,7 +70,7 @@ def js_dir() -> Path:
 
 
 def bundle(directory: Path | None = None) -> str:
-    """The gauge's ES module: format.js, layout.js and gauge.js as one module."""
+    """The gauge's ES module: format.js, layout.js, panel.js and gauge.js as one module."""
     d = directory or js_dir()
     parts = [f"// ---- nbmem/{name}\n" + _LOCAL_IMPORT.sub("", (d / name).read_text(encoding="utf-8"))
              for name in _MODULES]
@@ -305,15 +308,21 @@ class Gauge(anywidget.AnyWidget):
     holders: traitlets.List[dict[str, Any]] = traitlets.List().tag(sync=True)
     holders_note = traitlets.Unicode("").tag(sync=True)  # shown in place of an empty list: why it is empty
     action: traitlets.Dict[str, Any] = traitlets.Dict().tag(sync=True)
+    holders_at = traitlets.Float(None, allow_none=True).tag(sync=True)  # when the holder scan ran (epoch s)
     note = traitlets.Unicode("").tag(sync=True)
-    # "auto": under the cell until a JupyterLab page asks for the sidebar (js/layout.js asksForSidebar)
+    # "auto": a JupyterLab page shows it in its own right sidebar, other front ends under the cell
+    # (js/layout.js pageSidebar); "sidebar": in the kernel's sidecar panel; "inline": under the cell.
     placement = traitlets.Unicode("inline").tag(sync=True)
+    # The model's own id, so the page can show this model in a panel it makes (anywidget hides the id).
+    gauge_id = traitlets.Unicode("").tag(sync=True)
 
     def __init__(self, session: Session, *, start: bool = True, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
+        kwargs.setdefault("model_id", uuid.uuid4().hex)
+        super().__init__(gauge_id=kwargs["model_id"], **kwargs)
         self.session = session
         self.refused: list[str] = []  # front-end requests turned down, newest last
         self.sidecar: Any = None
+        self.in_page_sidebar = False  # a JupyterLab page said it shows this gauge in its right sidebar
         self._latest: Sequence[Sample] = ()
         self._tensors: int | None = None
         self._peaks: dict[str, int] = {}
@@ -345,7 +354,7 @@ class Gauge(anywidget.AnyWidget):
         self._latest = [x for x in samples if x.t_wall == latest_t]
         self._tensors = self._cpu_tensors()
         self._publisher.put(holders=holder_rows(s.findings()), holders_note=s.holders_note(),
-                            cells=cell_spans(records, time.time()),
+                            holders_at=s.holders_scanned_at(), cells=cell_spans(records, time.time()),
                             last_cell=last_cell_row(s.last_report) if s.last_report else {})
         if self._latest:
             self._publisher.poke()
@@ -365,7 +374,8 @@ class Gauge(anywidget.AnyWidget):
             self._publisher.poke()
         elif isinstance(event, Holders):
             self._tensors = self._cpu_tensors()
-            self._publisher.put(holders=holder_rows(event.findings), holders_note=self.session.holders_note())
+            self._publisher.put(holders=holder_rows(event.findings), holders_note=self.session.holders_note(),
+                                holders_at=self.session.holders_scanned_at())
             self._publisher.poke()
 
     def _cpu_tensors(self) -> int | None:
@@ -402,6 +412,9 @@ class Gauge(anywidget.AnyWidget):
             "processes": procs,
             "children": kids,
             "note": " · ".join(self.session.notes()),
+            # Read each time (cheap): "torch is not imported yet" ends with the import, not with the next scan.
+            "holders_note": self.session.holders_note(),
+            "holders_at": self.session.holders_scanned_at(),
         }
         if time.monotonic() - self._history_at >= HISTORY_EVERY_S:
             self._history_at = time.monotonic()
@@ -410,25 +423,37 @@ class Gauge(anywidget.AnyWidget):
 
     # -- clicks (main thread, between cells) ------------------------------------------------------------
     def _on_msg(self, _widget: Any, content: Any, _buffers: Any) -> None:
+        """Every message from the front end, by its type; anything else is refused."""
+        handlers = {"cleanup": self._request, "rescan": self._rescan, "placed": self._placed}
+        kind = content.get("type") if isinstance(content, dict) else None
         try:
-            if isinstance(content, dict) and content.get("type") == "place":
-                self._place(content)
+            handle = handlers.get(kind) if isinstance(kind, str) else None
+            if handle is None:
+                self._refuse("", "not a request the gauge sends", content)
             else:
-                self._request(content)
+                handle(content)
         except Exception as e:
             self.session.fault("gauge click", e)
 
-    def _place(self, content: dict[str, Any]) -> None:
-        """A JupyterLab page asks for the sidebar: an automatically placed gauge moves there, once."""
+    def _placed(self, content: dict[str, Any]) -> None:
+        """A JupyterLab page has shown this gauge in its right sidebar (it makes that panel itself, at once;
+        this message waits behind queued cells). Recorded only: placement stays "auto", so a page loaded later
+        makes its own panel again, and the kernel makes none."""
         if content.get("where") != "sidebar":
             self._refuse("", f"unknown place {content.get('where')!r:.40}", content)
-            return
-        if self.placement != "auto":
-            return  # moved already (another view of it asked first), or placed by hand
-        try:
-            self.to_sidebar()
-        except RuntimeError:  # no sidecar package: the gauge stays where it is, under the cell
-            self.placement = "inline"
+        elif self.placement == "auto":
+            self.in_page_sidebar = True
+
+    def _rescan(self, content: dict[str, Any]) -> None:
+        """The holder list's "rescan": every root walked again, and the list follows."""
+        req = _req_of(content)
+        t0 = time.perf_counter()
+        self.session.refresh_holders(full=True)
+        n = len(self.session.findings())
+        text = (f"{n} holder{'' if n == 1 else 's'} listed" if n else self.session.holders_note()) + \
+            f" ({(time.perf_counter() - t0) * 1000:.0f} ms)"
+        self._publisher.put(action={"req": req, "label": "rescan", "ok": True, "text": text})
+        self._publisher.poke()
 
     def to_sidebar(self) -> None:
         """Show the gauge in JupyterLab's right sidebar (a sidecar panel); a view under a cell then points there."""
@@ -449,11 +474,7 @@ class Gauge(anywidget.AnyWidget):
 
     def _request(self, content: Any) -> None:
         """A cleanup request from the front end; acts only on a finding the session lists now."""
-        if not isinstance(content, dict) or content.get("type") != "cleanup":
-            self._refuse("", "not a cleanup request", content)
-            return
-        req = content.get("req")
-        req = req if isinstance(req, str) and len(req) <= 64 else ""
+        req = _req_of(content)
         action = content.get("action")
         if action not in ACTIONS:
             self._refuse(req, f"unknown action {action!r:.40}", content)
@@ -499,6 +520,12 @@ class Gauge(anywidget.AnyWidget):
             self.sidecar.close()
             self.sidecar = None
         super().close()
+
+
+def _req_of(content: dict[str, Any]) -> str:
+    """A request's id, echoed back so the view that sent it can match the answer ("" when malformed)."""
+    req = content.get("req")
+    return req if isinstance(req, str) and len(req) <= 64 else ""
 
 
 # -- where it appears ------------------------------------------------------------------------------
@@ -552,12 +579,12 @@ def show_gauge(session: Session, where: str, *, previous: Gauge | None = None, s
     warn_old_ipykernel(session)
     from IPython.display import display
 
-    gauge = Gauge(session)
+    # Placed from the start: a JupyterLab page makes its sidebar panel when the model arrives (js/gauge.js).
+    gauge = Gauge(session, placement=auto_place() if where == "auto" else "inline")
     try:
         if where == "sidebar":
             gauge.to_sidebar()
         else:
-            gauge.placement = auto_place() if where == "auto" else "inline"
             display(gauge)
     except BaseException:
         gauge.close()

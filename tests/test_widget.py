@@ -503,32 +503,38 @@ def test_sidebar_then_inline_then_unload(ip: Any, kernel_like: list[Any]) -> Non
     assert not [t for t in threading.enumerate() if t.name == widget.THREAD_NAME]
 
 
-def test_auto_shows_it_under_the_cell_until_a_jupyterlab_page_asks_for_the_sidebar(
+def test_auto_is_shown_under_the_cell_and_a_jupyterlab_page_makes_its_own_sidebar_panel(
         ip: Any, kernel_like: list[Any]) -> None:
-    # The kernel cannot tell JupyterLab from Notebook 7: the gauge shows once, under the cell, and only a
-    # JupyterLab page asks to move it (js/layout.js asksForSidebar); Notebook 7 never asks, so no sidecar is
-    # made where it cannot draw (which was an error in the browser's console).
+    # The kernel cannot tell JupyterLab from Notebook 7: the gauge shows once, under the cell. A JupyterLab page
+    # makes its own sidebar panel for it at once (js/panel.js), because a request to the kernel would wait behind
+    # every queued cell; the kernel hears of it later ("placed"), keeps placement "auto" (a page loaded later
+    # makes its panel again) and makes no sidecar of its own: never two panels.
     gauge = show_gauge(_magics(ip).session, "auto", shell=ip)
-    assert gauge is not None and kernel_like == [gauge]
-    assert gauge.placement == "auto" and gauge.sidecar is None
-    click(gauge, {"type": "place", "where": "sidebar"})
-    assert gauge.placement == "sidebar" and shown_in(gauge.sidecar) == [gauge.model_id]
-    sidecar = gauge.sidecar
-    click(gauge, {"type": "place", "where": "sidebar"})  # a second view of it asks too: nothing more happens
-    assert gauge.sidecar is sidecar and len(sidecar.outputs) == 1
-    assert kernel_like == [gauge] and gauge.refused == []
-    gauge.close()
-    assert sidecar.comm is None
+    assert gauge is not None
+    try:
+        assert kernel_like == [gauge] and gauge.placement == "auto" and gauge.sidecar is None
+        assert gauge.gauge_id == gauge.model_id, "the page shows this very model in its panel"
+        assert not gauge.in_page_sidebar
+        click(gauge, {"type": "placed", "where": "sidebar"})
+        click(gauge, {"type": "placed", "where": "sidebar"})  # a second page: nothing more happens
+        assert gauge.in_page_sidebar and gauge.placement == "auto" and gauge.sidecar is None
+        assert kernel_like == [gauge] and gauge.refused == []
+    finally:
+        gauge.close()
 
 
-def test_a_gauge_placed_by_hand_never_moves_and_a_bad_place_is_refused(ip: Any, kernel_like: list[Any]) -> None:
+def test_a_gauge_placed_by_hand_never_moves_and_a_bad_message_is_refused(ip: Any, kernel_like: list[Any]) -> None:
     gauge = show_gauge(_magics(ip).session, "inline", shell=ip)
     assert gauge is not None
-    click(gauge, {"type": "place", "where": "sidebar"})
-    assert gauge.placement == "inline" and gauge.sidecar is None
-    click(gauge, {"type": "place", "where": "floating"})
-    assert gauge.sidecar is None and gauge.refused and "unknown place" in gauge.refused[-1]
-    gauge.close()
+    try:
+        click(gauge, {"type": "placed", "where": "sidebar"})
+        assert gauge.placement == "inline" and gauge.sidecar is None and not gauge.in_page_sidebar
+        click(gauge, {"type": "placed", "where": "floating"})
+        assert gauge.sidecar is None and gauge.refused and "unknown place" in gauge.refused[-1]
+        click(gauge, {"type": "place", "where": "sidebar"})  # the old request: the kernel no longer moves it
+        assert gauge.sidecar is None and "not a request the gauge sends" in gauge.refused[-1]
+    finally:
+        gauge.close()
 
 
 def test_auto_without_sidecar_stays_under_the_cell(ip: Any, kernel_like: list[Any],
@@ -631,3 +637,57 @@ def test_the_gauge_never_claims_a_notebook_holds_nothing_before_looking(shell: A
         assert g.holders == [] and g.holders_note == "nothing above the threshold (1.00 MiB)"
     finally:
         g.close()
+
+
+def test_holders_follow_cells_nobody_measured(shell: Any) -> None:
+    """Without `%cudamem on`, each cell's end walks what changed (a few ms), so the list is true after Run All."""
+    ok(shell, "%load_ext nbmem")
+    g = Gauge(_magics(shell).session, start=False)
+    try:
+        ok(shell, "import torch\nkept = torch.zeros(2**21)")
+        g._publisher.flush()
+        assert [h["name"] for h in g.holders] == ["kept"]
+        first = g.holders_at
+        assert first is not None and abs(time.time() - first) < 60
+        ok(shell, "for _i in range(3):\n    pass")  # no name added or rebound, no memory: no walk, nothing to send
+        g._publisher.flush()
+        assert g.holders_at == first
+        ok(shell, "del kept")
+        g._publisher.flush()
+        assert g.holders == [] and g.holders_note == "nothing above the threshold (1.00 MiB)"
+        assert g.holders_at is not None and g.holders_at >= first
+    finally:
+        g.close()
+
+
+def test_torch_is_not_imported_only_while_it_is_not(shell: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    torch = sys.modules["torch"]
+    monkeypatch.delitem(sys.modules, "torch")  # a notebook that loads nbmem before importing torch
+    ok(shell, "%load_ext nbmem")
+    g = Gauge(_magics(shell).session, start=False)
+    try:
+        assert g.holders_note == "torch is not imported yet: no tensors to hold" and g.holders_at is None
+        monkeypatch.setitem(sys.modules, "torch", torch)
+        g._publisher.poke()
+        publish(g)  # the note is read with each sample: it ends with the import, before any scan
+        assert "torch is not imported" not in g.holders_note
+        ok(shell, "import torch\nkept = torch.zeros(2**21)")
+        g._publisher.flush()
+        assert [h["name"] for h in g.holders] == ["kept"] and g.holders_at is not None
+    finally:
+        g.close()
+
+
+def test_rescan_walks_everything_and_says_what_it_found(ip: Any, gauge: Gauge) -> None:
+    ok(ip, "%cudamem off")
+    ok(ip, "kept = torch.zeros(2**21)")
+    click(gauge, {"type": "rescan", "req": "v-7"})
+    gauge._publisher.flush()
+    assert [h["name"] for h in gauge.holders] == ["kept"]
+    assert gauge.action["req"] == "v-7" and gauge.action["label"] == "rescan" and gauge.action["ok"]
+    assert re.fullmatch(r"1 holder listed \(\d+ ms\)", gauge.action["text"])
+    ok(ip, "del kept")
+    click(gauge, {"type": "rescan", "req": "v-8"})
+    gauge._publisher.flush()
+    assert gauge.holders == [] and gauge.action["text"].startswith("nothing above the threshold")
+
