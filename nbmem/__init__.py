@@ -108,7 +108,8 @@ def cleanup(names: Any = (), outputs: bool = False, traceback: bool = False, col
     return _session().cleanup(CleanupRequest.of(names, to_cpu, outputs, traceback, collect, empty_cache, compiled))
 
 
-def fit(body: Any, name: str, values: Any, *, restore: bool = True, warmup: bool = True) -> Any:
+def fit(body: Any, name: str, values: Any, *, restore: bool = True, warmup: bool = True,
+        want: int | None = None) -> Any:
     """Will it fit? The largest ``name`` that ``body`` can run at on this GPU, never above the real limit.
 
     ``body`` is a cell's source (run in the notebook's namespace with ``name`` bound to each value, as
@@ -118,6 +119,9 @@ def fit(body: Any, name: str, values: Any, *, restore: bool = True, warmup: bool
     it reaches (modules, optimizers, LR schedulers, gradient scalers) and the random generators are copied
     before and put back bit for bit after, also after an error (``restore=False`` skips that; the fit then
     trains them); ``restored`` and ``not_restored`` name them, a line each.
+
+    ``want``: the value you want to run at; when it does not fit, ``remedies`` lists what would let it run
+    (gradient accumulation, ``expandable_segments``) and the largest value each allows.
 
     Returns a ``FitResult``: ``largest_value``, ``power_of_two``, ``fixed_bytes``, ``bytes_per_unit``,
     ``lines`` (where memory grows), ``room`` (the memory it fits into and the margin), ``notes``;
@@ -134,11 +138,14 @@ def fit(body: Any, name: str, values: Any, *, restore: bool = True, warmup: bool
         raise TypeError(f"nbmem.fit(values=...) takes whole numbers, got {values!r:.60}") from None
     if not 2 <= len(vals) <= 5 or vals[0] < 1:
         raise ValueError(f"nbmem.fit(values=...) takes 2 to 5 different positive values, got {values!r:.60}")
+    if want is not None and (type(want) is not int or want < 1):
+        raise ValueError(f"nbmem.fit(want=...) takes the {name} you want to run at, a positive whole number, "
+                         f"got {want!r:.40}")
     sess = _session()
     if isinstance(body, str) and name not in sess.adapter.mentioned(body):
         raise ValueError(f"nbmem.fit: the body does not use `{name}`; it runs with {name} bound to each value")
     try:
-        return sess.fit(body, name, vals, warmup=warmup, restore=restore)
+        return sess.fit(body, name, vals, warmup=warmup, restore=restore, want=want)
     except FitRefused as e:
         raise RuntimeError(f"nbmem.fit: {e}; nothing was run") from None
 

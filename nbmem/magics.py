@@ -9,7 +9,8 @@ Load it once per kernel::
 keep the memory it added alive.
 
     %%cudamem [--lines] [--reset-peak] [--no-scan] [--quiet]
-    %%cudamem --fit NAME=V1,V2[,...] [--no-restore]   will it fit? the largest NAME this cell can run at
+    %%cudamem --fit NAME=V1,V2[,...] [--no-restore] [--want N]
+                                             will it fit? the largest NAME this cell can run at
 
 ``%cudamem`` (a line) takes a command; each command accepts only its own options:
 
@@ -72,8 +73,11 @@ optimizers, LR schedulers, gradient scalers, train/eval flags) and the random ge
 and put back bit for bit after, also after an error, so training goes on as if the fit never ran; the
 report names what was restored and what could not be (an iterator the cell advanced), a line each
 (``--no-restore`` skips that, and says the fit trained them); what the cell's runs bound is put back as it
-was. A value predicted not to fit is never run; an out-of-memory
-in a run is caught and freed. GPU only: on a machine without CUDA it says so and the cell does not run.
+was. A value predicted not to fit is never run; an out-of-memory in a run is caught and freed. With
+``--want 512``, when 512 does not fit, a table of remedies with the largest value each allows: gradient
+accumulation (micro-batches that fit, from the fit itself) and ``expandable_segments`` (only where the
+cache's reserved-but-unused memory is what stops it; it needs a restart). GPU only: on a machine without
+CUDA it says so and the cell does not run.
 
 Options: ``%config Nbmem.<name> = value``, or ``c.Nbmem.<name>`` in ipython_config.py; ``%config Nbmem``
 lists them with their allowed values. A value outside those is refused with one line, and the old
@@ -118,9 +122,9 @@ COMMANDS: dict[str, frozenset[str]] = {
     "plot": frozenset(),
     "lines": frozenset({"cell"}),
 }
-CELL_OPTIONS = frozenset({"reset_peak", "no_scan", "quiet", "lines", "fit", "no_restore"})
+CELL_OPTIONS = frozenset({"reset_peak", "no_scan", "quiet", "lines", "fit", "no_restore", "want"})
 #: What --fit goes with: it runs the cell several times, so a cell's own measurement options do not apply.
-FIT_OPTIONS = frozenset({"fit", "no_restore", "quiet"})
+FIT_OPTIONS = frozenset({"fit", "no_restore", "quiet", "want"})
 _FIT = re.compile(r"\s*([A-Za-z_]\w*)\s*=\s*(\S+)\s*\Z")
 _FLAG_NAMES = {"names": "NAME", "reset_peak": "--reset-peak", "no_scan": "--no-scan", "quiet": "--quiet",
                "lines": "--lines",
@@ -128,7 +132,7 @@ _FLAG_NAMES = {"names": "NAME", "reset_peak": "--reset-peak", "no_scan": "--no-s
                "to_cpu": "--to-cpu", "compiled": "--compiled", "no_collect": "--no-collect",
                "no_empty_cache": "--no-empty-cache",
                "inline": "--inline", "sidebar": "--sidebar", "detail": "--detail", "fit": "--fit",
-               "no_restore": "--no-restore"}
+               "no_restore": "--no-restore", "want": "--want"}
 
 
 def _set(value: Any) -> bool:
@@ -292,6 +296,9 @@ class NbmemMagics(Magics):
     @argument("--no-restore", action="store_true",
               help="With --fit: do not copy the model's and optimizer's state to host memory and back (the fit "
                    "then trains them).")
+    @argument("--want", default=None, metavar="N",
+              help="With --fit: the value you want to run at; when it does not fit, a table of remedies "
+                   "(gradient accumulation, expandable_segments) with the largest value each allows.")
     @argument("--cell", type=int, default=None, help="With `leaks`: what cell N added; with `lines`: cell N's lines.")
     @argument("--detail", action="store_true",
               help="With `leaks`: a row per tensor instead of a row per owner (the name you typed).")
@@ -353,7 +360,7 @@ class NbmemMagics(Magics):
                 raise UsageError(f"%%cudamem takes options only, not {args.command!r}: put `%%cudamem` alone "
                                  f"on the first line, or use the line form `%cudamem {args.command}`.")
             self._only(args, CELL_OPTIONS, "%%cudamem")
-            if args.fit is not None or args.no_restore:
+            if args.fit is not None or args.no_restore or args.want is not None:
                 return self._fit_cell(cell, args)
             return self._measure_cell(cell, args)
         if args.command is None:
@@ -417,16 +424,18 @@ class NbmemMagics(Magics):
 
     def _fit_cell(self, body: str, args: Any) -> Any:
         if args.fit is None:
-            raise UsageError("%%cudamem: --no-restore goes with --fit NAME=V1,V2,... Nothing was run.")
+            flag = "--no-restore" if args.no_restore else "--want"
+            raise UsageError(f"%%cudamem: {flag} goes with --fit NAME=V1,V2,... Nothing was run.")
         self._only(args, FIT_OPTIONS, "%%cudamem --fit")
         name, values = parse_fit(args.fit)
+        want = None if args.want is None else parse_want(args.want, name)
         if name not in self.session.adapter.mentioned(body):
             raise UsageError(f"%%cudamem --fit: the cell does not use `{name}`: a fit binds {name} to each value "
                              f"and runs the cell, so its code must read it (e.g. `x = torch.randn({name}, 512)`). "
                              "Nothing was run.")
         try:
             result = self.session.fit(body, name, values, cell=self.shell.execution_count - 1,
-                                      restore=not args.no_restore)
+                                      restore=not args.no_restore, want=want)
         except FitRefused as e:
             raise UsageError(f"%%cudamem --fit: {e}. The cell did not run.") from None
         if not args.quiet:
@@ -552,6 +561,15 @@ def parse_fit(spec: str) -> tuple[str, tuple[int, ...]]:
         raise UsageError(f"%%cudamem --fit {name}=...: give 2 to 5 different values: each one runs the cell. "
                          "Nothing was run.")
     return name, values
+
+
+def parse_want(spec: str, name: str) -> int:
+    """``--want 512`` (or ``512_000``) as a whole number; a one-line UsageError that names the fix otherwise."""
+    text = spec.strip().replace("_", "")
+    if not text.isdigit() or int(text) < 1:
+        raise UsageError(f"%%cudamem --want takes the {name} you want to run at, a positive whole number "
+                         f"(e.g. --want 512), not {spec[:40]!r}. Nothing was run.")
+    return int(text)
 
 
 def _magics(shell: Any = None) -> NbmemMagics:

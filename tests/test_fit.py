@@ -610,3 +610,46 @@ def test_a_failed_runs_frames_let_go_of_what_they_held() -> None:
         gc.collect()
         assert probe[0]() is None, "the failed body's locals are gone while its error is still held"
         assert str(e) == "the user's error"
+
+
+# -- remedies (--want) ----------------------------------------------------------------------------------------------
+def test_a_wanted_value_that_does_not_fit_gets_remedies_each_with_the_largest_value_it_allows() -> None:
+    runs = record(training_step(), [8, 16, 32])
+    cap = 20 * GiB
+    # 4 GiB held in 200 segments of 20 MiB, each split by a 6 MiB block: reserved memory the cache cannot reuse
+    segs = [SegmentState(k << 30, 20 * MiB, 0, False, ((k << 30, 6 * MiB, True), ((k << 30) + 6 * MiB, 14 * MiB,
+                                                                                 False))) for k in range(1, 201)]
+    held = Room("cuda:0", cap - 4000 * MiB, 4000 * MiB, 1200 * MiB, 0)
+    base = analyse(runs, held, name="batch", segments=segs)
+    assert base.largest_value is not None and not base.remedies
+    want = 3 * base.largest_value + 7
+    res = analyse(runs, held, name="batch", segments=segs, want=want)
+    assert res.largest_value == base.largest_value and f"{want:,} does not fit" in res.answer()
+    acc, exp = res.remedies
+    assert acc.name == "gradient accumulation" and acc.largest_value <= base.largest_value
+    steps = int(acc.setting.split(", ")[1].split()[0])
+    assert steps == 4 and acc.largest_value * steps >= want > acc.largest_value * (steps - 1)
+    assert exp.name == "expandable_segments" and exp.largest_value > base.largest_value and "restart" in exp.setting
+    parsed = [fitmodel.Run(r, lambda f: None) for r in runs]
+    timeline = fitmodel.build_timeline(parsed, segs)
+    assert isinstance(timeline, fitmodel.Timeline)
+    capacity = held.capacity_bytes
+    assert timeline.simulate(exp.largest_value, float("inf")).peak_allocated_bytes <= capacity
+    assert not timeline.simulate(exp.largest_value, capacity).ok, "as it is, the cache's fragments stop it"
+    assert "to run batch=" in str(res) and "expandable_segments" in res._repr_html_()
+    assert [r["remedy"] for r in res.row()["remedies"]] == ["gradient accumulation", "expandable_segments"]
+    already = analyse(runs, held, name="batch", segments=segs, want=want, expandable=True)
+    assert [r.name for r in already.remedies] == ["gradient accumulation"]
+    fits = analyse(runs, held, name="batch", segments=segs, want=base.largest_value)
+    assert not fits.remedies and f"{base.largest_value:,} fits" in fits.answer()
+
+
+def test_where_allocated_memory_itself_does_not_fit_expandable_segments_is_no_remedy_and_says_why() -> None:
+    def one_tensor(v: int, first: bool) -> Iterator[tuple[Any, ...]]:
+        yield ("alloc", "x", v * 2 * MiB, 1)  # 2 MiB-rounded blocks in their own segments: nothing reserved unused
+        yield ("free", "x", 2)
+
+    runs = record(one_tensor, [8, 16, 32])
+    res = analyse(runs, room(20 * GiB), name="batch", want=10**6)
+    assert [r.name for r in res.remedies] == ["gradient accumulation"]
+    assert any(n.startswith("expandable_segments would not help") for n in res.notes)

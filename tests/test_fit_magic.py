@@ -32,10 +32,17 @@ def nb(ip):
     ("--fit size=8,16", r"the cell does not use `size`"),
     ("--fit batch=8,16 --lines", r"does not take --lines"),
     ("--no-restore", r"--no-restore goes with --fit"),
+    ("--want 512", r"--want goes with --fit"),
+    ("--fit batch=8,16 --want 0", r"--want takes the batch you want to run at, a positive whole number"),
+    ("--fit batch=8,16 --want lots", r"--want takes the batch .*not 'lots'"),
+    ("--fit batch=8,16 --want -4", r"--want takes the batch"),
+    ("--fit batch=8,16 --want 2.5", r"--want takes the batch .*not '2.5'"),
+    ("--fit batch=8,16 --want 512 --lines", r"does not take --lines"),
 ])
 def test_a_bad_fit_is_refused_in_one_line_and_the_cell_does_not_run(nb, line, message):
-    with pytest.raises(UsageError, match=message):
+    with pytest.raises(UsageError, match=message) as e:
         nb.run_cell_magic("cudamem", line, BODY)
+    assert "\n" not in str(e.value)
     assert "ran" not in nb.user_ns and "x" not in nb.user_ns
 
 
@@ -115,3 +122,10 @@ def test_a_fit_finds_the_state_a_cell_changes_through_the_functions_it_calls(nb)
     found = state_reached(sess.adapter, torch, sess.holdings.scanner.type_cache, used, [], budget_s=None)
     assert [id(m) for m in found.modules] == [id(nb.user_ns["model"])]
     assert [id(o) for o in found.optimizers] == [id(nb.user_ns["opt"])]
+
+
+@pytest.mark.parametrize("want", [0, -3, 2.5, "512"])
+def test_nbmem_fit_refuses_a_bad_want_in_one_line_and_runs_nothing(nb, want):
+    with pytest.raises(ValueError, match=r"nbmem.fit\(want=...\) takes the batch you want to run at") as e:
+        nbmem.fit(BODY, "batch", [8, 16], want=want)
+    assert "\n" not in str(e.value) and "ran" not in nb.user_ns

@@ -137,6 +137,16 @@ class GrowthLine:
     bytes_at_largest: int | None
 
 
+@dataclass(frozen=True, slots=True)
+class Remedy:
+    """A way to run a wanted value that does not fit, and the largest value it allows."""
+
+    name: str  # "gradient accumulation", "expandable_segments"
+    largest_value: int
+    setting: str  # what to do
+    how: str  # how the value was established, and what it costs
+
+
 @dataclass(frozen=True, repr=False)
 class FitResult(Shown):
     """``%%cudamem --fit``: the largest value that fits, the model behind it, and what it assumes."""
@@ -159,6 +169,8 @@ class FitResult(Shown):
     lines: tuple[GrowthLine, ...] = ()
     curve: tuple[tuple[int, int, int], ...] = ()  # (value, modelled peak allocated bytes, peak reserved bytes)
     notes: tuple[str, ...] = ()
+    want: int | None = None  # the value asked about (``--want``)
+    remedies: tuple[Remedy, ...] = ()  # when ``want`` does not fit: what would let it run
     restored_bytes: int | None = None
     restored: tuple[str, ...] = ()  # what was put back after the fit, a line each
     not_restored: tuple[str, ...] = ()  # what the body may have changed that could not be put back, a line each
@@ -180,6 +192,9 @@ class FitResult(Shown):
                 "reserved_bytes": room.reserved_bytes if room else None,
                 "held_bytes": room.allocated_bytes if room else None,
                 "margin_bytes": room.margin_bytes if room else None,
+                "want": self.want,
+                "remedies": [{"remedy": r.name, "largest_value": r.largest_value, "setting": r.setting}
+                             for r in self.remedies],
                 "restored_bytes": self.restored_bytes, "restored": list(self.restored),
                 "not_restored": list(self.not_restored), "steps_run": self.steps_run, "duration_s": self.duration_s}
 
@@ -203,7 +218,9 @@ class FitResult(Shown):
             return f"no prediction: {self.reason}"
         pow2 = "" if self.power_of_two in (None, self.largest_value) else (
             f" (power of two below: {self.power_of_two:,})")
-        return f"largest {self.name} that fits: {self.largest_value:,}{pow2}"
+        wanted = "" if self.want is None else (f"; {self.want:,} fits" if self.want <= self.largest_value else
+                                               f"; {self.want:,} does not fit")
+        return f"largest {self.name} that fits: {self.largest_value:,}{pow2}{wanted}"
 
     def _room(self) -> str:
         r = self.room
@@ -268,8 +285,17 @@ class FitResult(Shown):
             facts.append(f"took {fmt_seconds(self.duration_s)}")
         return [f for f in facts if f]
 
+    def _remedy_rows(self) -> list[list[str]]:
+        return [[r.name, f"{r.largest_value:,}", r.setting, r.how] for r in self.remedies]
+
+    def _remedy_columns(self) -> tuple[Column, ...]:
+        return (Column("remedy"), Column(f"largest {self.name}", numeric=True), Column("setting", code=True),
+                Column("how it was established"))
+
     def __str__(self) -> str:
         parts = [self._head(), self.answer(), *self._facts()]
+        if self.remedies:
+            parts += [f"to run {self.name}={self.want:,}:", text_table(self._remedy_columns(), self._remedy_rows())]
         if self.lines:
             parts += ["lines whose memory grows:", text_table(self._line_columns(), self._line_rows())]
         if self.points:
@@ -281,6 +307,9 @@ class FitResult(Shown):
         parts = [f"<div class='nbmem-report'><div style='font-weight:600'>{esc(self._head())}</div>",
                  f"<div style='font-size:1.1em'>{esc(self.answer())}</div>"]
         parts += [f"<div>{esc(f)}</div>" for f in self._facts()]
+        if self.remedies:
+            parts.append(html_table(self._remedy_columns(), self._remedy_rows(),
+                                    caption=f"to run {self.name}={self.want:,}"))
         if self.lines:
             parts.append(html_table(self._line_columns(), self._line_rows(), caption="lines whose memory grows"))
         if self.points:
@@ -326,12 +355,15 @@ def _place(site: Site, sources: Mapping[int, str]) -> str:
 
 def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segments: Sequence[SegmentState] = (),
             cell_files: frozenset[str] = frozenset(), sources: Mapping[int, str] | None = None,
-            max_value: int | None = None, notes: Sequence[str] = (), skipped: Sequence[int] = ()) -> FitResult:
+            max_value: int | None = None, notes: Sequence[str] = (), skipped: Sequence[int] = (),
+            want: int | None = None, expandable: bool = False) -> FitResult:
     """The largest value that fits into ``room``, from the runs' traces in the order they ran.
 
     ``segments`` is the allocator's state before the first run (``segments_from_snapshot``); without it
     the allocator is taken to start empty. ``cell_files`` and ``sources`` name the cell's lines where the
     traces have stacks. ``max_value`` caps the search; ``skipped`` are values not run (predicted not to fit).
+    ``want``: a value asked about; where it does not fit, ``remedies`` says what would let it run
+    (``expandable``: the allocator already uses expandable segments, so that is no remedy).
     """
     sources = sources or {}
     site_of = _site_of(cell_files)
@@ -344,11 +376,14 @@ def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segmen
     cap = min([SEARCH_CAP, *(v - 1 for v in oom_values)] + ([max_value] if max_value else []))
     if oom_values:
         all_notes.append(f"{name}={min(oom_values):,} ran out of memory in its run: the prediction stays below it")
-    base = FitResult(name=name, device=room.device, values=values, points=points, room=room)
+    base = FitResult(name=name, device=room.device, values=values, points=points, room=room, want=want)
     built = build_timeline(parsed, segments)
     capacity = room.capacity_bytes
     if built == "structure":
-        return _scaled_peak(parsed, segments, capacity, cap, base, all_notes)
+        scaled = _scaled_peak(parsed, segments, capacity, cap, base, all_notes)
+        if want is not None and scaled.largest_value is not None and want > scaled.largest_value:
+            scaled = replace(scaled, remedies=tuple(_accumulation(name, scaled.largest_value, want)))
+        return scaled
     if isinstance(built, str):
         return replace(base, reason=built, notes=tuple(all_notes))
     tl = built
@@ -385,12 +420,54 @@ def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segmen
     if all(s is None for s in tl.sites):
         all_notes.append("the traces have no stacks: record them with stacks to see which lines grow")
     curve = _curve(lambda v: tl.simulate(v, math.inf), values[0], max(largest, values[-1]))
-    return replace(timeline, largest_value=largest, power_of_two=power_of_two_below(largest),
+    remedies: list[Remedy] = []
+    if want is not None and want > largest:
+        remedies += _accumulation(name, largest, want)
+        if not expandable:
+            remedies += _expandable(tl, name, largest, capacity, cap, all_notes)
+    return replace(timeline, remedies=tuple(remedies), largest_value=largest, power_of_two=power_of_two_below(largest),
                    fixed_bytes=fixed, bytes_per_unit=per, bytes_per_unit_sq=sq,
                    peak_allocated_at_largest_bytes=at.peak_allocated_bytes,
                    peak_reserved_at_largest_bytes=at.peak_reserved_bytes,
                    peak_where=(_phase_place(tl, small.peak_at, sources), _phase_place(tl, at.peak_at, sources)),
                    lines=tuple(lines[:8]), curve=curve, notes=(*all_notes, *ASSUMPTIONS))
+
+
+#: What the allocator rounds to with expandable segments, kept free on top of the allocated peak: a 2 MiB page
+#: for each of the small and large pools of a stream, twice.
+EXPANDABLE_SLACK_BYTES = 8 << 20
+
+
+def _accumulation(name: str, largest: int, want: int) -> list[Remedy]:
+    """Gradient accumulation: ``want`` as the fewest micro-batches that each fit (from the fit itself)."""
+    steps = math.ceil(want / largest)
+    micro = math.ceil(want / steps)
+    last = want - micro * (steps - 1)
+    split = f"{steps} × {micro:,}" if last == micro else f"{steps - 1} × {micro:,} + {last:,}"
+    return [Remedy("gradient accumulation", micro, f"{name}={micro:,}, {steps} backward passes per optimizer step "
+                   f"({split} = {want:,}), the loss divided by {steps}",
+                   f"from this fit: {micro:,} ≤ {largest:,} fits (where {name} is the batch size); no more memory "
+                   f"than one micro-batch, the optimizer steps {steps}× less often")]
+
+
+def _expandable(tl: Timeline, name: str, largest: int, capacity: int, cap: int, notes: list[str]) -> list[Remedy]:
+    """``expandable_segments``: worth a restart only where the cache's reserved-but-unused memory is what does
+    not fit, i.e. where the allocated peak alone (and a page of rounding per pool) still fits."""
+    def fits(v: int) -> bool:
+        return tl.simulate(v, math.inf).peak_allocated_bytes + EXPANDABLE_SLACK_BYTES <= capacity
+
+    unfragmented = largest_fitting(fits, largest, cap)
+    if unfragmented is None or unfragmented <= largest:
+        notes.append(f"expandable_segments would not help: at {name}={largest + 1:,} the allocated memory itself "
+                     "does not fit, not the cache's reserved-but-unused memory")
+        return []
+    nxt = tl.simulate(largest + 1, math.inf)
+    return [Remedy("expandable_segments", unfragmented,
+                   "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, set before CUDA starts (restart the kernel)",
+                   f"from this fit's model (+{100 * (unfragmented / largest - 1):.0f} %), not measured (it needs a "
+                   f"restart): at {name}={largest + 1:,} the cache "
+                   f"reserves {fmt_bytes(nxt.peak_reserved_bytes)} for {fmt_bytes(nxt.peak_allocated_bytes)} "
+                   f"allocated; with expandable segments reserved memory follows allocated memory")]
 
 
 def _after(at: tuple[int, int], tl: Timeline) -> tuple[int, int]:
@@ -471,5 +548,5 @@ def proportional_bound(run: RunTrace, value: int) -> int | None:
     return run.allocated_before_bytes + math.ceil(r.peak_growth_bytes * value / max(1, run.value))
 
 
-__all__ = ["ASSUMPTIONS", "FitPoint", "FitResult", "GrowthLine", "analyse", "largest_fitting",
+__all__ = ["ASSUMPTIONS", "FitPoint", "FitResult", "GrowthLine", "Remedy", "analyse", "largest_fitting",
            "power_of_two_below", "proportional_bound"]

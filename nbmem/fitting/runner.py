@@ -18,6 +18,7 @@ for bit, after the last, also after a failure, so the training steps the fit ran
 from __future__ import annotations
 
 import gc
+import os
 import sys
 import time
 import traceback
@@ -92,17 +93,18 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
         warmup: bool = True, modules: Iterable[Any] = (), optimizers: Iterable[Any] = (), others: Iterable[Any] = (),
         iterators: Sequence[str] = (), restore: bool = True, margin_bytes: int | None = None, stacks: bool = False,
         cell_files: frozenset[str] = frozenset(), sources: Mapping[int, str] | None = None,
-        max_value: int | None = None, max_entries: int = DEFAULT_MAX_ENTRIES) -> FitResult:
+        max_value: int | None = None, want: int | None = None, max_entries: int = DEFAULT_MAX_ENTRIES) -> FitResult:
     """Run ``run(value)`` at each value (ascending) under the allocator's trace and predict the largest that fits.
 
     ``warmup`` runs the smallest value once first, not counted, so the one-time allocations (optimizer
     state, workspaces) are made before the counted runs. ``modules``, ``optimizers`` and ``others`` (LR
     schedulers, gradient scalers) are the state the body reaches, copied and restored afterwards with the
     random generators when ``restore``; ``iterators`` name what it may advance that cannot be put back.
-    ``stacks`` records Python
-    stacks, so the result names the lines that grow (``cell_files`` and ``sources`` name the cell's own).
-    ``margin_bytes`` defaults to ``fit.margin_bytes_for``. A body that raises anything but CUDA's
-    out-of-memory error stops the fit (cleaned up and restored) and the error propagates.
+    ``stacks`` records Python stacks, so the result names the lines that grow (``cell_files`` and ``sources``
+    name the cell's own). ``margin_bytes`` defaults to ``fit.margin_bytes_for``. ``want``: a value asked
+    about; where it does not fit, the result's ``remedies`` say what would let it run (from the fit itself, no
+    more runs). A body that raises anything but CUDA's out-of-memory error stops the fit (cleaned up and
+    restored) and the error propagates, told what was put back.
     """
     started = time.perf_counter()
     src = source or TorchSource()
@@ -178,14 +180,14 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
     if not restore and steps:
         notes.append(f"not restored: the fit ran the body {steps} times, and whatever it trains was trained")
     result = analyse(runs, room, name=name, segments=segments, cell_files=cell_files, sources=sources,
-                     max_value=max_value, notes=notes, skipped=skipped)
+                     max_value=max_value, notes=notes, skipped=skipped, want=want, expandable=_expandable_on())
     return replace(result, restored_bytes=restored, restored=lines[0], not_restored=lines[1], steps_run=steps,
                    duration_s=time.perf_counter() - started)
 
 
 def fit_in_notebook(adapter: Any, source: TorchSource, type_cache: Any, body: str | Callable[[int], object],
                     name: str, values: Sequence[int], *, cell: int, warmup: bool, restore: bool,
-                    budget_s: float | None) -> FitResult:
+                    budget_s: float | None, want: int | None = None) -> FitResult:
     """A fit of a cell's source (run in the notebook's namespace, ``name`` bound, put back after each run) or
     of a function of the value; the training state it reaches (found by a walk from the names it uses) is
     what is restored. ``adapter`` is the IPython adapter (``shell.ShellAdapter``)."""
@@ -208,7 +210,7 @@ def fit_in_notebook(adapter: Any, source: TorchSource, type_cache: Any, body: st
     try:
         result = fit(runner, values, source=source, name=name, clean=clean, warmup=warmup, modules=found.modules,
                      optimizers=found.optimizers, others=found.others, iterators=found.iterators, restore=restore,
-                     stacks=True, cell_files=files, sources=lines)
+                     stacks=True, cell_files=files, sources=lines, want=want)
         if restore and nothing:
             result = replace(result, notes=("no model, optimizer, LR scheduler or gradient scaler was found under the "
                                             "names the cell uses or the functions it calls: only the random "
@@ -307,6 +309,12 @@ def _refine(body: _Body, runs: list[RunTrace], room: Room, segments: Any, cell_f
         checked = ", ".join(f"{r.value:,}" for r in runs[-made:])
         notes.append(f"the small runs predicted {first:,}: {made} more run{'s' if made > 1 else ''} ({name}={checked}) "
                      "checked the growth nearer the answer")
+
+
+def _expandable_on() -> bool:
+    """Whether this process's caching allocator was started with expandable segments (the settings torch read)."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
+    return "expandable_segments:true" in conf.replace(" ", "").lower()
 
 
 def _say_what_was_put_back(e: BaseException, src: TorchSource, dev: int, before: int | None,
