@@ -55,8 +55,25 @@ def flight_dir(environ: Mapping[str, str] | None = None) -> Path:
 
         base = Path(env.get("JUPYTER_RUNTIME_DIR") or jupyter_runtime_dir())
     except Exception:
-        base = Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        return cache_flight_dir(env)
     return base / "nbmem-flight"
+
+
+def cache_flight_dir(environ: Mapping[str, str] | None = None) -> Path:
+    """The user's cache: where capsules go when Jupyter's runtime directory cannot be written."""
+    env = os.environ if environ is None else environ
+    return Path(env.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "nbmem-flight"
+
+
+def usable_dir(candidates: Sequence[Path]) -> Path:
+    """The first of ``candidates`` that can be made private; an OSError naming why none could."""
+    errors = []
+    for d in candidates:
+        try:
+            return private_dir(d)
+        except OSError as e:
+            errors.append(f"{d}: {e.strerror or e}")
+    raise OSError("no directory for the flight recorder's capsule (" + "; ".join(errors) + ")")
 
 
 def kernel_id(argv: Sequence[str] | None = None) -> str:
@@ -325,7 +342,7 @@ def open_flight(subscribe: Callable[[Listener], Callable[[], None]], directory: 
                 ) -> tuple[FlightRecorder, Death | None]:
     """Read the capsule this notebook's dead kernel left (told once), then start this kernel's, fed through
     ``subscribe`` (``Session.subscribe``: ticks on the sampler thread, which writes)."""
-    rec = FlightRecorder(directory or flight_dir())
+    rec = FlightRecorder(directory or usable_dir([flight_dir(), cache_flight_dir()]))
     dead = take_dead(rec.directory, notebook=rec.notebook, kernel=rec.kernel)
     death = None
     if dead is not None:

@@ -16,7 +16,16 @@ import pytest
 
 import nbmem
 from nbmem.deaths import Death, cause_of, explain, pressure_note
-from nbmem.flight import FORMAT, FlightRecorder, error_text, first_line, flight_dir, kernel_id, take_dead
+from nbmem.flight import (
+    FORMAT,
+    FlightRecorder,
+    error_text,
+    first_line,
+    flight_dir,
+    kernel_id,
+    take_dead,
+    usable_dir,
+)
 from nbmem.limits import Cgroup, MemoryLimit
 from nbmem.magics import _magics, session_of
 from nbmem.records import Finding, HolderKind, Holders, Sample, Tick
@@ -118,6 +127,11 @@ def test_kernel_id_and_where_capsules_live(tmp_path: Path, monkeypatch: pytest.M
     assert kernel_id(["ipykernel_launcher.py", "-f", "/run/user/1/jupyter/kernel-3f2a-bb.json"]) == "3f2a-bb"
     assert kernel_id(["pytest"]) == ""
     assert flight_dir({"JUPYTER_RUNTIME_DIR": str(tmp_path)}) == tmp_path / "nbmem-flight"
+    blocked = tmp_path / "file"
+    blocked.write_text("")  # a runtime dir that cannot be made: the cache takes it
+    assert usable_dir([blocked / "nbmem-flight", tmp_path / "cache"]) == tmp_path / "cache"
+    with pytest.raises(OSError, match="no directory for the flight recorder's capsule"):
+        usable_dir([blocked / "a"])
 
 
 # -- which capsule is told ------------------------------------------------------------------------------------
