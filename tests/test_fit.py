@@ -627,7 +627,7 @@ def test_a_wanted_value_that_does_not_fit_gets_remedies_each_with_the_largest_va
     assert res.largest_value == base.largest_value and f"{want:,} does not fit" in res.answer()
     acc, exp = res.remedies
     assert acc.name == "gradient accumulation" and acc.largest_value <= base.largest_value
-    steps = int(acc.setting.split(", ")[1].split()[0])
+    steps = int(acc.setting.split(" × ")[1].split()[0])
     assert steps == 4 and acc.largest_value * steps >= want > acc.largest_value * (steps - 1)
     assert exp.name == "expandable_segments" and exp.largest_value > base.largest_value and "restart" in exp.setting
     parsed = [fitmodel.Run(r, lambda f: None) for r in runs]

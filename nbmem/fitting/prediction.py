@@ -443,11 +443,10 @@ def _accumulation(name: str, largest: int, want: int) -> list[Remedy]:
     steps = math.ceil(want / largest)
     micro = math.ceil(want / steps)
     last = want - micro * (steps - 1)
-    split = f"{steps} × {micro:,}" if last == micro else f"{steps - 1} × {micro:,} + {last:,}"
-    return [Remedy("gradient accumulation", micro, f"{name}={micro:,}, {steps} backward passes per optimizer step "
-                   f"({split} = {want:,}), the loss divided by {steps}",
-                   f"from this fit: {micro:,} ≤ {largest:,} fits (where {name} is the batch size); no more memory "
-                   f"than one micro-batch, the optimizer steps {steps}× less often")]
+    split = f"{name}={micro:,} × {steps} steps" + ("" if last == micro else f" (the last {last:,})")
+    return [Remedy("gradient accumulation", micro, f"{split}, loss / {steps}",
+                   f"this fit: {micro:,} ≤ {largest:,} fits (if {name} is the batch size); "
+                   f"the optimizer steps {steps}× less often")]
 
 
 def _expandable(tl: Timeline, name: str, largest: int, capacity: int, cap: int, notes: list[str]) -> list[Remedy]:
@@ -463,11 +462,10 @@ def _expandable(tl: Timeline, name: str, largest: int, capacity: int, cap: int, 
         return []
     nxt = tl.simulate(largest + 1, math.inf)
     return [Remedy("expandable_segments", unfragmented,
-                   "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, set before CUDA starts (restart the kernel)",
-                   f"from this fit's model (+{100 * (unfragmented / largest - 1):.0f} %), not measured (it needs a "
-                   f"restart): at {name}={largest + 1:,} the cache "
-                   f"reserves {fmt_bytes(nxt.peak_reserved_bytes)} for {fmt_bytes(nxt.peak_allocated_bytes)} "
-                   f"allocated; with expandable segments reserved memory follows allocated memory")]
+                   "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, then restart the kernel",
+                   f"this fit's model, not measured (+{100 * (unfragmented / largest - 1):.0f} %): at "
+                   f"{largest + 1:,} the cache reserves {fmt_bytes(nxt.peak_reserved_bytes)} for "
+                   f"{fmt_bytes(nxt.peak_allocated_bytes)} allocated")]
 
 
 def _after(at: tuple[int, int], tl: Timeline) -> tuple[int, int]:
