@@ -202,7 +202,7 @@ class FlightRecorder:
                 self._news = True
                 return
             ended, self._cell = self._cell, None
-            self._news = ended is not None
+            self._news |= ended is not None
             text, cuda = error_text(error)
             if text:
                 self._error = {"cell": ended["number"] if ended else None, "error": text, "cuda": cuda, "t": now}
