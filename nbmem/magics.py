@@ -257,12 +257,10 @@ class NbmemMagics(Magics):
 
     def post_run_cell(self, result: Any) -> None:
         try:
-            if self.flight and not self._nested:
-                self.flight.running(None, error=getattr(result, "error_in_exec", None))
             if self._nested:
                 return
-            if not self.session.in_cell:  # a cell nobody measured: the gauge's holders follow it (a few ms)
-                if not getattr(getattr(result, "info", None), "silent", False):
+            if not self.session.in_cell:  # a cell nobody measured: the gauge's holder list follows it
+                if self.gauge is not None and not getattr(getattr(result, "info", None), "silent", False):
                     self.session.refresh_holders()
                 return
             report = self.session.end_cell(getattr(result, "error_in_exec", None))
