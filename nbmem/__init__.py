@@ -179,7 +179,8 @@ def last_death() -> Any:
     """How this notebook's previous kernel died (told by ``%load_ext nbmem``), or None when it ended cleanly."""
     from .magics import _magics
 
-    return _magics().last_death
+    flight = _magics().flight
+    return None if flight is None else flight.last_death
 
 
 def plot(**kwargs: Any) -> Any:

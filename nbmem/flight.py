@@ -163,6 +163,8 @@ class FlightRecorder:
         self._closed = False
         self.writes = 0
         self.last_bytes = 0
+        self.hooks: dict[str, Callable[[Any], None]] = {}
+        self.last_death: Death | None = None  # how this notebook's previous kernel died (``open_flight``)
 
     @property
     def path(self) -> Path:
@@ -207,10 +209,29 @@ class FlightRecorder:
             if text:
                 self._error = {"cell": ended["number"] if ended else None, "error": text, "cuda": cuda, "t": now}
 
-    def pre_run_cell(self, info: Any, number: int) -> None:
-        """IPython's ``pre_run_cell`` (its ExecutionInfo): a cell the user runs, not a silent one."""
-        if getattr(info, "store_history", False) and not getattr(info, "silent", False):
-            self.running(number, getattr(info, "raw_cell", "") or "")
+    def cell_hooks(self, number: Callable[[], int], fault: Callable[[str, BaseException], None]
+                   ) -> dict[str, Callable[[Any], None]]:
+        """IPython's ``pre_run_cell`` and ``post_run_cell`` for this recorder (kept in ``hooks`` to unregister):
+        every cell the user runs, measured or not; a run that is silent or keeps no history (the body a cell
+        magic runs) is not one. ``number`` is the running cell's number; a failure goes to ``fault``."""
+        def user_cell(info: Any) -> bool:
+            return bool(getattr(info, "store_history", False)) and not getattr(info, "silent", False)
+
+        def pre_run_cell(info: Any) -> None:
+            try:
+                if user_cell(info):
+                    self.running(number(), getattr(info, "raw_cell", "") or "")
+            except Exception as e:
+                fault("the flight recorder", e)
+
+        def post_run_cell(result: Any) -> None:
+            try:
+                if user_cell(getattr(result, "info", None)):
+                    self.running(None, error=getattr(result, "error_in_exec", None))
+            except Exception as e:
+                fault("the flight recorder", e)
+        self.hooks = {"pre_run_cell": pre_run_cell, "post_run_cell": post_run_cell}
+        return self.hooks
 
     def _tick(self, samples: Sequence[Sample]) -> None:
         if not samples:
@@ -339,15 +360,14 @@ def _unlink(p: Path) -> None:
 
 
 def open_flight(subscribe: Callable[[Listener], Callable[[], None]], directory: Path | None = None
-                ) -> tuple[FlightRecorder, Death | None]:
-    """Read the capsule this notebook's dead kernel left (told once), then start this kernel's, fed through
-    ``subscribe`` (``Session.subscribe``: ticks on the sampler thread, which writes)."""
+                ) -> FlightRecorder:
+    """Read the capsule this notebook's dead kernel left (told once: ``last_death``), then start this
+    kernel's, fed through ``subscribe`` (``Session.subscribe``: ticks on the sampler thread, which writes)."""
     rec = FlightRecorder(directory or usable_dir([flight_dir(), cache_flight_dir()]))
     dead = take_dead(rec.directory, notebook=rec.notebook, kernel=rec.kernel)
-    death = None
     if dead is not None:
         # The cgroup that held the dead kernel is read again: a count that rose after its last sample is the OOM killer.
-        death = explain(dead, oom_kills_of(str((dead.get("limit") or {}).get("cgroup_dir") or "")))
+        rec.last_death = explain(dead, oom_kills_of(str((dead.get("limit") or {}).get("cgroup_dir") or "")))
     rec.start()
     subscribe(rec.listen)
-    return rec, death
+    return rec

@@ -100,7 +100,6 @@ from traitlets import Bool, Enum, Float, Int, TraitType
 from traitlets.config import Configurable
 
 from .cleanup_request import CleanupRefused, CleanupRequest
-from .deaths import Death
 from .fitting.state import FitRefused
 from .flight import FlightRecorder, open_flight
 from .options import OPTION_BY_NAME, OPTIONS, Option, OptionError, Settings
@@ -236,14 +235,11 @@ class NbmemMagics(Magics):
         self._nested = False
         self.gauge: Any = None
         self.flight: FlightRecorder | None = None  # this kernel's capsule on disk, fed by the session
-        self.last_death: Death | None = None  # how this notebook's previous kernel died, told on load
 
     # -- events ------------------------------------------------------------------------------------
     def pre_run_cell(self, info: Any) -> None:
         try:
             s = self.session
-            if self.flight and not self._nested:  # every cell, measured or not: the capsule names it
-                self.flight.pre_run_cell(info, self.shell.execution_count - 1)
             if self._nested or not s.monitoring or s.in_cell:
                 return
             if getattr(info, "silent", False) or not getattr(info, "store_history", False):
@@ -594,7 +590,9 @@ def load_ipython_extension(shell: Any) -> None:
     session = Session(ShellAdapter(shell), options.settings())
     magics = NbmemMagics(shell, options, session)
     try:
-        magics.flight, magics.last_death = open_flight(session.subscribe)
+        magics.flight = open_flight(session.subscribe)
+        for event, hook in magics.flight.cell_hooks(lambda: shell.execution_count - 1, session.fault).items():
+            shell.events.register(event, hook)  # every cell, measured or not: the capsule names it
     except Exception as e:
         session.fault("the flight recorder", e)
     session.start()
@@ -611,8 +609,8 @@ def load_ipython_extension(shell: Any) -> None:
     shell.events.register("pre_run_cell", magics.pre_run_cell)
     shell.events.register("post_run_cell", magics.post_run_cell)
     _ACTIVE[shell] = magics
-    if magics.last_death is not None:
-        magics._display(magics.last_death)  # the story of the last kernel's death first
+    if magics.flight is not None and magics.flight.last_death is not None:
+        magics._display(magics.flight.last_death)  # the story of the last kernel's death first
     print(session.greeting())
     if options.gauge != "none":
         magics.show_gauge(options.gauge)
@@ -623,7 +621,8 @@ def unload_ipython_extension(shell: Any) -> None:
     magics = _ACTIVE.pop(shell, None)
     if magics is None:
         return
-    for event, fn in (("pre_run_cell", magics.pre_run_cell), ("post_run_cell", magics.post_run_cell)):
+    hooks = magics.flight.hooks.items() if magics.flight is not None else ()
+    for event, fn in (("pre_run_cell", magics.pre_run_cell), ("post_run_cell", magics.post_run_cell), *hooks):
         try:
             shell.events.unregister(event, fn)
         except ValueError:
