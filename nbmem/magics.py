@@ -291,8 +291,7 @@ class NbmemMagics(Magics):
               help="With --fit: do not copy the model's and optimizer's state to host memory and back (the fit "
                    "then trains them).")
     @argument("--want", default=None, metavar="N",
-              help="With --fit: the value you want to run at; when it does not fit, a table of remedies "
-                   "(gradient accumulation, expandable_segments) with the largest value each allows.")
+              help="With --fit: the NAME you want; when it does not fit, remedies with the largest NAME each allows.")
     @argument("--cell", type=int, default=None, help="With `leaks`: what cell N added; with `lines`: cell N's lines.")
     @argument("--detail", action="store_true",
               help="With `leaks`: a row per tensor instead of a row per owner (the name you typed).")
@@ -417,12 +416,8 @@ class NbmemMagics(Magics):
             return None
 
     def _fit_cell(self, body: str, args: Any) -> Any:
-        if args.fit is None:
-            flag = "--no-restore" if args.no_restore else "--want"
-            raise UsageError(f"%%cudamem: {flag} goes with --fit NAME=V1,V2,... Nothing was run.")
+        name, values, want = fit_args(args)
         self._only(args, FIT_OPTIONS, "%%cudamem --fit")
-        name, values = parse_fit(args.fit)
-        want = None if args.want is None else parse_want(args.want, name)
         if name not in self.session.adapter.mentioned(body):
             raise UsageError(f"%%cudamem --fit: the cell does not use `{name}`: a fit binds {name} to each value "
                              f"and runs the cell, so its code must read it (e.g. `x = torch.randn({name}, 512)`). "
@@ -555,6 +550,15 @@ def parse_fit(spec: str) -> tuple[str, tuple[int, ...]]:
         raise UsageError(f"%%cudamem --fit {name}=...: give 2 to 5 different values: each one runs the cell. "
                          "Nothing was run.")
     return name, values
+
+
+def fit_args(args: Any) -> tuple[str, tuple[int, ...], int | None]:
+    """The name, values and wanted value of ``%%cudamem --fit ... [--want N]``; a UsageError otherwise."""
+    if args.fit is None:
+        flag = "--no-restore" if args.no_restore else "--want"
+        raise UsageError(f"%%cudamem: {flag} goes with --fit NAME=V1,V2,... Nothing was run.")
+    name, values = parse_fit(args.fit)
+    return name, values, None if args.want is None else parse_want(args.want, name)
 
 
 def parse_want(spec: str, name: str) -> int:

@@ -413,8 +413,9 @@ def _one_run(run: Callable[[int], object], value: int, counted: bool, src: Torch
         if not is_out_of_memory(e):
             _let_go_of_frames(e)
             raise
-        # The error's frames hold the run's tensors; only its first line is kept.
+        # The error's frames (and those of the errors it chains) hold the run's tensors; only its first line is kept.
         oom = (str(e).strip().splitlines() or ["out of memory"])[0][:200]
+        _let_go_of_frames(e)
         e.__traceback__ = None
         del e
     finally:
