@@ -17,6 +17,7 @@ from typing import Any
 
 from . import findings as judge
 from . import owners, pools
+from .formatting import fmt_bytes
 from .linetrace import Replay
 from .options import Settings
 from .records import Boundary, CellRecord
@@ -93,6 +94,8 @@ class Holdings:
     def refresh(self, budget_s: float) -> Scan | None:
         """After a cell nobody measured: walk what changed since the last scan, within ``budget_s``, so what is
         held now stays true without ``%cudamem on``. None when nothing could have changed (no walk at all)."""
+        if self.probe.torch.torch() is None:
+            return None
         mark = self.mark()
         if not self._changed_since_scan(mark):
             return None
@@ -264,6 +267,18 @@ class Holdings:
                                                 cache=self._finding_cache)
             self._current_of = cur
         return self._current
+
+    def note(self) -> str:
+        """What to say where no owner is listed: nothing passed the threshold, or why that is not known."""
+        s = self.last_scan
+        if s is None:
+            if self.probe.torch.torch() is None:
+                return "torch is not imported yet: no tensors to hold"
+            return "no holder scan has run yet: `%cudamem leaks` or `%cudamem on` scans the notebook"
+        if s.truncated:
+            return (f"the last holder scan stopped at Nbmem.scan_budget before finishing "
+                    f"{', '.join(s.unfinished[:3])}: `%cudamem leaks` scans everything")
+        return f"nothing above the threshold ({fmt_bytes(self.settings.threshold_bytes)})"
 
     def held_by(self, names: Sequence[str]) -> dict[str, set[int]]:
         """The storages each of these top-level names reached at the last scan (before a cleanup)."""

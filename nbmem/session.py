@@ -26,7 +26,7 @@ from .cleanup_request import CleanupRequest
 from .deaths import with_pressure
 from .fitting.prediction import FitResult
 from .fitting.runner import fit_in_notebook
-from .formatting import fmt_bytes, spans
+from .formatting import spans
 from .holdings import REFRESH_BUDGET_S, Holdings
 from .limits import limit_line
 from .options import Settings
@@ -301,19 +301,10 @@ class Session:
         """The owners above the threshold as of the latest scan (what the gauge lists)."""
         return self.holdings.current().owners
 
-    def refresh_holders(self, *, full: bool = False) -> None:
-        """Walk what changed since the last holder scan (``REFRESH_BUDGET_S`` at most), or
-        everything with ``full``, and tell the subscribers (the gauge's list follows without `%cudamem on`)."""
-        if not self.settings.scan or self.probe.torch.torch() is None:
-            return
-        try:
-            if full:
-                self.holdings.scan_all()
-            elif self.holdings.refresh(REFRESH_BUDGET_S) is None:
-                return
+    def refresh_holders(self) -> None:
+        """After a cell nobody measured: walk what it changed (``REFRESH_BUDGET_S`` at most), tell the gauge."""
+        if self.settings.scan and self.holdings.refresh(REFRESH_BUDGET_S) is not None:
             self._publish_holders()
-        except Exception as e:
-            self.fault("the holder refresh", e)
 
     def holders_scanned_at(self) -> float | None:
         """When the latest holder scan ran (epoch seconds), None before one."""
@@ -321,15 +312,7 @@ class Session:
 
     def holders_note(self) -> str:
         """What to say where no owner is listed: nothing passed the threshold, or why that is not known."""
-        s = self.holdings.last_scan
-        if s is None:
-            if self.probe.torch.torch() is None:
-                return "torch is not imported yet: no tensors to hold"
-            return "no holder scan has run yet: `%cudamem leaks` or `%cudamem on` scans the notebook"
-        if s.truncated:
-            return (f"the last holder scan stopped at Nbmem.scan_budget before finishing "
-                    f"{', '.join(s.unfinished[:3])}: `%cudamem leaks` scans everything")
-        return f"nothing above the threshold ({fmt_bytes(self.settings.threshold_bytes)})"
+        return self.holdings.note()
 
     def tensor_totals(self) -> dict[str, int] | None:
         """Bytes of live tensor storages per device, as the latest scan found them; None before a scan."""

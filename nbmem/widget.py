@@ -448,7 +448,7 @@ class Gauge(anywidget.AnyWidget):
         """The holder list's "rescan": every root walked again, and the list follows."""
         req = _req_of(content)
         t0 = time.perf_counter()
-        self.session.refresh_holders(full=True)
+        self.session.take_baseline()  # every root walked again, and the subscribers told
         n = len(self.session.findings())
         text = (f"{n} holder{'' if n == 1 else 's'} listed" if n else self.session.holders_note()) + \
             f" ({(time.perf_counter() - t0) * 1000:.0f} ms)"
