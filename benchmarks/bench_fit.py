@@ -2,6 +2,7 @@
 
     PYTHONPATH=. python3 benchmarks/bench_fit.py                 # needs CUDA; about 3-4 minutes on an H100
     PYTHONPATH=. python3 benchmarks/bench_fit.py --only mlp --states fresh
+    PYTHONPATH=. python3 benchmarks/bench_fit.py --only training     # issue 27's training setups
     PYTHONPATH=. python3 benchmarks/bench_fit.py --out DIR       # also writes results.json, traces, a plot
     PYTHONPATH=. python3 benchmarks/bench_fit.py --replay DIR/traces.json.gz   # no GPU: the analysis again
 
@@ -56,6 +57,8 @@ class Family:
     optimizer: Callable[[Any], Any]
     kitsune_shape: tuple[int, ...] | None = None  # the input without its batch dimension, for torch-kitsune
     kitsune_optimizer: str = "adamw"
+    #: (model, optimizer) -> the other training state the body changes (LR schedulers, gradient scalers)
+    others: Callable[[Any, Any], list[Any]] = lambda model, opt: []
 
 
 def families(torch: Any, dev: str = "cuda") -> dict[str, Family]:
@@ -222,6 +225,69 @@ def families(torch: Any, dev: str = "cuda") -> dict[str, Family]:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    # -- issue 27: the training setups a fit must leave as it found them -----------------------------------------
+    # The scheduler and scaler of an optimizer, made with it and found by it (the body gets the optimizer).
+    aux: dict[int, dict[str, Any]] = {}
+
+    def with_aux(make_opt: Callable[[Any], Any], **parts: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        def optimizer(m: Any) -> Any:
+            opt = make_opt(m)
+            aux[id(opt)] = {k: f(opt) for k, f in parts.items()}
+            return opt
+        return optimizer
+
+    def aux_of(model: Any, opt: Any) -> list[Any]:
+        return list(aux.get(id(opt), {}).values())
+
+    def one_cycle(opt: Any) -> Any:
+        return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=1e-3, total_steps=1_000_000)
+
+    def fp16_scaler(opt: Any) -> Any:
+        return torch.amp.GradScaler("cuda")
+
+    def sched_body(model: Any, opt: Any, ns: dict[str, Any], b: int) -> None:
+        mlp_body(model, opt, ns, b)
+        aux[id(opt)]["sched"].step()
+
+    def accum_body(model: Any, opt: Any, ns: dict[str, Any], b: int) -> None:
+        """fp16 autocast with a GradScaler, two accumulated micro-batches of ``b`` per optimizer step."""
+        scaler = aux[id(opt)]["scaler"]
+        for _ in range(2):
+            ns["x"] = torch.randn(b, 512, device=dev)
+            ns["y"] = torch.randint(0, 10, (b,), device=dev)
+            with torch.autocast("cuda", dtype=torch.float16):
+                ns["out"] = model(ns["x"])
+            ns["loss"] = F.cross_entropy(ns["out"].float(), ns["y"]) / 2
+            scaler.scale(ns["loss"]).backward()
+        scaler.step(opt)
+        scaler.update()
+        opt.zero_grad(set_to_none=True)
+
+    class CheckpointedLM(LM):
+        """The LM with each block under ``torch.utils.checkpoint``, called from the notebook's own code."""
+
+        def __init__(self, reentrant: bool) -> None:
+            super().__init__()
+            self.reentrant = reentrant
+
+        def forward(self, idx: Any) -> Any:
+            h = self.emb(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+            for blk in self.blocks:
+                h = torch.utils.checkpoint.checkpoint(blk, h, use_reentrant=self.reentrant)
+            return self.head(h)
+
+    def lora(device: Any) -> Any:
+        """The LM in bf16 with LoRA adapters on its attention (peft): only the adapters train."""
+        from peft import LoraConfig, inject_adapter_in_model
+
+        model = inject_adapter_in_model(LoraConfig(r=16, target_modules=["qkv", "proj"]), LM())
+        for n, prm in model.named_parameters():
+            prm.requires_grad_("lora_" in n)
+        return model.to(device=device, dtype=torch.bfloat16)
+
+    def adamw_trainable(m: Any) -> Any:
+        return torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4)
+
     return {
         "mlp": Family("mlp", "batch", (256, 512, 1024), mlp, mlp_body, adamw, (512,)),
         "lm-bf16": Family("lm-bf16", "batch", (8, 16, 32), lambda d: LM().to(d), lm_body, adamw),
@@ -231,7 +297,18 @@ def families(torch: Any, dev: str = "cuda") -> dict[str, Family]:
                               adamw),
         "lm-seq": Family("lm-seq", "seq", (128, 256, 512), lambda d: SeqLM().to(d), seq_body, adamw),
         "embedding": Family("embedding", "batch", (1024, 2048, 4096), lambda d: Bag().to(d), bag_body, adamw),
+        "ckpt": Family("ckpt", "batch", (8, 16, 32), lambda d: CheckpointedLM(False).to(d), lm_body, adamw),
+        "ckpt-reentrant": Family("ckpt-reentrant", "batch", (8, 16, 32), lambda d: CheckpointedLM(True).to(d),
+                                 lm_body, adamw),
+        "scaler-accum": Family("scaler-accum", "batch", (256, 512, 1024), mlp, accum_body,
+                               with_aux(adamw, scaler=fp16_scaler), others=aux_of),
+        "sched": Family("sched", "batch", (256, 512, 1024), mlp, sched_body, with_aux(adamw, sched=one_cycle),
+                        others=aux_of),
+        "lora-bf16": Family("lora-bf16", "batch", (8, 16, 32), lora, lm_body, adamw_trainable),
     }
+
+#: Issue 27's training setups, run with ``--only`` (``--only training`` runs them all).
+TRAINING = ("ckpt", "ckpt-reentrant", "scaler-accum", "sched", "lora-bf16")
 
 
 @dataclass
@@ -311,7 +388,8 @@ def main() -> int:
     torch.backends.cudnn.allow_tf32 = True
     started = time.perf_counter()
     fams = families(torch)
-    only = [f for f in a.only.split(",") if f] or [f for f in fams if f not in ("lm-seq", "embedding")]
+    only = [g for f in a.only.split(",") if f for g in (TRAINING if f == "training" else (f,))] or [
+        f for f in fams if f not in ("lm-seq", "embedding", *TRAINING)]
     # Every family fresh first, then the sequence length and half the GPU held, then the other states: what a
     # spent time budget leaves out is the least new.
     states = [s for s in a.states.split(",") if s]
@@ -535,7 +613,8 @@ def measure(torch: Any, fitting: Any, fam: Family, state: str, row: Row, competi
         del small
     gc.collect()
     torch.cuda.empty_cache()
-    start = snapshot_state([model], [opt])
+    others = fam.others(model, opt)
+    start = snapshot_state([model], [opt], others)
 
     def run(v: int) -> None:
         fam.body(model, opt, ns, v)
@@ -555,7 +634,8 @@ def measure(torch: Any, fitting: Any, fam: Family, state: str, row: Row, competi
     try:
         row.alloc_before = torch.cuda.memory_allocated()
         t = time.perf_counter()
-        res = fitting.fit(run, fam.values, name=fam.var, clean=clean, modules=[model], optimizers=[opt], stacks=True)
+        res = fitting.fit(run, fam.values, name=fam.var, clean=clean, modules=[model], optimizers=[opt],
+                          others=others, stacks=True)
         row.t_nbmem = time.perf_counter() - t
         row.alloc_after = torch.cuda.memory_allocated()
     finally:
