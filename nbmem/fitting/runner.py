@@ -174,9 +174,12 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
     if after > before and src.clear_cublas_workspaces():
         _free_cached(src, dev)
         after = _allocated_reserved(src, dev)[0]
-    if after != before:
+    if after > before:
         notes.append(f"after the fit {fmt_bytes(after - before, signed=True)} is allocated that was not before it "
                      "(something the body keeps that is neither in the namespace nor in the state restored)")
+    elif after < before:
+        notes.append(f"after the fit {fmt_bytes(before - after)} less is allocated than before it: garbage that only "
+                     "a collection frees (reference cycles) was freed by the fit's gc.collect()")
     if not restore and steps:
         notes.append(f"not restored: the fit ran the body {steps} times, and whatever it trains was trained")
     result = analyse(runs, room, name=name, segments=segments, cell_files=cell_files, sources=sources,
