@@ -68,3 +68,14 @@ def test_no_module_is_a_monolith() -> None:
             if isinstance(node, ast.ClassDef):
                 size = (node.end_lineno or node.lineno) - node.lineno + 1
                 assert size <= 310, f"{name}: class {node.name} has {size} lines"
+
+
+def test_every_front_end_module_ships_in_the_wheel() -> None:
+    # A module the gauge imports but the wheel lacks breaks the gauge only where nbmem is installed (Binder).
+    import tomllib
+
+    root = Path(__file__).resolve().parents[1]
+    shipped = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["hatch"]["build"]["targets"]["wheel"][
+        "force-include"]
+    modules = {f"js/{p.name}" for p in (root / "js").glob("*.js") if not p.name.endswith(".test.js")}
+    assert modules <= set(shipped), sorted(modules - set(shipped))
