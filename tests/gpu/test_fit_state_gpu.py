@@ -22,6 +22,7 @@ from nbmem.fitting import runner  # noqa: E402
 from nbmem.fitting.state import training_kinds  # noqa: E402
 from nbmem.records import HolderKind  # noqa: E402
 from nbmem.walk import Root, reachable_state  # noqa: E402
+from tests.test_fit_state import same  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 nn = torch.nn
@@ -65,18 +66,6 @@ def observe(s: dict[str, Any]) -> dict[str, Any]:
             "scale": scaler.get_scale() if scaler._scale is not None else None,
             "torch_rng": torch.get_rng_state(), "cuda_rng": torch.cuda.get_rng_state_all(),
             "random": random.getstate(), "numpy": np.random.get_state()[1].copy()}
-
-
-def same(a: Any, b: Any) -> bool:
-    if isinstance(a, torch.Tensor):
-        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
-    if isinstance(a, np.ndarray):
-        return bool(np.array_equal(a, b))
-    if isinstance(a, dict):
-        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)):
-        return len(a) == len(b) and all(same(x, y) for x, y in zip(a, b))
-    return bool(a == b)
 
 
 def allocated() -> int:
