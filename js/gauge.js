@@ -9,7 +9,7 @@
 import { fmtBytes, fmtSeconds, isNA } from "./format.js";
 import {
   CONFIRM_MS, agoLabel, cellSpans, codeParts, holderList, peakPercent, press, rows, scaleOf, scannedLabel, segments,
-  seriesMax, sparkMax, sparkPath, sparkStart, viewKind, widths,
+  seriesMax, sparkMax, sparkPath, sparkStart, viewKind, widths, limitWarning
 } from "./layout.js";
 import { dismissPanel, hasPanel, initialize, watchPanel } from "./panel.js";
 
@@ -42,6 +42,7 @@ const CSS = `
 .nbmem-gauge h3 { font-size: var(--jp-ui-font-size1, 13px); margin: 10px 0 4px; font-weight: 600; }
 .nbmem-gauge .nbmem-note { color: var(--jp-ui-font-color2, #616161); font-size: var(--jp-ui-font-size0, 11px);
   margin-bottom: 6px; }
+.nbmem-gauge .nbmem-warning { color: var(--jp-warn-color0, #b45309); font-weight: 600; margin: 2px 0; }
 .nbmem-gauge .nbmem-sub { font-weight: normal; color: var(--jp-ui-font-color2, #616161); font-size: var(--jp-ui-font-size0, 11px); }
 .nbmem-gauge .nbmem-device { margin-bottom: 10px; }
 .nbmem-gauge .nbmem-head { display: flex; flex-wrap: wrap; justify-content: space-between; align-items: baseline;
@@ -180,6 +181,13 @@ function deviceSection(r, procs, kids) {
   total.append(proc, ` / ${fmtBytes(r.total)}`);
   head.append(title, total);
   sec.append(head);
+  const warning = limitWarning(r);
+  if (warning) {
+    sec.classList.add("nbmem-warn");
+    const w = h("div", "nbmem-warning", `⚠ ${warning}`);
+    w.setAttribute("role", "status");
+    sec.append(w);
+  }
 
   const bar = h("div", "nbmem-bar");
   bar.setAttribute("role", "img");

@@ -16,6 +16,8 @@ import { fmtBytes, isNA } from "./format.js";
  * @property {number|null} others other processes (GPU; on the CPU it is derived from `used`)
  * @property {number|null} used used on the device (NVML) or host RAM in use
  * @property {number|null} total device memory (NVML) or host RAM
+ * @property {string|null} limit the CPU row: where its total comes from when a container's limit sets it
+ * @property {boolean|null} near_limit the CPU row: RSS at 90 % or more of the memory limit (warn)
  * @property {number|null} tensors CPU tensors reachable from the notebook (CPU, as of the last scan)
  * @property {number|null} peak session peak: torch allocated (GPU) or RSS (CPU)
  * @property {number|null} children this notebook's child processes on the GPU (NVML); null on the CPU, or
@@ -30,7 +32,7 @@ import { fmtBytes, isNA } from "./format.js";
  */
 
 const COLUMNS = ["device", "model", "allocated", "reserved", "process", "others", "used", "total", "tensors", "peak",
-  "children"];
+  "children", "limit", "near_limit"];
 
 /**
  * Rows from the column-oriented snapshot; a missing column or entry reads as unknown.
@@ -467,4 +469,15 @@ export function codeParts(text) {
   const parts = text.split("`");
   if (parts.length % 2 === 0) return [{ text, code: false }];
   return parts.map((t, i) => ({ text: t, code: i % 2 === 1 })).filter((p) => p.text);
+}
+
+/**
+ * The CPU row's warning when the kernel nears its memory limit: past it, the kernel is killed, not told.
+ * @param {DeviceRow} r
+ * @returns {string}
+ */
+export function limitWarning(r) {
+  if (r.device !== "cpu" || r.near_limit !== true) return "";
+  const of = isNA(r.total) ? "" : ` of ${fmtBytes(r.total)}`;
+  return `near the memory limit: RSS ${fmtBytes(r.process)}${of}${r.limit ? ` (${r.limit})` : ""}; past it the kernel is killed`;
 }

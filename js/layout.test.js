@@ -4,7 +4,7 @@ import { test } from "node:test";
 
 import {
   CONFIRM_MS, SIDECAR, agoLabel, cellSpans, codeParts, diff, holderList, holderText, moduleOf, peakPercent, press, rows, scaleOf,
-  pageSidebar, scannedLabel, segments, sidebarModel, seriesMax, sparkMax, sparkPath, sparkStart, viewKind, widths,
+  pageSidebar, scannedLabel, segments, sidebarModel, seriesMax, sparkMax, sparkPath, sparkStart, viewKind, widths, limitWarning,
 } from "./layout.js";
 
 const GiB = 2 ** 30;
@@ -261,4 +261,12 @@ test("an empty holder list shows the kernel's holders_note, or by default that n
   assert.deepEqual(codeParts("nothing above the threshold (1.00 MiB)"),
     [{ text: "nothing above the threshold (1.00 MiB)", code: false }]);
   assert.deepEqual(codeParts("a ` b"), [{ text: "a ` b", code: false }], "an unpaired backtick stays");
+});
+
+test("the CPU row warns near the memory limit, and only then", () => {
+  const base = { device: "cpu", process: 3.7 * 2 ** 30, total: 4 * 2 ** 30, limit: "cgroup v2 memory.max" };
+  assert.match(limitWarning({ ...base, near_limit: true }), /^near the memory limit: RSS 3\.70 GiB of 4\.00 GiB \(cgroup v2 memory\.max\)/);
+  assert.equal(limitWarning({ ...base, near_limit: false }), "");
+  assert.equal(limitWarning({ ...base, near_limit: null }), "", "unknown is not a warning");
+  assert.equal(limitWarning({ ...base, device: "cuda:0", near_limit: true }), "");
 });
