@@ -81,8 +81,8 @@ class Cleaner:
                 # What left the GPUs is not freed on the host: it arrived there. Summed with the CPU's growth,
                 # a move would read as 0 B freed; the GPUs' bytes are the step's, the host's growth its note.
                 a, r = _freed(last, now, skip="cpu")
-                grew = _freed({"cpu": now.get("cpu", (None, None))}, {"cpu": last.get("cpu", (None, None))})[0]
-                if grew:
+                grew = -(_freed({"cpu": last.get("cpu", (None, None))}, now)[0] or 0)
+                if grew > 0:
                     note = "; ".join(x for x in (note, f"{fmt_bytes(grew)} more on the CPU") if x)
             else:
                 a, r = _freed(last, now)

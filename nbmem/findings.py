@@ -96,11 +96,16 @@ def is_view(h: Held) -> bool:
     return h.span_bytes + slack <= h.nbytes
 
 
+def graph_bytes(graphs: Mapping[int, Graph], sid: int) -> int:
+    """The bytes of the autograd graph a storage keeps alive (0 when it keeps none)."""
+    g = graphs.get(sid)
+    return g.nbytes if g else 0
+
+
 def finding(h: Held, cell: int, graphs: Mapping[int, Graph], lost: Sequence[str] = (),
             gained: Sequence[str] = ()) -> Finding:
     """One storage as a row: its best name, its bytes (and its graph's), and a hint."""
-    g = graphs.get(h.sid)
-    gb = g.nbytes if g else 0
+    gb = graph_bytes(graphs, h.sid)
     return Finding(cell, h.name, h.holders, h.kind, h.device, h.nbytes, gb, h.holds_graph, 1,
                    h.span_bytes if is_view(h) else None, (), hint_for(h, gb, lost=lost, gained=gained), deletable(h),
                    f"{h.device}:{h.sid}", owner=h.owner)
@@ -124,17 +129,19 @@ def group_finding(members: Sequence[Held], cell: int, graphs: Mapping[int, Graph
 def with_groups(candidates: Sequence[Held], cell: Callable[[Sequence[Held]], int], threshold: int,
                  graphs: Mapping[int, Graph], lost: Mapping[int, Sequence[str]],
                  cache: dict[int, tuple[Held, int, Finding]] | None = None, *,
-                 gained: Mapping[int, Sequence[str]] | None = None) -> list[Finding]:
+                 gained: Mapping[int, Sequence[str]] | None = None, left_out: list[Held] | None = None
+                 ) -> list[Finding]:
     """Findings for storages over the threshold, and for containers of small ones that together pass it.
 
-    ``cache`` keeps the finding of a storage whose record and graph did not change since the last call.
+    ``cache`` keeps the finding of a storage whose record and graph did not change since the last call;
+    ``left_out``, when given, receives the candidates no finding covers.
     """
     out: list[Finding] = []
     members: dict[int, Held] = {}
     small: dict[tuple[str, str, HolderKind], list[Held]] = {}
+    rest: list[Held] = [] if left_out is None else left_out
     for h in candidates:
-        g = graphs.get(h.sid)
-        gb = g.nbytes if g else 0
+        gb = graph_bytes(graphs, h.sid)
         if h.nbytes + gb >= threshold:
             hit = cache.get(h.sid) if cache is not None else None
             if hit is not None and hit[0] is h and hit[1] == gb:
@@ -147,11 +154,14 @@ def with_groups(candidates: Sequence[Held], cell: Callable[[Sequence[Held]], int
             out.append(f)
         elif h.holders and h.container != h.name:
             small.setdefault((h.container, h.device, h.kind), []).append(h)
+        else:
+            rest.append(h)
     for group in small.values():
-        if len(group) > 1:
-            f = group_finding(group, cell(group), graphs)
-            if f.bytes >= threshold:
-                out.append(f)
+        gf = group_finding(group, cell(group), graphs) if len(group) > 1 else None
+        if gf is not None and gf.bytes >= threshold:
+            out.append(gf)
+        else:
+            rest += group
     _mark_shared(out, members, graphs)
     out.sort(key=lambda f: -f.bytes)
     return out

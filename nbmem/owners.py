@@ -97,28 +97,19 @@ def detail_rows(rows: Sequence[Finding], held: Sequence[Held], cell_of: Callable
     out: list[Finding] = []
     for row, members in zip(rows, by_row):
         cut = 0 if len(members) <= DETAIL_MEMBERS else threshold_bytes
-        found = judge.with_groups(members, cell_of, cut, graphs, lost or {}, cache, gained=gained)
-        listed = sum(f.tensors for f in found)
-        if listed < len(members):
-            taken = {h.sid for h in members if h.nbytes + _graph_bytes(graphs, h.sid) >= cut}
-            grouped = {f.name for f in found if f.tensors > 1}
-            rest = [h for h in members if h.sid not in taken and h.container not in grouped]
-            if len(rest) == 1:
-                found.append(judge.finding(rest[0], cell_of(rest), graphs))
-            elif rest:
-                f = judge.group_finding(rest, cell_of(rest), graphs)
-                if len({h.container for h in rest}) > 1:
-                    # Small tensors in many places under the owner: one row by the owner's name, whose cleanup
-                    # is the owner's.
-                    f = replace(f, name=row.owner, holders=(row.owner,), hint=row.hint)
-                found.append(replace(f, id=f"{row.device}:r:{row.owner}"))
+        rest: list[Held] = []
+        found = judge.with_groups(members, cell_of, cut, graphs, lost or {}, cache, gained=gained, left_out=rest)
+        if len(rest) == 1:
+            found.append(judge.finding(rest[0], cell_of(rest), graphs))
+        elif rest:
+            f = judge.group_finding(rest, cell_of(rest), graphs)
+            if len({h.container for h in rest}) > 1:
+                # Small tensors in many places under the owner: one row by the owner's name, whose cleanup
+                # is the owner's.
+                f = replace(f, name=row.owner, holders=(row.owner,), hint=row.hint)
+            found.append(replace(f, id=f"{row.device}:r:{row.owner}"))
         out += found
     return out
-
-
-def _graph_bytes(graphs: Mapping[int, Graph], sid: int) -> int:
-    g = graphs.get(sid)
-    return g.nbytes if g else 0
 
 
 def group(held: Sequence[Held], cell_of: Any, *, threshold_bytes: int, graphs: Mapping[int, Graph],
@@ -166,7 +157,7 @@ def _row(owner: str, device: str, members: list[Held], saved: Mapping[int, int],
     first = members[0]
     kind = first.kind
     # A finding for the members shown only: a model has thousands, and the rest are counted, not listed.
-    order = sorted(members, key=lambda h: -(h.nbytes + _graph_bytes(graphs, h.sid)))
+    order = sorted(members, key=lambda h: -(h.nbytes + judge.graph_bytes(graphs, h.sid)))
     rows = [_with_line(judge.finding(h, cell, graphs, lost.get(h.sid, ()), gained.get(h.sid, ())), lines.get(h.sid))
             for h in order[:MEMBERS_SHOWN]]
     shown = tuple(rows)
@@ -186,7 +177,7 @@ def _row(owner: str, device: str, members: list[Held], saved: Mapping[int, int],
                    any(h.holds_graph for h in members), len(members),
                    shown[0].view_bytes if len(members) == 1 else None, (), hint, roots, f"{device}:o:{owner}", line,
                    owner=owner, description=words, members=shown,
-                   more_bytes=sum(h.nbytes + _graph_bytes(graphs, h.sid) for h in order[MEMBERS_SHOWN:]),
+                   more_bytes=sum(h.nbytes + judge.graph_bytes(graphs, h.sid) for h in order[MEMBERS_SHOWN:]),
                    also_held_by=tuple(o for o, _k in also))
 
 
