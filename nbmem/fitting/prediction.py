@@ -141,10 +141,11 @@ class GrowthLine:
 class Remedy:
     """A way to run a wanted value that does not fit, and the largest value it allows."""
 
-    name: str  # "gradient accumulation", "expandable_segments"
+    name: str  # "gradient accumulation", "activation checkpointing", "bf16 autocast", "expandable_segments"
     largest_value: int
     setting: str  # what to do
     how: str  # how the value was established, and what it costs
+    time_per_sample_ratio: float | None = None  # measured: its step's time over the plain step's, at one value
 
 
 @dataclass(frozen=True, repr=False)
@@ -193,8 +194,8 @@ class FitResult(Shown):
                 "held_bytes": room.allocated_bytes if room else None,
                 "margin_bytes": room.margin_bytes if room else None,
                 "want": self.want,
-                "remedies": [{"remedy": r.name, "largest_value": r.largest_value, "setting": r.setting}
-                             for r in self.remedies],
+                "remedies": [{"remedy": r.name, "largest_value": r.largest_value, "setting": r.setting,
+                              "time_per_sample_ratio": r.time_per_sample_ratio} for r in self.remedies],
                 "restored_bytes": self.restored_bytes, "restored": list(self.restored),
                 "not_restored": list(self.not_restored), "steps_run": self.steps_run, "duration_s": self.duration_s}
 
@@ -286,10 +287,12 @@ class FitResult(Shown):
         return [f for f in facts if f]
 
     def _remedy_rows(self) -> list[list[str]]:
-        return [[r.name, f"{r.largest_value:,}", r.setting, r.how] for r in self.remedies]
+        return [[r.name, f"{r.largest_value:,}", "" if r.time_per_sample_ratio is None else
+                 f"{r.time_per_sample_ratio:.2f}×", r.setting, r.how] for r in self.remedies]
 
     def _remedy_columns(self) -> tuple[Column, ...]:
-        return (Column("remedy"), Column(f"largest {self.name}", numeric=True), Column("setting", code=True),
+        return (Column("remedy"), Column(f"largest {self.name}", numeric=True),
+                Column("time per sample", numeric=True), Column("setting", code=True),
                 Column("how it was established"))
 
     def __str__(self) -> str:
@@ -356,14 +359,16 @@ def _place(site: Site, sources: Mapping[int, str]) -> str:
 def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segments: Sequence[SegmentState] = (),
             cell_files: frozenset[str] = frozenset(), sources: Mapping[int, str] | None = None,
             max_value: int | None = None, notes: Sequence[str] = (), skipped: Sequence[int] = (),
-            want: int | None = None, expandable: bool = False) -> FitResult:
+            want: int | None = None, expandable: bool = False, measured: Sequence[Remedy] = (),
+            remedy_notes: Sequence[str] = ()) -> FitResult:
     """The largest value that fits into ``room``, from the runs' traces in the order they ran.
 
     ``segments`` is the allocator's state before the first run (``segments_from_snapshot``); without it
     the allocator is taken to start empty. ``cell_files`` and ``sources`` name the cell's lines where the
     traces have stacks. ``max_value`` caps the search; ``skipped`` are values not run (predicted not to fit).
     ``want``: a value asked about; where it does not fit, ``remedies`` says what would let it run
-    (``expandable``: the allocator already uses expandable segments, so that is no remedy).
+    (``expandable``: the allocator already uses expandable segments, so that is no remedy); ``measured`` are
+    remedies the runner measured with runs of their own, and ``remedy_notes`` says which it left out and why.
     """
     sources = sources or {}
     site_of = _site_of(cell_files)
@@ -382,7 +387,8 @@ def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segmen
     if built == "structure":
         scaled = _scaled_peak(parsed, segments, capacity, cap, base, all_notes)
         if want is not None and scaled.largest_value is not None and want > scaled.largest_value:
-            scaled = replace(scaled, remedies=tuple(_accumulation(name, scaled.largest_value, want)))
+            scaled = replace(scaled, remedies=(*_accumulation(name, scaled.largest_value, want), *measured),
+                             notes=(*scaled.notes, *remedy_notes))
         return scaled
     if isinstance(built, str):
         return replace(base, reason=built, notes=tuple(all_notes))
@@ -423,6 +429,8 @@ def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segmen
     remedies: list[Remedy] = []
     if want is not None and want > largest:
         remedies += _accumulation(name, largest, want)
+        remedies += measured
+        all_notes += remedy_notes
         if not expandable:
             remedies += _expandable(tl, name, largest, capacity, cap, all_notes)
     return replace(timeline, remedies=tuple(remedies), largest_value=largest, power_of_two=power_of_two_below(largest),

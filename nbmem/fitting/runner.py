@@ -31,9 +31,10 @@ from ..formatting import fmt_bytes
 from ..records import HolderKind
 from ..sources import TorchSource
 from ..walk import Root, TrainingState, reachable_state
+from . import remedies
 from .allocator import segments_from_snapshot
 from .model import Room, RunTrace, margin_bytes_for
-from .prediction import FitResult, analyse, proportional_bound
+from .prediction import FitResult, Remedy, analyse, proportional_bound
 from .state import FitRefused, restore_state, snapshot_state, training_kinds
 
 #: How many allocator events one run may record; a run that fills it cannot be lined up with the others.
@@ -102,8 +103,10 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
     random generators when ``restore``; ``iterators`` name what it may advance that cannot be put back.
     ``stacks`` records Python stacks, so the result names the lines that grow (``cell_files`` and ``sources``
     name the cell's own). ``margin_bytes`` defaults to ``fit.margin_bytes_for``. ``want``: a value asked
-    about; where it does not fit, the result's ``remedies`` say what would let it run (from the fit itself, no
-    more runs). A body that raises anything but CUDA's out-of-memory error stops the fit (cleaned up and
+    about; where it does not fit, the result's ``remedies`` say what would let it run: gradient accumulation
+    from the fit itself, activation checkpointing and bf16 autocast from the fit's runs again under each
+    (``remedies.candidates``: applied for those runs only, and undone), ``expandable_segments`` from the model.
+    A body that raises anything but CUDA's out-of-memory error stops the fit (cleaned up and
     restored) and the error propagates, told what was put back.
     """
     started = time.perf_counter()
@@ -121,8 +124,13 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
     unsupported = src.trace_unsupported()
     if unsupported:
         raise FitRefused(f"fitting needs the allocator's trace, and {unsupported}")
+    modules, optimizers, others = list(modules), list(optimizers), list(others)
     saved = snapshot_state(modules, optimizers, others, iterators=iterators) if restore else None
+    candidates, left_out = remedies.candidates(t, modules, others) if want is not None else ([], [])
     modules = optimizers = others = ()
+    measured: list[Remedy] = []
+    remedy_notes: list[str] = []
+    others_ran: list[int] = []  # the runs under remedies
     runs: list[RunTrace] = []
     skipped: list[int] = []
     notes: list[str] = []
@@ -130,37 +138,23 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
     failed: BaseException | None = None
     before: int | None = None
     try:
-        _free_cached(src, dev)
-        before, reserved = _allocated_reserved(src, dev)
-        segments = segments_from_snapshot(src.segments() or [], dev)
-        got = src.device_free(dev)
-        if got is None:
-            raise FitRefused("fitting needs the device's free memory, and CUDA could not say (cudaMemGetInfo)")
-        free, total = got
-        margin = margin_bytes_for(free, reserved) if margin_bytes is None else int(margin_bytes)
-        room = Room(f"cuda:{dev}", free, reserved, before, margin, total)
-        schedule = ([(vals[0], False)] if warmup else []) + [(v, True) for v in vals]
-        for k, (v, counted) in enumerate(schedule):
-            if counted and _predicted_not_to_fit(runs, v, room, segments, name, cell_files):
-                skipped += [w for w, c in schedule[k:] if c]
-                notes.append(f"{name}={v:,} was not run: the runs before it predict it does not fit")
-                break
-            trace, oom = body.once(v, counted)
-            runs.append(trace)
-            if len(trace.entries) >= max_entries:
-                notes.append(f"the run at {name}={v:,} filled the trace ({max_entries:,} events): what it recorded "
-                             "first is lost, so it may not line up with the others")
-            if oom:
-                notes.append(f"what the run at {name}={v:,} allocated before it ran out of memory was freed ({oom})")
-                break
-        else:
+        room, segments, before = _room(src, dev, margin_bytes)
+        if not _runs(body, vals, warmup, runs, skipped, room, segments, cell_files):
             _refine(body, runs, room, segments, cell_files)
+        if want is not None and (candidates or left_out):
+            plain = analyse(runs, room, name=name, segments=segments, max_value=max_value)
+            ran_ok = [r.value for r in runs if r.counted and not r.oom]
+            if plain.largest_value is not None and want > plain.largest_value and ran_ok:
+                remedy_notes += left_out
+                measured = _measure_remedies(body, candidates, vals, warmup, plain.largest_value, max(ran_ok),
+                                             margin_bytes, max_value, remedy_notes, others_ran)
     except BaseException as e:
         runs.clear()  # the error's frames keep this one: let go of the traces (and the copy, below) now
         failed = e
         raise
     finally:
-        steps = body.ran
+        candidates = []
+        steps = body.ran + sum(others_ran)
         restored = restore_state(saved) if saved is not None else None
         lines = (tuple(saved.restored), tuple(saved.not_restored)) if saved is not None else ((), ())
         saved = None
@@ -183,7 +177,8 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
     if not restore and steps:
         notes.append(f"not restored: the fit ran the body {steps} times, and whatever it trains was trained")
     result = analyse(runs, room, name=name, segments=segments, cell_files=cell_files, sources=sources,
-                     max_value=max_value, notes=notes, skipped=skipped, want=want, expandable=_expandable_on())
+                     max_value=max_value, notes=notes, skipped=skipped, want=want, expandable=_expandable_on(),
+                     measured=measured, remedy_notes=remedy_notes)
     return replace(result, restored_bytes=restored, restored=lines[0], not_restored=lines[1], steps_run=steps,
                    duration_s=time.perf_counter() - started)
 
@@ -262,6 +257,117 @@ def _globals_used(fn: Any) -> set[str]:
         out.update(n for n in c.co_names if type(n) is str)
         stack.extend(x for x in c.co_consts if type(x) is types.CodeType)
     return out
+
+
+def _room(src: TorchSource, dev: int, margin_bytes: int | None) -> tuple[Room, Any, int]:
+    """The room a fit's runs have, read after the cache is given back: the room, the allocator's segments, and
+    what is allocated before the runs."""
+    _free_cached(src, dev)
+    before, reserved = _allocated_reserved(src, dev)
+    segments = segments_from_snapshot(src.segments() or [], dev)
+    got = src.device_free(dev)
+    if got is None:
+        raise FitRefused("fitting needs the device's free memory, and CUDA could not say (cudaMemGetInfo)")
+    free, total = got
+    margin = margin_bytes_for(free, reserved) if margin_bytes is None else int(margin_bytes)
+    return Room(f"cuda:{dev}", free, reserved, before, margin, total), segments, before
+
+
+def _runs(body: _Body, vals: Sequence[int], warmup: bool, runs: list[RunTrace], skipped: list[int], room: Room,
+          segments: Any, cell_files: frozenset[str]) -> bool:
+    """The fit's runs (a warm-up, then each value ascending, none predicted not to fit) into ``runs``; whether
+    they stopped early (a value skipped, or an out-of-memory)."""
+    name, notes, max_entries = body.name, body.notes, body.max_entries
+    schedule = ([(vals[0], False)] if warmup else []) + [(v, True) for v in vals]
+    for k, (v, counted) in enumerate(schedule):
+        if counted and _predicted_not_to_fit(runs, v, room, segments, name, cell_files):
+            skipped += [w for w, c in schedule[k:] if c]
+            notes.append(f"{name}={v:,} was not run: the runs before it predict it does not fit")
+            return True
+        trace, oom = body.once(v, counted)
+        runs.append(trace)
+        if len(trace.entries) >= max_entries:
+            notes.append(f"the run at {name}={v:,} filled the trace ({max_entries:,} events): what it recorded "
+                         "first is lost, so it may not line up with the others")
+        if oom:
+            notes.append(f"what the run at {name}={v:,} allocated before it ran out of memory was freed ({oom})")
+            return True
+    return False
+
+
+def _measure_remedies(body: _Body, candidates: Sequence[remedies.Candidate], vals: Sequence[int], warmup: bool,
+                      plain_largest: int, timed: int, margin_bytes: int | None, max_value: int | None,
+                      notes: list[str], ran: list[int]) -> list[Remedy]:
+    """Each remedy's largest value: the fit's runs again with it applied (no stacks), the same analysis over
+    them, and one timed step at the same value with it and without it for its cost. A remedy that fails the
+    body (an error other than out-of-memory) or allows no more than the plain fit is left out with a line that
+    says so; the modules are as they were after each (``Candidate.applied``), the training state is the fit's to
+    put back."""
+    name = body.name
+    plain_s = _timed_step(body, timed) if candidates else None
+    out: list[Remedy] = []
+    for c in candidates:
+        sub = _Body(c.wrap(body.run), body.src, body.dev, False, body.max_entries, body.clean, name, [])
+        runs: list[RunTrace] = []
+        try:
+            with c.applied():
+                room, segments, _ = _room(body.src, body.dev, margin_bytes)
+                if not _runs(sub, vals, warmup, runs, [], room, segments, frozenset()):
+                    _refine(sub, runs, room, segments, frozenset())
+                res = analyse(runs, room, name=name, segments=segments, max_value=max_value)
+                step_s = _timed_step(sub, timed) if res.largest_value is not None else None
+        except Exception as e:
+            why = (str(e).strip().splitlines() or [""])[0][:120]
+            _let_go_of_frames(e)
+            notes.append(f"{c.name} left out: the body failed under it ({type(e).__name__}: {why})")
+            continue
+        finally:
+            ran.append(sub.ran)
+            runs_at = ", ".join(f"{r.value:,}" for r in runs if r.counted)
+            runs.clear()
+        largest = res.largest_value
+        if largest is None or largest < remedies.MIN_GAIN * plain_largest:
+            got = res.reason if largest is None else f"the largest {name} under it is {largest:,}"
+            notes.append(f"{c.name} left out: measured, {got}, no more than {plain_largest:,} without it")
+            continue
+        ratio = None if step_s is None or plain_s is None or plain_s <= 0 else step_s / plain_s
+        cost = "" if ratio is None else f"; one step at {name}={timed:,} took {ratio:.2f}× the plain step's time"
+        out.append(Remedy(c.name, largest, c.setting,
+                          f"measured: the fit's runs again with it ({name}={runs_at}), the same model{cost}",
+                          time_per_sample_ratio=ratio))
+    return out
+
+
+def _timed_step(body: _Body, value: int, repeats: int = 2) -> float | None:
+    """The shortest of ``repeats`` untraced runs' times (synchronized), for a remedy's cost; None where one ran out
+    of memory. The runs are counted in the body's steps and cleaned up as any other."""
+    times = []
+    for _ in range(repeats):
+        took = _timed_once(body, value)
+        if took is None:
+            return None
+        times.append(took)
+    return min(times)
+
+
+def _timed_once(body: _Body, value: int) -> float | None:
+    t = _torch()
+    body.ran += 1
+    try:
+        t.cuda.synchronize(body.dev)
+        started = time.perf_counter()
+        body.run(value)
+        t.cuda.synchronize(body.dev)
+        return time.perf_counter() - started
+    except BaseException as e:
+        if not is_out_of_memory(e):
+            raise
+        _let_go_of_frames(e)
+        return None
+    finally:
+        if body.clean is not None:
+            body.clean()
+        _free_cached(body.src, body.dev)
 
 
 #: A prediction this far beyond the largest value run is checked by another run, halfway to it ...

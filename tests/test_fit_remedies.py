@@ -1,0 +1,285 @@
+"""Remedies measured by runs of their own (issue 27), on the CPU: which can be applied and why not, the model as it
+was after one is applied (also after an error), and a whole fit with ``want`` through a stand-in for CUDA whose
+traces follow what the real body did (checkpointed blocks keep less per sample)."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from nbmem.fitting import remedies, runner  # noqa: E402
+from nbmem.fitting.model import RunTrace  # noqa: E402
+
+nn = torch.nn
+MiB = 2**20
+
+
+class Block(nn.Module):
+    def __init__(self, d: int = 16) -> None:
+        super().__init__()
+        self.ff = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+        self.drop = nn.Dropout(0.1)
+
+    def forward(self, x: Any) -> Any:
+        return x + self.drop(self.ff(x))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList([Block() for _ in range(3)])
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, x: Any) -> Any:
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+class FakeHF(Net):
+    """Hugging Face's switch as it behaves: flags and a function on the blocks, a hook on the input layer; its
+    ``disable`` leaves the function and the hook behind (as ``PreTrainedModel``'s does for some)."""
+
+    supports_gradient_checkpointing = True
+
+    def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict[str, Any] | None = None) -> None:
+        assert gradient_checkpointing_kwargs == {"use_reentrant": False}
+        for b in self.blocks:
+            b.gradient_checkpointing = True
+            b._gradient_checkpointing_func = torch.utils.checkpoint.checkpoint
+        self._require_grads_hook = self.inp.register_forward_hook(lambda m, i, o: o.requires_grad_(True))
+
+    def gradient_checkpointing_disable(self) -> None:
+        for b in self.blocks:
+            b.gradient_checkpointing = False
+
+
+def attrs(model: Any) -> list[tuple[str, dict[str, Any], dict[str, list[Any]]]]:
+    """Each module's attributes (by identity) and its hook tables' contents."""
+    out = []
+    for path, m in model.named_modules():
+        d = dict(vars(m))
+        hooks = {k: list(v.items()) for k, v in d.items() if k.endswith("hooks") and isinstance(v, dict)}
+        out.append((path, {k: id(v) for k, v in d.items()}, {k: [(a, id(b)) for a, b in v] for k, v in hooks.items()}))
+    return out
+
+
+def grads_of(model: Any, x: Any) -> list[Any]:
+    model.zero_grad(set_to_none=True)
+    torch.manual_seed(1)
+    model(x).square().mean().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+# -- which remedies, and why not ----------------------------------------------------------------------------------
+def test_repeated_blocks_are_the_outermost_list_of_one_composite_type() -> None:
+    net = Net()
+    found = remedies.repeated_blocks(torch, net)
+    assert [(path, len(blocks)) for path, blocks in found] == [("blocks", 3)]
+    mlp = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8), nn.ReLU())
+    assert remedies.repeated_blocks(torch, mlp) == []
+    assert remedies.repeated_blocks(torch, nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))) == [], "leaf layers"
+
+
+def test_on_the_cpu_checkpointing_is_a_candidate_and_bf16_is_left_out_with_one_line_why() -> None:
+    net = Net()
+    got, why = remedies.candidates(torch, [net, net.blocks[0], net.head], [])
+    assert [c.name for c in got] == [remedies.CHECKPOINTING]
+    assert "each of the 3 Block in Net.blocks" in got[0].setting and "use_reentrant=False" in got[0].setting
+    assert len(why) == 1 and why[0].startswith("bf16 autocast left out: CUDA is not in use")
+    assert not torch.cuda.is_initialized(), "asking never starts CUDA"
+
+
+@pytest.mark.parametrize(("modules", "reason"), [
+    ([], "no model (a torch.nn.Module) was found"),
+    ([nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))], "Sequential has no repeated blocks"),
+])
+def test_checkpointing_that_cannot_be_applied_says_why_in_one_line(modules: list[Any], reason: str) -> None:
+    got, why = remedies.candidates(torch, modules, [])
+    assert got == [] and reason in why[0] and all("\n" not in w for w in why)
+
+
+def test_a_block_whose_forward_the_notebook_replaced_is_left_alone() -> None:
+    net = Net()
+    net.blocks[1].forward = net.blocks[1].forward
+    assert "already replaced" in str(remedies.checkpointing(torch, [net]))
+
+
+# -- applied, and undone --------------------------------------------------------------------------------------------
+def test_checkpointing_computes_the_same_gradients_and_the_model_is_as_it_was_after() -> None:
+    net = Net()
+    x = torch.randn(5, 8)
+    plain = grads_of(net, x)
+    before = attrs(net)
+    c = remedies.checkpointing(torch, [net])
+    assert isinstance(c, remedies.Candidate)
+    with c.applied():
+        assert all("forward" in vars(b) for b in net.blocks)
+        under = grads_of(net, x)
+        with torch.no_grad():
+            net(x)  # without gradients the blocks run plainly
+    assert attrs(net) == before
+    assert all(torch.equal(a, b) for a, b in zip(plain, under))
+
+
+def test_the_model_is_as_it_was_after_an_error_under_a_remedy_and_hugging_faces_leftovers_go_too() -> None:
+    net = FakeHF()
+    before = attrs(net)
+    c = remedies.checkpointing(torch, [net])
+    assert isinstance(c, remedies.Candidate) and "gradient_checkpointing_enable" in c.setting
+    with pytest.raises(ValueError, match="the body's"), c.applied():
+        assert net.blocks[0].gradient_checkpointing and net.inp._forward_hooks
+        raise ValueError("the body's own error")
+    assert attrs(net) == before
+    assert not hasattr(net.blocks[0], "gradient_checkpointing") and not net.inp._forward_hooks
+
+
+# -- a whole fit with want, CUDA stood in for ------------------------------------------------------------------------
+class FakeCuda:
+    def is_available(self) -> bool:
+        return True
+
+    def is_initialized(self) -> bool:
+        return True
+
+    def get_allocator_backend(self) -> str:
+        return "native"
+
+    def current_device(self) -> int:
+        return 0
+
+    def synchronize(self, device: int | None = None) -> None:
+        pass
+
+    def is_bf16_supported(self) -> bool:
+        return False
+
+    def get_device_name(self, device: int | None = None) -> str:
+        return "a stand-in GPU"
+
+
+class FakeTorch:
+    """torch, with a stand-in ``torch.cuda``."""
+
+    cuda = FakeCuda()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
+
+
+class FakeSource:
+    """The allocator as the fit reads it: 1 GiB free, nothing held."""
+
+    def trace_unsupported(self) -> None:
+        return None
+
+    def read(self, device: int) -> Any:
+        return type("Reading", (), {"allocated_bytes": 0, "reserved_bytes": 0})()
+
+    def segments(self) -> list[Any]:
+        return []
+
+    def device_free(self, device: int) -> tuple[int, int]:
+        return 1 << 30, 2 << 30
+
+    def empty_cache(self, device: int) -> None:
+        pass
+
+    def clear_cublas_workspaces(self) -> bool:
+        return False
+
+
+@pytest.fixture
+def stand_in(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
+    """A fit that runs the real body on the CPU; each run's trace holds its input and its activations, 8 MiB per
+    sample plainly and 2 MiB under checkpointing (what the blocks' forward says at the time)."""
+    seen: dict[str, list[Any]] = {"runs": []}
+    net: list[Any] = []
+    seen["net"] = net
+    addrs = itertools.count(1)
+
+    def one_run(run: Any, value: int, counted: bool, src: Any, dev: int, stacks: bool, max_entries: int) -> Any:
+        run(value)
+        ckpt = all("forward" in vars(b) for b in net[0].blocks)
+        seen["runs"].append((value, ckpt))
+        x, act = next(addrs) << 32, next(addrs) << 32
+        per = 2 * MiB if ckpt else 8 * MiB
+        entries = [{"action": "alloc", "addr": x, "size": value * MiB},
+                   {"action": "alloc", "addr": act, "size": value * per},
+                   {"action": "free_requested", "addr": act, "size": value * per},
+                   {"action": "free_requested", "addr": x, "size": value * MiB}]
+        return RunTrace(value, entries, counted, 0, 0), ""
+
+    monkeypatch.setattr(runner, "_torch", lambda: FakeTorch())
+    monkeypatch.setattr(runner, "_one_run", one_run)
+    monkeypatch.setattr(runner, "_free_cached", lambda src, dev: None)
+    return seen
+
+
+def test_a_fit_with_want_measures_checkpointing_by_runs_under_it_and_puts_everything_back(
+        stand_in: dict[str, list[Any]]) -> None:
+    torch.manual_seed(0)
+    net = Net()
+    stand_in["net"].append(net)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    weights = [p.detach().clone() for p in net.parameters()]
+    before, rng = attrs(net), torch.get_rng_state()
+
+    def step(b: int) -> None:
+        net.train()
+        net(torch.randn(b, 8)).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    res = runner.fit(step, [8, 16, 32], source=FakeSource(), name="batch", modules=[net], optimizers=[opt],
+                     margin_bytes=0, want=10_000)  # type: ignore[arg-type]
+    assert res.largest_value is not None and res.want == 10_000
+    by = {r.name: r for r in res.remedies}
+    assert list(by) == ["gradient accumulation", "activation checkpointing"]
+    ckpt = by["activation checkpointing"]
+    assert ckpt.largest_value > 3 * res.largest_value, "2 + 1 MiB per sample under it, not 8 + 1"
+    assert ckpt.largest_value * 3 * MiB <= 1 << 30, "never above what the room holds"
+    assert ckpt.time_per_sample_ratio is not None and ckpt.time_per_sample_ratio > 0
+    assert "measured: the fit's runs again with it (batch=8, 16, 32" in ckpt.how
+    assert any(n.startswith("bf16 autocast left out: a stand-in GPU does not support bf16") for n in res.notes)
+    assert {c for _, c in stand_in["runs"]} == {False, True}, "runs plainly, then under the remedy"
+    assert res.steps_run == len(stand_in["runs"]) + 4, "every run counted, the timed steps (two each) too"
+    assert attrs(net) == before and all(torch.equal(a, p) for a, p in zip(weights, net.parameters()))
+    assert not opt.state and all(p.grad is None for p in net.parameters())
+    assert torch.equal(rng, torch.get_rng_state())
+    assert "activation checkpointing" in str(res) and "time per sample" in res._repr_html_()
+    assert [r["remedy"] for r in res.row()["remedies"]] == ["gradient accumulation", "activation checkpointing"]
+
+
+def test_a_want_that_fits_runs_no_remedy(stand_in: dict[str, list[Any]]) -> None:
+    net = Net()
+    stand_in["net"].append(net)
+    res = runner.fit(lambda b: net(torch.randn(b, 8)).sum().backward(), [8, 16, 32], source=FakeSource(),  # type: ignore[arg-type]
+                     name="batch", modules=[net], margin_bytes=0, want=16)
+    assert not res.remedies and not any(c for _, c in stand_in["runs"])
+    assert not any("left out" in n for n in res.notes)
+
+
+def test_a_remedy_the_body_fails_under_is_left_out_and_the_model_is_as_it_was(
+        stand_in: dict[str, list[Any]]) -> None:
+    net = Net()
+    stand_in["net"].append(net)
+    before = attrs(net)
+
+    def step(b: int) -> None:
+        if "forward" in vars(net.blocks[0]):
+            raise RuntimeError("this body cannot run checkpointed")
+        net(torch.randn(b, 8)).sum().backward()
+
+    res = runner.fit(step, [8, 16, 32], source=FakeSource(), name="batch", modules=[net],  # type: ignore[arg-type]
+                     margin_bytes=0, want=10_000)
+    assert [r.name for r in res.remedies] == ["gradient accumulation"]
+    assert any(n.startswith("activation checkpointing left out: the body failed under it (RuntimeError: this body")
+               for n in res.notes)
+    assert attrs(net) == before
