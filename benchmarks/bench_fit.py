@@ -3,6 +3,7 @@
     PYTHONPATH=. python3 benchmarks/bench_fit.py                 # needs CUDA; about 3-4 minutes on an H100
     PYTHONPATH=. python3 benchmarks/bench_fit.py --only mlp --states fresh
     PYTHONPATH=. python3 benchmarks/bench_fit.py --only training     # issue 27's training setups
+    PYTHONPATH=. python3 benchmarks/bench_fit.py --only remedies     # issue 27's remedies, each checked
     PYTHONPATH=. python3 benchmarks/bench_fit.py --out DIR       # also writes results.json, traces, a plot
     PYTHONPATH=. python3 benchmarks/bench_fit.py --replay DIR/traces.json.gz   # no GPU: the analysis again
 
@@ -20,6 +21,13 @@ binds ``x``, ``out``, ``loss`` in a namespace that outlives it, and runs one tra
 - batch-probe (PyPI, 0.4.0) and torch-kitsune (0.7.0), where installed: optional comparisons only.
 
 The target: nbmem never above the real boundary and within 10 % below it, on every row.
+
+``--only remedies`` (issue 27): fp32 models with repeated blocks (the LM, torch's ``TransformerEncoder``, a
+residual CNN with BatchNorm, Hugging Face's GPT-2 where transformers is installed) fitted with ``want`` far
+beyond what fits, so the fit measures each remedy it can apply by runs of its own; then for the plain body and
+under each remedy (applied as the fit applies it) the real boundary by bisection, as above. ``--room-gib``
+leaves that much of the GPU free for each family (the rest held by one tensor), so the bisections run at
+smaller sizes; the margin is then the fit's rule applied to that room.
 """
 
 from __future__ import annotations
@@ -288,6 +296,63 @@ def families(torch: Any, dev: str = "cuda") -> dict[str, Family]:
     def adamw_trainable(m: Any) -> Any:
         return torch.optim.AdamW([p for p in m.parameters() if p.requires_grad], lr=1e-4)
 
+    # -- issue 27's remedies: fp32 bodies with repeated blocks ------------------------------------------------------
+    def lm_fp32_body(model: Any, opt: Any, ns: dict[str, Any], b: int) -> None:
+        ns["x"] = torch.randint(0, LM_VOCAB, (b, T + 1), device=dev)
+        ns["out"] = model(ns["x"][:, :-1])
+        ns["loss"] = F.cross_entropy(ns["out"].reshape(-1, LM_VOCAB), ns["x"][:, 1:].reshape(-1))
+        ns["loss"].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    class Encoder(nn.Module):
+        """torch's own TransformerEncoder (a ModuleList of TransformerEncoderLayer) and a classifier head."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            layer = nn.TransformerEncoderLayer(D, 4, 4 * D, dropout=0.1, batch_first=True)
+            self.enc = nn.TransformerEncoder(layer, 4, enable_nested_tensor=False)
+            self.head = nn.Linear(D, 10)
+
+        def forward(self, x: Any) -> Any:
+            return self.head(self.enc(x).mean(1))
+
+    def encoder_body(model: Any, opt: Any, ns: dict[str, Any], b: int) -> None:
+        ns["x"] = torch.randn(b, T, D, device=dev)
+        ns["y"] = torch.randint(0, 10, (b,), device=dev)
+        classify(model, opt, ns)
+
+    class ResBlock(nn.Module):
+        def __init__(self, c: int) -> None:
+            super().__init__()
+            self.body = nn.Sequential(nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c), nn.ReLU(),
+                                      nn.Conv2d(c, c, 3, padding=1, bias=False), nn.BatchNorm2d(c))
+
+        def forward(self, x: Any) -> Any:
+            return F.relu(x + self.body(x))
+
+    def resnet(device: Any) -> Any:
+        return nn.Sequential(nn.Conv2d(3, 64, 3, padding=1, bias=False), nn.BatchNorm2d(64), nn.ReLU(),
+                             nn.Sequential(*[ResBlock(64) for _ in range(4)]), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
+                             nn.Linear(64, 10)).to(device)
+
+    def gpt2(device: Any) -> Any:
+        """Hugging Face's GPT-2, small and randomly initialised (no download): its own gradient_checkpointing."""
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(vocab_size=LM_VOCAB, n_positions=256, n_embd=D, n_layer=4, n_head=4, bos_token_id=0,
+                         eos_token_id=0)
+        return GPT2LMHeadModel(cfg).to(device)
+
+    def hf_body(model: Any, opt: Any, ns: dict[str, Any], b: int) -> None:
+        ns["x"] = torch.randint(0, LM_VOCAB, (b, T), device=dev)
+        got = model(input_ids=ns["x"], labels=ns["x"], use_cache=False)
+        ns["out"], ns["loss"] = got.logits, got.loss
+        del got
+        ns["loss"].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
     return {
         "mlp": Family("mlp", "batch", (256, 512, 1024), mlp, mlp_body, adamw, (512,)),
         "lm-bf16": Family("lm-bf16", "batch", (8, 16, 32), lambda d: LM().to(d), lm_body, adamw),
@@ -305,10 +370,16 @@ def families(torch: Any, dev: str = "cuda") -> dict[str, Family]:
         "sched": Family("sched", "batch", (256, 512, 1024), mlp, sched_body, with_aux(adamw, sched=one_cycle),
                         others=aux_of),
         "lora-bf16": Family("lora-bf16", "batch", (8, 16, 32), lora, lm_body, adamw_trainable),
+        "lm-fp32": Family("lm-fp32", "batch", (8, 16, 32), lambda d: LM().to(d), lm_fp32_body, adamw),
+        "encoder": Family("encoder", "batch", (8, 16, 32), lambda d: Encoder().to(d), encoder_body, adamw),
+        "resnet": Family("resnet", "batch", (8, 16, 32), resnet, cnn_body, sgd),
+        "gpt2-hf": Family("gpt2-hf", "batch", (8, 16, 32), gpt2, hf_body, adamw),
     }
 
 #: Issue 27's training setups, run with ``--only`` (``--only training`` runs them all).
 TRAINING = ("ckpt", "ckpt-reentrant", "scaler-accum", "sched", "lora-bf16")
+#: Issue 27's remedies, run with ``--only remedies``: each family's plain fit and every remedy it measures.
+REMEDIES = ("lm-fp32", "encoder", "resnet", "gpt2-hf")
 
 
 @dataclass
@@ -360,6 +431,8 @@ def main() -> int:
     ap.add_argument("--kitsune", action=argparse.BooleanOptionalAction, default=True,
                     help="torch-kitsune on the fresh rows (in a CPU child process), where installed")
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop starting rows after this long")
+    ap.add_argument("--room-gib", type=float, default=0.0,
+                    help="--only remedies: leave this much of the GPU free for each family (0: all of it)")
     ap.add_argument("--out", default="", help="a folder for results.json and the fits' traces")
     ap.add_argument("--replay", nargs="+", default=[], metavar="TRACES",
                     help="no GPU: nbmem's prediction again, by the analysis as it is now, from the traces.json.gz "
@@ -388,6 +461,8 @@ def main() -> int:
     torch.backends.cudnn.allow_tf32 = True
     started = time.perf_counter()
     fams = families(torch)
+    if a.only == "remedies":
+        return remedies_main(torch, fitting, fams, a.budget_s, a.room_gib, started)
     only = [g for f in a.only.split(",") if f for g in (TRAINING if f == "training" else (f,))] or [
         f for f in fams if f not in ("lm-seq", "embedding", *TRAINING)]
     # Every family fresh first, then the sequence length and half the GPU held, then the other states: what a
@@ -729,6 +804,153 @@ def measure(torch: Any, fitting: Any, fam: Family, state: str, row: Row, competi
                                 "reserved_before_bytes": r.reserved_before_bytes, "entries": _slim(list(r.entries))}
                                for r in captured["runs"]],
                       "line_peaks": peaks, "line_room": room, "nbmem": row.nbmem, "edges": edges, "result": res})
+    ns.clear()
+    hold.clear()
+
+
+# -- issue 27: each remedy's prediction against its real boundary -------------------------------------------------
+#: Far more than any family fits: every fit measures its remedies.
+WANT = 10**8
+
+
+@dataclass
+class RemedyRow:
+    family: str
+    remedy: str  # "plain" for the fit's own prediction
+    predicted: int | None = None
+    real: int | None = None
+    real_hi: int | None = None
+    time_ratio: float | None = None
+    t_fit: float | None = None  # the whole fit, plain runs and every remedy's (on the plain row)
+    t_real: float | None = None
+    step_s: float | None = None  # one step at the real boundary (the last of three in a row that ran there)
+    alloc: str = ""  # memory_allocated() before → after the fit (on the plain row)
+    note: str = ""
+
+
+def remedies_main(torch: Any, fitting: Any, fams: dict[str, Family], budget_s: float, room_gib: float,
+                  started: float) -> int:
+    from nbmem.formatting import fmt_bytes
+
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, {fmt_bytes(torch.cuda.mem_get_info()[1])}"
+          + (f"; {room_gib:g} GiB left free for each family" if room_gib else ""), flush=True)
+    rows: list[RemedyRow] = []
+    for name in REMEDIES:
+        if time.perf_counter() - started > budget_s:
+            rows.append(RemedyRow(name, "", note="not run: time budget spent"))
+            continue
+        try:
+            measure_remedies(torch, fitting, fams[name], rows, room_gib)
+        except Exception as e:  # a family that breaks is reported; the others go on
+            first = str(e).splitlines()[0][:160] if str(e) else ""
+            rows.append(RemedyRow(name, "", note=f"{type(e).__name__}: {first}"))
+            traceback.print_exc()
+        finally:
+            gc.collect()
+            torch.cuda.empty_cache()
+    head = ("family", "remedy", "predicted", "real (to)", "pred/real", "time/sample", "step at real", "t fit",
+            "t real", "alloc before→after", "note")
+    table = [(r.family, r.remedy, fmt(r.predicted), f"{fmt(r.real)} ({fmt(r.real_hi)})" if r.real else "",
+              ratio(r.predicted, r.real), "" if r.time_ratio is None else f"{r.time_ratio:.2f}×",
+              "" if r.step_s is None else f"{r.step_s:.3f}s",
+              "" if r.t_fit is None else f"{r.t_fit:.1f}s", "" if r.t_real is None else f"{r.t_real:.1f}s",
+              r.alloc, r.note) for r in rows]
+    widths = [max(len(str(x)) for x in col) for col in zip(head, *table)]
+    print()
+    for t in (head, *table):
+        print("  ".join(str(x).ljust(w) for x, w in zip(t, widths)).rstrip())
+    ok = [r for r in rows if r.real is not None and r.predicted is not None]
+    good = [r for r in ok if 0.9 * r.real <= r.predicted <= r.real]
+    above = [f"{r.family}/{r.remedy}" for r in ok if r.predicted > r.real]
+    fams_checked = {r.family for r in ok if r.remedy != "plain"}
+    print(f"\n=== summary ===\nbench_fit remedies: within 10 % below the real boundary and never above it: {len(good)} "
+          f"of {len(ok)} rows ({len(ok) - sum(r.remedy == 'plain' for r in ok)} remedy rows, "
+          f"{len(fams_checked)} families); above: {', '.join(above) or 'none'}; "
+          f"{time.perf_counter() - started:.0f} s")
+    return 0
+
+
+def measure_remedies(torch: Any, fitting: Any, fam: Family, rows: list[RemedyRow], room_gib: float) -> None:
+    """A family's fit with ``want`` far beyond what fits, then the real boundary plainly and under each remedy the
+    fit measured (applied as the fit applies it), by bisection with real OOMs."""
+    from contextlib import nullcontext
+
+    from nbmem.fitting import remedies
+    from nbmem.fitting.model import margin_bytes_for
+    from nbmem.fitting.state import restore_state, snapshot_state
+
+    hold: list[Any] = []
+    margin = None
+    if room_gib:
+        free, _ = torch.cuda.mem_get_info()
+        room = int(room_gib * GiB)
+        hold.append(torch.empty(max(0, free - room), dtype=torch.uint8, device="cuda"))
+        margin = margin_bytes_for(room, 0)
+    model = fam.make("cuda")
+    opt = fam.optimizer(model)
+    ns: dict[str, Any] = {}
+    others = fam.others(model, opt)
+    gc.collect()
+    torch.cuda.empty_cache()
+    start = snapshot_state([model], [opt], others)
+
+    def run(v: int) -> None:
+        fam.body(model, opt, ns, v)
+
+    def clean() -> None:
+        ns.clear()
+
+    before = torch.cuda.memory_allocated()
+    t = time.perf_counter()
+    res = fitting.fit(run, fam.values, name=fam.var, clean=clean, modules=[model], optimizers=[opt], others=others,
+                      stacks=True, want=WANT, margin_bytes=margin)
+    t_fit = time.perf_counter() - t
+    after = torch.cuda.memory_allocated()
+    print(str(res), flush=True)
+    measured = {r.name: r for r in res.remedies if r.name in (remedies.CHECKPOINTING, remedies.BF16)}
+    cands, _ = remedies.candidates(torch, [model], others)
+    left = [n for n in res.notes if " left out" in n]
+    plan: list[tuple[str, Any]] = [("plain", None)] + [(c.name, c) for c in cands if c.name in measured]
+    for label, cand in plan:
+        row = RemedyRow(fam.name, label)
+        rows.append(row)
+        if cand is None:
+            row.predicted, row.t_fit, row.alloc = res.largest_value, t_fit, f"{fmt(before)}→{fmt(after)}"
+            row.note = f"{res.steps_run} steps; " + "; ".join(left)
+        else:
+            row.predicted, row.time_ratio = measured[label].largest_value, measured[label].time_per_sample_ratio
+        go = run if cand is None else cand.wrap(run)
+        step_s: dict[int, float] = {}
+
+        def three_in_a_row(v: int, cand: Any = cand, go: Any = go, step_s: dict[int, float] = step_s) -> bool:
+            ok = True
+            gc.collect()
+            torch.cuda.empty_cache()
+            try:
+                with nullcontext() if cand is None else cand.applied():
+                    for _ in range(3):
+                        torch.cuda.synchronize()
+                        t = time.perf_counter()
+                        go(v)
+                        torch.cuda.synchronize()
+                        step_s[v] = time.perf_counter() - t
+            except Exception as e:
+                if not fitting.is_out_of_memory(e):
+                    raise
+                ok = False
+            finally:
+                ns.clear()
+                restore_state(start)
+                gc.collect()
+                torch.cuda.empty_cache()
+            return ok
+
+        t = time.perf_counter()
+        row.real, row.real_hi = boundary(three_in_a_row, row.predicted or fam.values[-1])
+        row.t_real = time.perf_counter() - t
+        row.step_s = step_s.get(row.real) if row.real is not None else None
+        print(f"  {fam.name}/{label}: predicted {fmt(row.predicted)}, real {fmt(row.real)} "
+              f"({ratio(row.predicted, row.real)})", flush=True)
     ns.clear()
     hold.clear()
 

@@ -4,10 +4,11 @@ When the wanted value does not fit, ``runner.fit`` runs the body's small runs ag
 and the same analysis predicts the largest value under it (never above the real boundary, as for the plain
 fit). What a remedy is, and whether it can be applied, is decided here, without running the body:
 
-- *activation checkpointing*: a Hugging Face model through its own ``gradient_checkpointing_enable``
-  (non-reentrant); any other model where it has repeated blocks (a ``ModuleList`` or ``Sequential`` of
-  two or more modules of one type that have modules of their own), each block's ``forward`` wrapped in
-  ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` while gradients are on;
+- *activation checkpointing*: a Hugging Face model through its own switch (``activation_checkpointing_enable``
+  in newer transformers, ``gradient_checkpointing_enable`` before; non-reentrant); any other model where it
+  has repeated blocks (a ``ModuleList`` or ``Sequential`` of two or more modules of one type that have modules
+  of their own), each block's ``forward`` wrapped in ``torch.utils.checkpoint.checkpoint(...,
+  use_reentrant=False)`` while gradients are on;
 - *bf16 autocast*: the body run inside ``torch.autocast("cuda", dtype=torch.bfloat16)``, where the model's
   parameters are fp32, no gradient scaler says it already trains in fp16, and the device supports bf16.
 
@@ -107,19 +108,22 @@ def checkpointing(torch: Any, tops: Sequence[Any], others: Sequence[Any] = ()) -
         return f"{left}: the model is torch.compile'd, and wrapping its blocks would make it compile again"
     hf = [m for m in tops if _hf_checkpointable(m)]
     if hf:
-        if any(_static(m, "is_gradient_checkpointing", False) is True for m in hf):
+        if any(_static(s, "gradient_checkpointing", False) is True for m in hf for s in m.modules()):
             return f"{left}: the Hugging Face model already has gradient checkpointing on"
         names = ", ".join(reach.type_name(type(m)) for m in hf)
+        # newer transformers call it activation checkpointing (the old name warns); before, gradient checkpointing
+        word = "activation" if all(callable(_static(m, "activation_checkpointing_enable", None)) for m in hf) else (
+            "gradient")
 
         def enable() -> None:
             for m in hf:
-                m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+                getattr(m, f"{word}_checkpointing_enable")(**{f"{word}_checkpointing_kwargs": {"use_reentrant": False}})
 
         def disable() -> None:
             for m in hf:
-                m.gradient_checkpointing_disable()
+                getattr(m, f"{word}_checkpointing_disable")()
 
-        return Candidate(CHECKPOINTING, f"model.gradient_checkpointing_enable(gradient_checkpointing_kwargs="
+        return Candidate(CHECKPOINTING, f"model.{word}_checkpointing_enable({word}_checkpointing_kwargs="
                          f"{{'use_reentrant': False}}) ({names})", tops, enable, disable)
     found = [(top, path, blocks) for top in tops for path, blocks in repeated_blocks(torch, top)]
     if not found:
@@ -171,7 +175,7 @@ def _hf_checkpointable(m: Any) -> bool:
     """A Hugging Face model that says it supports gradient checkpointing (its class's own flag)."""
     return (callable(_static(m, "gradient_checkpointing_enable", None))
             and callable(_static(m, "gradient_checkpointing_disable", None))
-            and _static(m, "supports_gradient_checkpointing", False) is True)
+            and _static(m, "supports_gradient_checkpointing", False) is True)  # the flag both versions read
 
 
 def _already_checkpointed(block: Any) -> bool:

@@ -125,8 +125,8 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
     if unsupported:
         raise FitRefused(f"fitting needs the allocator's trace, and {unsupported}")
     modules, optimizers, others = list(modules), list(optimizers), list(others)
-    saved = snapshot_state(modules, optimizers, others, iterators=iterators) if restore else None
     candidates, left_out = remedies.candidates(t, modules, others) if want is not None else ([], [])
+    saved = snapshot_state(modules, optimizers, others, iterators=iterators) if restore else None
     modules = optimizers = others = ()
     measured: list[Remedy] = []
     remedy_notes: list[str] = []
