@@ -377,9 +377,9 @@ class Timeline:
                     live[key] = addr
                     if alloc.allocated_bytes > peak:
                         peak, peak_at = alloc.allocated_bytes, (phase, k)
-                    if code == _A_T and op[3] and phase > 0:
+                    if code == _A_T and op[3] >= 0 and phase > 0:
                         # What the last run left under this allocation's name is replaced by it now.
-                        old = live.pop(prev + op[1], None)
+                        old = live.pop(prev + op[3], None)
                         if old is not None:
                             alloc.free(old)
                     continue
@@ -423,6 +423,35 @@ class Timeline:
                     acc[0] += m.per_unit_bytes
                     acc[1] += m.per_unit_sq_bytes
         return fixed, per, sq, lines
+
+
+def _rebinding_heads(run: Run) -> dict[int, int]:
+    """Names a run binds more than once (a loop over micro-batches: ``x = torch.randn(...)`` twice): where an
+    allocation's very next event frees an earlier block of the same size made at the same line, the new block
+    took the old one's name. For each block the run leaves allocated at the end of such a chain, the chain's
+    first allocation maps to it: in the next run that allocation rebinds the name, and the block left by the
+    run before goes then, not when the last link is made again. Only with stacks (a line to compare)."""
+    before: dict[int, int] = {}  # allocation -> the one whose name it took
+    events = run.events
+    for pos, (kind, i) in enumerate(events[:-1]):
+        if kind != ALLOC:
+            continue
+        nxt_kind, j = events[pos + 1]
+        if nxt_kind != FREE or j == i:
+            continue
+        a, b = run.allocs[i], run.allocs[j]
+        if a.site is not None and a.site == b.site and a.size == b.size and a.stream == b.stream and b.born < a.born:
+            before[i] = j
+    heads: dict[int, int] = {}
+    for i, a in enumerate(run.allocs):
+        if a.died is not None or i not in before:
+            continue
+        head, seen = i, {i}
+        while head in before and before[head] not in seen:
+            head = before[head]
+            seen.add(head)
+        heads[head] = i
+    return heads
 
 
 def build_timeline(runs: Sequence[Run], segments: Sequence[SegmentState]) -> Timeline | str:
@@ -548,8 +577,13 @@ def build_timeline(runs: Sequence[Run], segments: Sequence[SegmentState]) -> Tim
                 steady_ops.append((_F_INIT, -1))  # nothing to free: kept as allocated
                 unknown_frees += 1
     freed_by_name = {op[1] for op in steady_ops if op[0] == _F_LEFT}
-    steady_ops = [(op[0], op[1], op[2], 0 if op[1] in freed_by_name else 1) if op[0] == _A_T else op
-                  for op in steady_ops]
+    heads = _rebinding_heads(template)
+    # op[3]: which allocation of the run before this one frees (what that run left under its name), -1 none
+    steady_ops = [(op[0], op[1], op[2], -1 if op[1] in freed_by_name else heads.get(op[1], op[1]))
+                  if op[0] == _A_T else op for op in steady_ops]
+    if len(set(heads.values())) < len(heads):  # two heads for one leftover: not one name, trust neither
+        steady_ops = [(op[0], op[1], op[2], -1 if op[1] in freed_by_name else op[1]) if op[0] == _A_T else op
+                      for op in steady_ops]
 
     # The first run at a larger value: the steady run's events, with what only the first run did put in where
     # it did it (the warm-up at the smallest value lacks what only larger values allocate, a workspace say).
