@@ -1,8 +1,6 @@
 """nbmem's magics: where your GPU memory went, cell by cell, and how to get it back.
 
-Load it once per kernel::
-
-    %load_ext nbmem
+Load it once per kernel with ``%load_ext nbmem``.
 
 ``%%cudamem`` (first line of a cell) runs the cell and reports what it did: wall time, Δallocated,
 Δreserved, the peak allocated inside the cell, Δ of this process's NVML usage, Δ RSS, and which names
@@ -103,6 +101,7 @@ from .cleanup_request import CleanupRefused, CleanupRequest
 from .fitting.state import FitRefused
 from .flight import FlightRecorder, open_flight
 from .options import OPTION_BY_NAME, OPTIONS, Option, OptionError, Settings
+from .reconnect import BetweenCells, ReconnectRoute, reconnect_route
 from .session import Session
 from .shell import ShellAdapter
 
@@ -235,6 +234,8 @@ class NbmemMagics(Magics):
         self._nested = False
         self.gauge: Any = None
         self.flight: FlightRecorder | None = None  # this kernel's capsule on disk, fed by the session
+        self.reconnect: ReconnectRoute | None = None  # a page reloaded mid-cell gets its widgets (reconnect.py)
+        self.between = BetweenCells(getattr(shell, "kernel", None))  # where a gauge click waits for the cell
 
     # -- events ------------------------------------------------------------------------------------
     def pre_run_cell(self, info: Any) -> None:
@@ -268,7 +269,6 @@ class NbmemMagics(Magics):
 
     def _display(self, obj: Any) -> None:
         from IPython.display import display
-
         display(obj)
 
     # -- the magic ---------------------------------------------------------------------------------
@@ -518,6 +518,7 @@ class NbmemMagics(Magics):
             return
         try:
             self.gauge = show_gauge(self.session, where, previous=self.gauge, shell=self.shell, explicit=explicit)
+            self.gauge.between_cells = self.between
         except Exception as e:
             if explicit:
                 raise UsageError(f"%cudamem gauge: the gauge cannot be shown here ({e}).") from None
@@ -600,6 +601,9 @@ def load_ipython_extension(shell: Any) -> None:
     except Exception as e:
         session.fault("the flight recorder", e)
     session.start()
+    magics.reconnect = reconnect_route(shell, session.cannot, session.fault)
+    for event, hook in magics.between.hooks.items():  # every run, nested too: is a cell running now?
+        shell.events.register(event, hook)
 
     def _changed(change: Any) -> None:
         try:
@@ -625,12 +629,10 @@ def unload_ipython_extension(shell: Any) -> None:
     magics = _ACTIVE.pop(shell, None)
     if magics is None:
         return
-    hooks = magics.flight.hooks.items() if magics.flight is not None else ()
+    hooks = [*(magics.flight.hooks.items() if magics.flight is not None else ()), *magics.between.hooks.items()]
     for event, fn in (("pre_run_cell", magics.pre_run_cell), ("post_run_cell", magics.post_run_cell), *hooks):
-        try:
+        with contextlib.suppress(ValueError):
             shell.events.unregister(event, fn)
-        except ValueError:
-            pass
     for configurable in (magics.options, magics):  # IPython's Magics.__init__ adds itself there too
         while configurable in shell.configurables:
             shell.configurables.remove(configurable)
@@ -641,5 +643,7 @@ def unload_ipython_extension(shell: Any) -> None:
             del mm.magics[kind]["cudamem"]
     mm.registry.pop(type(magics).__name__, None)
     magics.close()
+    if magics.reconnect is not None:
+        magics.reconnect.close()
     if magics.flight is not None:
         magics.flight.close()  # a clean end: no capsule is left to tell of a death

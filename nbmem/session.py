@@ -85,6 +85,7 @@ class Session:
         self.cuda_broken = False
         self._faults: dict[str, Fault] = {}
         self._told: set[str] = set()
+        self.cannot: list[str] = []  # what the adapter found this kernel cannot do, for `%cudamem status`
         self.last_report: CellReport | None = None
         self.last_shown_report: CellReport | None = None  # what `--last-report` cleans: what the user saw
         self.last_fit: FitResult | None = None
@@ -199,7 +200,7 @@ class Session:
 
     def status(self) -> Status:
         p = self.probe
-        cannot = [r for r in (p.nvml.reason, p.nvml.process_reason, p.nvml.children_reason) if r]
+        cannot = [r for r in (p.nvml.reason, p.nvml.process_reason, p.nvml.children_reason) if r] + self.cannot
         if p.torch.torch() is None:
             cannot.append("torch is not imported yet: no tensors to track")
         elif not p.torch.cuda_initialized() and p.nvml.devices:

@@ -329,6 +329,7 @@ class Gauge(anywidget.AnyWidget):
         self._peaks_lock = threading.Lock()
         self._history_at = float("-inf")
         self._publisher = Publisher(self, self._build, on_error=lambda e: session.fault("gauge", e))
+        self.between_cells: Any = None  # the adapter's BetweenCells: where a click waits for the running cell
         self._unsubscribe: Callable[[], None] | None = None
         self._closed = False
         try:
@@ -430,10 +431,23 @@ class Gauge(anywidget.AnyWidget):
             handle = handlers.get(kind) if isinstance(kind, str) else None
             if handle is None:
                 self._refuse("", "not a request the gauge sends", content)
+            elif kind != "placed" and self._not_now(content, lambda: self._on_msg(_widget, content, _buffers)):
+                return  # it runs between cells
             else:
                 handle(content)
         except Exception as e:
             self.session.fault("gauge click", e)
+
+    def _not_now(self, content: dict[str, Any], fn: Callable[[], None]) -> bool:
+        """Whether a click must wait: a cleanup or a rescan never runs beside the user's code. JupyterLab may
+        deliver it on a subshell thread while a cell runs; ``between_cells`` (the adapter's) then runs it on the
+        kernel's main thread between cells. Without one, a click off the main thread is refused."""
+        if self.between_cells is not None:
+            return bool(self.between_cells.later(fn))
+        if threading.current_thread() is threading.main_thread():
+            return False
+        self._refuse(_req_of(content), "the notebook is running a cell: click again when it ends", content)
+        return True
 
     def _placed(self, content: dict[str, Any]) -> None:
         """A JupyterLab page has shown this gauge in its right sidebar (it makes that panel itself, at once;

@@ -32,7 +32,7 @@ def test_load_twice_is_once_and_unload_leaves_nothing(shell):
     ok(shell, "%load_ext nbmem")
     ok(shell, "%reload_ext nbmem")
     ok(shell, "%load_ext nbmem")
-    assert len(nbmem_callbacks(shell)) == 4  # the cell hooks, and the flight recorder's (nbmem/flight.py)
+    assert len(nbmem_callbacks(shell)) == 6  # the cell hooks, the flight recorder's and BetweenCells' (reconnect.py)
     assert len(nbmem_threads()) == 1
     ok(shell, "%unload_ext nbmem")
     ok(shell, "%unload_ext nbmem")

@@ -302,6 +302,20 @@ def test_del_on_a_listed_holder_frees_it(ip: Any, gauge: Gauge) -> None:
     assert "x" not in [h["name"] for h in gauge.holders]
 
 
+def test_a_click_that_arrives_on_another_thread_waits_for_the_cell(ip: Any, gauge: Gauge) -> None:
+    """JupyterLab may deliver comm messages on a subshell thread, beside the running cell: no cleanup there."""
+    ok(ip, "x = torch.zeros(2**20)")
+    gauge._publisher.flush()
+    t = threading.Thread(target=click, args=(gauge, request("del", holder_id(gauge, "x"))))
+    t.start()
+    t.join()
+    gauge._publisher.flush()
+    assert "x" in ip.user_ns
+    assert gauge.action["ok"] is False and "running a cell" in gauge.action["error"]
+    click(gauge, request("del", holder_id(gauge, "x")))  # the same click on the kernel's own thread
+    assert "x" not in ip.user_ns
+
+
 def test_clear_outputs_frees_what_out_kept(ip: Any, gauge: Gauge) -> None:
     ok(ip, "torch.ones(2**20)")
     gauge._publisher.flush()

@@ -1,0 +1,177 @@
+"""A page that connects to a real kernel (jupyter_client) while a cell runs gets its answers and its widgets' state
+before the cell ends, as a reloaded JupyterLab page asks them: kernel info, then ipywidgets' control comm."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+jupyter_client = pytest.importorskip("jupyter_client")
+pytest.importorskip("ipykernel.shellchannel", reason="ipykernel 7 reads the shell channel on a thread")
+
+SLEEP = "import time\ntime.sleep({s})\nprint('cell done')"
+
+
+@pytest.fixture
+def kc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    spec = tmp_path / "jupyter" / "kernels" / "nbmem-reconnect"
+    spec.mkdir(parents=True)
+    argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    (spec / "kernel.json").write_text(json.dumps({"argv": argv, "display_name": "nbmem", "language": "python"}))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    km = jupyter_client.KernelManager(kernel_name="nbmem-reconnect")
+    km.start_kernel(env={**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path / "rt")})
+    client = km.client()
+    client.start_channels()
+    client.wait_for_ready(timeout=60)
+    yield client
+    client.stop_channels()
+    km.shutdown_kernel(now=True)
+
+
+def _order(kc: Any, sent: dict[str, str], timeout_s: float = 60) -> list[str]:
+    """The names of ``sent`` (name -> request msg_id, on shell) and "cell" (the execute_reply of ``sent["_cell"]``)
+    in the order their replies came; a name ending in "/states" waits for the control comm's update_states."""
+    seen: list[str] = []
+    want = {n for n in sent if not n.startswith("_")} | {"cell"}
+    while want - set(seen):
+        for get in (kc.get_shell_msg, kc.get_iopub_msg):
+            try:
+                m = get(timeout=0.05)
+            except Exception:
+                continue
+            parent = m["parent_header"].get("msg_id")
+            for name, msg_id in sent.items():
+                if name.startswith("_"):
+                    continue
+                if name.endswith("/states"):
+                    data = m["content"].get("data", {}) if m["msg_type"] == "comm_msg" else {}
+                    if m["content"].get("comm_id") == msg_id and data.get("method") == "update_states":
+                        seen.append(name)
+                elif parent == msg_id and m["msg_type"].endswith("_reply"):
+                    seen.append(name)
+            if m["msg_type"] == "execute_reply" and parent == sent.get("_cell"):
+                seen.append("cell")
+        timeout_s -= 0.1
+        assert timeout_s > 0, f"only {seen} came"
+    return seen
+
+
+def _states_request(kc: Any) -> str:
+    """Open ipywidgets' control comm and ask for every widget's state, as a page does; the comm's id."""
+    comm_id = str(uuid.uuid4())
+    kc.shell_channel.send(kc.session.msg("comm_open", {"comm_id": comm_id, "target_name": "jupyter.widget.control",
+                                                       "data": {}}, metadata={"version": "1.0.0"}))
+    kc.shell_channel.send(kc.session.msg("comm_msg", {"comm_id": comm_id, "data": {"method": "request_states"}}))
+    return comm_id
+
+
+def test_a_connecting_page_is_answered_while_a_cell_runs(kc: Any) -> None:
+    kc.execute_interactive("%load_ext nbmem", timeout=60)
+    cell = kc.execute(SLEEP.format(s=6))
+    info = kc.kernel_info()
+    comms = kc.comm_info()
+    states = _states_request(kc)
+    order = _order(kc, {"_cell": cell, "info": info, "comms": comms, "control/states": states})
+    assert order.index("cell") == len(order) - 1, f"answered only after the running cell: {order}"
+
+
+def test_the_states_name_the_gauge(kc: Any) -> None:
+    kc.execute_interactive("%load_ext nbmem", timeout=60)
+    kc.execute(SLEEP.format(s=4))
+    comm_id = _states_request(kc)
+    while True:
+        m = kc.get_iopub_msg(timeout=30)
+        if m["msg_type"] == "comm_msg" and m["content"]["comm_id"] == comm_id:
+            break
+    states = m["content"]["data"]["states"]
+    gauges = [s for s in states.values() if "gauge_id" in s["state"]]
+    assert len(gauges) == 1, sorted(s["model_name"] for s in states.values())
+
+
+def test_after_unload_the_kernel_answers_between_cells_again(kc: Any) -> None:
+    kc.execute_interactive("%load_ext nbmem", timeout=60)
+    kc.execute_interactive("%unload_ext nbmem", timeout=60)
+    cell = kc.execute(SLEEP.format(s=3))
+    info = kc.kernel_info()
+    assert _order(kc, {"_cell": cell, "info": info}) == ["cell", "info"]
+
+
+def test_a_kernel_without_the_thread_keeps_its_route_and_status_says_why() -> None:
+    from types import SimpleNamespace
+
+    from nbmem.reconnect import reconnect_route
+
+    cannot: list[str] = []
+    faults: list[Any] = []
+    old = SimpleNamespace(shell_handlers={}, session=object())  # ipykernel 6: no shell-channel thread
+    assert reconnect_route(SimpleNamespace(kernel=old), cannot, lambda *a: faults.append(a)) is None
+    assert len(cannot) == 1 and "when the cell ends" in cannot[0] and not faults
+    assert reconnect_route(SimpleNamespace(kernel=None), cannot, faults.append) is None  # plain IPython
+    assert len(cannot) == 1
+
+
+def _states(kc: Any) -> dict[str, Any]:
+    comm_id = _states_request(kc)
+    while True:
+        m = kc.get_iopub_msg(timeout=30)
+        if m["msg_type"] == "comm_msg" and m["content"]["comm_id"] == comm_id:
+            return dict(m["content"]["data"]["states"])
+
+
+def test_a_click_sent_to_a_subshell_mid_cell_runs_after_the_cell(kc: Any) -> None:
+    """JupyterLab sends comm messages to a subshell, a thread beside the running cell: the gauge's cleanup
+    must wait for the cell (BetweenCells), never delete a name the running code is using."""
+    kc.execute_interactive("%load_ext nbmem", timeout=60)
+    kc.execute_interactive("import torch\nkept = torch.zeros(2**20)", timeout=60)
+    for _ in range(50):  # the holder list follows the cell a moment after it (the gauge's publisher)
+        gauge_id, gauge = next((k, s["state"]) for k, s in _states(kc).items() if "gauge_id" in s["state"])
+        holder = next((h["id"] for h in gauge["holders"] if h["name"] == "kept"), None)
+        if holder:
+            break
+        time.sleep(0.1)
+    assert holder, gauge["holders"]
+    reply = kc.control_channel.get_msg  # the subshell, as JupyterLab makes one for a comm target
+    kc.control_channel.send(kc.session.msg("create_subshell_request", {}))
+    subshell = reply(timeout=10)["content"]["subshell_id"]
+    cell = kc.execute("import time\nseen = []\nfor _ in range(40):\n    seen.append('kept' in globals())\n"
+                      "    time.sleep(0.1)\nprint(all(seen))")
+    time.sleep(0.5)  # the cell is running
+    # A request the subshell handles now makes its message the kernel's latest parent; the gauge's next update
+    # then routes the gauge's comm to that subshell (ipykernel's comm.py), as JupyterLab's traffic does.
+    ask = kc.session.msg("kernel_info_request", {})
+    ask["header"]["subshell_id"] = subshell
+    kc.shell_channel.send(ask)
+    time.sleep(1.0)
+    click = kc.session.msg("comm_msg", {"comm_id": gauge_id, "data": {"method": "custom", "content": {
+        "type": "cleanup", "req": "t-1", "action": "del", "id": holder}}})
+    click["header"]["subshell_id"] = subshell
+    kc.shell_channel.send(click)
+    out, action_after_cell, done = [], None, False
+    while action_after_cell is None:
+        m = kc.get_iopub_msg(timeout=30)
+        if m["msg_type"] == "stream":
+            out.append(m["content"]["text"])
+        if m["msg_type"] == "status" and m["parent_header"].get("msg_id") == cell \
+                and m["content"]["execution_state"] == "idle":
+            done = True
+        state = m["content"].get("data", {}).get("state", {}) if m["msg_type"] == "comm_msg" else {}
+        if state.get("action", {}).get("req") == "t-1":
+            action_after_cell = done
+            assert state["action"]["ok"], state["action"]
+    assert "".join(out).strip() == "True", f"the running cell lost `kept`: {out}"
+    assert action_after_cell, "the cleanup ran before the cell ended"
+    after: list[str] = []
+    kc.execute_interactive("print('kept' in globals())", timeout=30,
+                           output_hook=lambda m: after.append(m["content"].get("text", "")))
+    assert "".join(after).strip() == "False", "the click was not carried out after the cell"
