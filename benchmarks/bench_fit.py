@@ -431,6 +431,8 @@ def main() -> int:
     ap.add_argument("--kitsune", action=argparse.BooleanOptionalAction, default=True,
                     help="torch-kitsune on the fresh rows (in a CPU child process), where installed")
     ap.add_argument("--budget-s", type=float, default=240.0, help="stop starting rows after this long")
+    ap.add_argument("--remedy-families", default=",".join(REMEDIES),
+                    help="--only remedies: comma-separated families (default: all of them)")
     ap.add_argument("--room-gib", type=float, default=0.0,
                     help="--only remedies: leave this much of the GPU free for each family (0: all of it)")
     ap.add_argument("--out", default="", help="a folder for results.json and the fits' traces")
@@ -462,7 +464,8 @@ def main() -> int:
     started = time.perf_counter()
     fams = families(torch)
     if a.only == "remedies":
-        return remedies_main(torch, fitting, fams, a.budget_s, a.room_gib, started)
+        return remedies_main(torch, fitting, fams, [f for f in a.remedy_families.split(",") if f], a.budget_s,
+                             a.room_gib, started, a.out)
     only = [g for f in a.only.split(",") if f for g in (TRAINING if f == "training" else (f,))] or [
         f for f in fams if f not in ("lm-seq", "embedding", *TRAINING)]
     # Every family fresh first, then the sequence length and half the GPU held, then the other states: what a
@@ -828,19 +831,20 @@ class RemedyRow:
     note: str = ""
 
 
-def remedies_main(torch: Any, fitting: Any, fams: dict[str, Family], budget_s: float, room_gib: float,
-                  started: float) -> int:
+def remedies_main(torch: Any, fitting: Any, fams: dict[str, Family], names: list[str], budget_s: float,
+                  room_gib: float, started: float, out: str = "") -> int:
     from nbmem.formatting import fmt_bytes
 
     print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, {fmt_bytes(torch.cuda.mem_get_info()[1])}"
           + (f"; {room_gib:g} GiB left free for each family" if room_gib else ""), flush=True)
     rows: list[RemedyRow] = []
-    for name in REMEDIES:
+    saved: list[dict[str, Any]] = []
+    for name in names:
         if time.perf_counter() - started > budget_s:
             rows.append(RemedyRow(name, "", note="not run: time budget spent"))
             continue
         try:
-            measure_remedies(torch, fitting, fams[name], rows, room_gib)
+            measure_remedies(torch, fitting, fams[name], rows, room_gib, saved if out else None)
         except Exception as e:  # a family that breaks is reported; the others go on
             first = str(e).splitlines()[0][:160] if str(e) else ""
             rows.append(RemedyRow(name, "", note=f"{type(e).__name__}: {first}"))
@@ -867,10 +871,15 @@ def remedies_main(torch: Any, fitting: Any, fams: dict[str, Family], budget_s: f
           f"of {len(ok)} rows ({len(ok) - sum(r.remedy == 'plain' for r in ok)} remedy rows, "
           f"{len(fams_checked)} families); above: {', '.join(above) or 'none'}; "
           f"{time.perf_counter() - started:.0f} s")
+    if out:
+        os.makedirs(out, exist_ok=True)
+        with gzip.open(os.path.join(out, "remedy_traces.json.gz"), "wt") as f:
+            json.dump(saved, f)
     return 0
 
 
-def measure_remedies(torch: Any, fitting: Any, fam: Family, rows: list[RemedyRow], room_gib: float) -> None:
+def measure_remedies(torch: Any, fitting: Any, fam: Family, rows: list[RemedyRow], room_gib: float,
+                     saved: list[dict[str, Any]] | None = None) -> None:
     """A family's fit with ``want`` far beyond what fits, then the real boundary plainly and under each remedy the
     fit measured (applied as the fit applies it), by bisection with real OOMs."""
     from contextlib import nullcontext
@@ -878,6 +887,7 @@ def measure_remedies(torch: Any, fitting: Any, fam: Family, rows: list[RemedyRow
     from nbmem.fitting import remedies
     from nbmem.fitting.model import margin_bytes_for
     from nbmem.fitting.state import restore_state, snapshot_state
+    from nbmem.sources import TorchSource
 
     hold: list[Any] = []
     margin = None
@@ -900,17 +910,34 @@ def measure_remedies(torch: Any, fitting: Any, fam: Family, rows: list[RemedyRow
     def clean() -> None:
         ns.clear()
 
+    # With ``saved``: what each analysis of the fit saw, by the list of runs it was handed (the plain runs', then
+    # each remedy's); the last analysis of each list is its prediction.
+    analysed: dict[int, tuple[list[Any], Any, Any]] = {}
+    real_analyse = fitting.analyse
+
+    def capture(runs: Any, room: Any, **kw: Any) -> Any:
+        analysed[id(runs)] = (list(runs), room, kw.get("segments", ()))
+        return real_analyse(runs, room, **kw)
+
+    if saved is not None:
+        fitting.analyse = capture
     before = torch.cuda.memory_allocated()
     t = time.perf_counter()
-    res = fitting.fit(run, fam.values, name=fam.var, clean=clean, modules=[model], optimizers=[opt], others=others,
-                      stacks=True, want=WANT, margin_bytes=margin)
+    try:
+        res = fitting.fit(run, fam.values, name=fam.var, clean=clean, modules=[model], optimizers=[opt],
+                          others=others, stacks=True, want=WANT, margin_bytes=margin)
+    finally:
+        fitting.analyse = real_analyse
     t_fit = time.perf_counter() - t
+    fits = list(analysed.values())  # in the order their lists were first analysed: plain, then each remedy's
     after = torch.cuda.memory_allocated()
     print(str(res), flush=True)
     measured = {r.name: r for r in res.remedies if r.name in (remedies.CHECKPOINTING, remedies.BF16)}
     cands, _ = remedies.candidates(torch, [model], others)
     left = [n for n in res.notes if " left out" in n]
     plan: list[tuple[str, Any]] = [("plain", None)] + [(c.name, c) for c in cands if c.name in measured]
+    # the plain runs' list first, then each candidate's in order (one that failed before its analysis shifts these)
+    by_name = dict(zip(["plain", *(c.name for c in cands)], fits))
     for label, cand in plan:
         row = RemedyRow(fam.name, label)
         rows.append(row)
@@ -921,11 +948,16 @@ def measure_remedies(torch: Any, fitting: Any, fam: Family, rows: list[RemedyRow
             row.predicted, row.time_ratio = measured[label].largest_value, measured[label].time_per_sample_ratio
         go = run if cand is None else cand.wrap(run)
         step_s: dict[int, float] = {}
+        edges: dict[str, Any] = {}
 
-        def three_in_a_row(v: int, cand: Any = cand, go: Any = go, step_s: dict[int, float] = step_s) -> bool:
+        def three_in_a_row(v: int, cand: Any = cand, go: Any = go, step_s: dict[int, float] = step_s,
+                           edges: dict[str, Any] = edges) -> bool:
             ok = True
             gc.collect()
             torch.cuda.empty_cache()
+            free = torch.cuda.mem_get_info()[0]
+            reserved = torch.cuda.memory_reserved()
+            trace = TorchSource().start_trace(stacks=False, max_entries=1_000_000) if saved is not None else None
             try:
                 with nullcontext() if cand is None else cand.applied():
                     for _ in range(3):
@@ -939,14 +971,27 @@ def measure_remedies(torch: Any, fitting: Any, fam: Family, rows: list[RemedyRow
                     raise
                 ok = False
             finally:
+                entries = (TorchSource().finish_trace(trace, read=True) or [[]])[0] if trace is not None else []
                 ns.clear()
                 restore_state(start)
                 gc.collect()
                 torch.cuda.empty_cache()
+            key = "ok" if ok else "fail"
+            if trace is not None and (key not in edges or (v > edges[key]["value"]) == ok):
+                edges[key] = {"value": v, "free": free, "reserved": reserved, "entries": _slim(entries)}
             return ok
 
         t = time.perf_counter()
         row.real, row.real_hi = boundary(three_in_a_row, row.predicted or fam.values[-1])
+        if saved is not None and label in by_name:
+            runs, room, segments = by_name[label]
+            saved.append({"family": f"{fam.name}/{label}", "state": "fresh", "values": list(fam.values),
+                          "real": row.real, "real_hi": row.real_hi, "nbmem": row.predicted,
+                          "room": dataclasses.asdict(room), "segments": [dataclasses.asdict(x) for x in segments],
+                          "runs": [{"value": r.value, "counted": r.counted, "oom": r.oom,
+                                    "allocated_before_bytes": r.allocated_before_bytes,
+                                    "reserved_before_bytes": r.reserved_before_bytes, "entries": _slim(list(r.entries))}
+                                   for r in runs], "edges": edges, "line_peaks": [1, 2, 3], "line_room": 1})
         row.t_real = time.perf_counter() - t
         row.step_s = step_s.get(row.real) if row.real is not None else None
         print(f"  {fam.name}/{label}: predicted {fmt(row.predicted)}, real {fmt(row.real)} "

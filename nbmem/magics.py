@@ -72,10 +72,10 @@ and put back bit for bit after, also after an error, so training goes on as if t
 report names what was restored and what could not be (an iterator the cell advanced), a line each
 (``--no-restore`` skips that, and says the fit trained them); what the cell's runs bound is put back as it
 was. A value predicted not to fit is never run; an out-of-memory in a run is caught and freed. With
-``--want 512``, when 512 does not fit, a table of remedies with the largest value each allows: gradient
-accumulation (micro-batches that fit, from the fit itself) and ``expandable_segments`` (only where the
-cache's reserved-but-unused memory is what stops it; it needs a restart). GPU only: on a machine without
-CUDA it says so and the cell does not run.
+``--want 512``, when 512 does not fit, remedies with the largest value each allows: gradient accumulation
+(from the fit itself); checkpointing the model's repeated blocks and bf16 autocast, each measured by the runs
+again under it (undone after; one that cannot apply says why); ``expandable_segments`` (it needs a
+restart). GPU only: on a machine without CUDA it says so and the cell does not run.
 
 Options: ``%config Nbmem.<name> = value``, or ``c.Nbmem.<name>`` in ipython_config.py; ``%config Nbmem``
 lists them with their allowed values. A value outside those is refused with one line, and the old

@@ -309,6 +309,7 @@ def _measure_remedies(body: _Body, candidates: Sequence[remedies.Candidate], val
     for c in candidates:
         sub = _Body(c.wrap(body.run), body.src, body.dev, False, body.max_entries, body.clean, name, [])
         runs: list[RunTrace] = []
+        started = time.perf_counter()
         try:
             with c.applied():
                 room, segments, _ = _room(body.src, body.dev, margin_bytes)
@@ -332,9 +333,10 @@ def _measure_remedies(body: _Body, candidates: Sequence[remedies.Candidate], val
             continue
         ratio = None if step_s is None or plain_s is None or plain_s <= 0 else step_s / plain_s
         cost = "" if ratio is None else f"; one step at {name}={timed:,} took {ratio:.2f}× the plain step's time"
+        took = time.perf_counter() - started
         out.append(Remedy(c.name, largest, c.setting,
-                          f"measured: the fit's runs again with it ({name}={runs_at}), the same model{cost}",
-                          time_per_sample_ratio=ratio))
+                          f"measured: the fit's runs again with it ({name}={runs_at}, {took:.1f} s), the same "
+                          f"model{cost}", time_per_sample_ratio=ratio))
     return out
 
 
