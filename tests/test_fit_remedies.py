@@ -195,11 +195,49 @@ class FakeSource:
         return False
 
 
+class Bf16Cuda(FakeCuda):
+    def is_bf16_supported(self) -> bool:
+        return True
+
+
+class Bf16Torch(FakeTorch):
+    cuda = Bf16Cuda()
+
+
+@pytest.mark.parametrize(("make", "others", "reason"), [
+    (lambda: Net().to(torch.bfloat16), [], "not all fp32 (bfloat16)"),
+    (Net, [torch.amp.GradScaler("cpu")], "a gradient scaler (GradScaler) says the body already trains in fp16"),
+    (None, [], "no model (a torch.nn.Module) was found"),
+])
+def test_bf16_autocast_is_left_out_where_the_body_is_not_plain_fp32(make: Any, others: list[Any], reason: str) -> None:
+    tops = [] if make is None else [make()]
+    got = remedies.bf16_autocast(Bf16Torch(), tops, others)
+    assert isinstance(got, str) and got.startswith("bf16 autocast left out: ") and reason in got
+
+
+def test_bf16_autocast_is_a_candidate_for_an_fp32_model_on_a_gpu_with_bf16() -> None:
+    got = remedies.bf16_autocast(Bf16Torch(), [Net()], [])
+    assert isinstance(got, remedies.Candidate) and "torch.autocast('cuda', dtype=torch.bfloat16)" in got.setting
+
+
+def test_a_hugging_face_model_already_checkpointing_and_a_compiled_one_are_left_alone() -> None:
+    net = FakeHF()
+    net.blocks[0].gradient_checkpointing = True
+    assert "already has gradient checkpointing on" in str(remedies.checkpointing(torch, [net]))
+
+    class OptimizedModule(nn.Module):  # what torch.compile wraps a module in, by name
+        def __init__(self) -> None:
+            super().__init__()
+            self._orig_mod = Net()
+
+    assert "torch.compile'd" in str(remedies.checkpointing(torch, [OptimizedModule()]))
+
+
 @pytest.fixture
-def stand_in(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
+def stand_in(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """A fit that runs the real body on the CPU; each run's trace holds its input and its activations, 8 MiB per
     sample plainly and 2 MiB under checkpointing (what the blocks' forward says at the time)."""
-    seen: dict[str, list[Any]] = {"runs": []}
+    seen: dict[str, Any] = {"runs": []}
     net: list[Any] = []
     seen["net"] = net
     addrs = itertools.count(1)
@@ -209,7 +247,7 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
         ckpt = all("forward" in vars(b) for b in net[0].blocks)
         seen["runs"].append((value, ckpt))
         x, act = next(addrs) << 32, next(addrs) << 32
-        per = 2 * MiB if ckpt else 8 * MiB
+        per = 2 * MiB if ckpt and not seen.get("no gain") else 8 * MiB
         entries = [{"action": "alloc", "addr": x, "size": value * MiB},
                    {"action": "alloc", "addr": act, "size": value * per},
                    {"action": "free_requested", "addr": act, "size": value * per},
@@ -283,3 +321,16 @@ def test_a_remedy_the_body_fails_under_is_left_out_and_the_model_is_as_it_was(
     assert any(n.startswith("activation checkpointing left out: the body failed under it (RuntimeError: this body")
                for n in res.notes)
     assert attrs(net) == before
+
+
+def test_a_remedy_that_allows_no_more_is_left_out_and_says_what_it_measured(stand_in: dict[str, Any]) -> None:
+    net = Net()
+    stand_in["net"].append(net)
+    stand_in["no gain"] = True
+    res = runner.fit(lambda b: net(torch.randn(b, 8)).sum().backward(), [8, 16, 32], source=FakeSource(),  # type: ignore[arg-type]
+                     name="batch", modules=[net], margin_bytes=0, want=10_000)
+    assert [r.name for r in res.remedies] == ["gradient accumulation"]
+    assert res.largest_value is not None
+    assert any(n.startswith("activation checkpointing left out: measured, the largest batch under it is ") and
+               f"no more than {res.largest_value:,} without it" in n for n in res.notes)
+    assert any(c for _, c in stand_in["runs"]), "it was measured"
