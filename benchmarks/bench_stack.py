@@ -15,7 +15,8 @@ Runs alternate in one process and one shell, in many short pairs: on then off, o
 a slow drift of the machine cancels. "on" is nbmem loaded with ``%cudamem on`` (and a gauge publishing, where
 anywidget is installed); "off" is nbmem unloaded. A run's throughput is its samples over the cell's whole wall
 time (nbmem's boundaries included). Each pair's ratio is on/off; the summary gives their mean with a 95 %
-interval (Student's t). Target: the interval's lower bound >= 0.98.
+interval (Student's t). Target: the interval's lower bound >= 0.98. Beside it, the cost measured directly:
+the CPU time nbmem's own threads used during the "on" runs, as a share of one core (read per thread from the OS).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import json
 import statistics
 import sys
 import tempfile
+import threading
 import time
 
 from bench_overhead import nbmem_off, nbmem_on  # benchmarks/ is on sys.path when run as a script
@@ -130,9 +132,22 @@ def train_for(seconds):
 """
 
 
-def run(sh: InteractiveShell, seconds: float) -> float:
-    """One run: a cell that trains for ``seconds``; its samples over the cell's wall time."""
+def nbmem_cpu_s() -> float:
+    """CPU seconds nbmem's own threads (the sampler, the gauge's publisher) have used so far, read from the OS
+    per thread: the direct measure of what monitoring takes from a training loop that holds the GIL."""
+    import psutil
+
+    ours = {t.native_id for t in threading.enumerate() if t.name.startswith("nbmem")}
+    return sum(t.user_time + t.system_time for t in psutil.Process().threads() if t.id in ours)
+
+
+def run(sh: InteractiveShell, seconds: float, cpu: list[tuple[float, float]] | None = None) -> float:
+    """One run: a cell that trains for ``seconds``; its samples over the cell's wall time. ``cpu`` gets the
+    CPU seconds nbmem's threads used during the run, and the run's wall seconds."""
+    c0 = nbmem_cpu_s()
     wall = cell(sh, f"_seen = train_for({seconds!r})")
+    if cpu is not None:
+        cpu.append((nbmem_cpu_s() - c0, wall))
     return float(sh.user_ns["_seen"]) / wall
 
 
@@ -156,7 +171,8 @@ def interval95(xs: list[float]) -> tuple[float, float, float]:
 def pairs_run(name: str, sh: InteractiveShell, seconds: float, pairs: int, gauge: bool) -> None:
     """``pairs`` short pairs in this shell, on then off and off then on in turn (so drift cancels); each pair's
     ratio is on/off, and the summary gives their mean with a 95 % interval."""
-    ratios = []
+    ratios: list[float] = []
+    cpu: list[tuple[float, float]] = []
     for i in range(pairs):
         tput: dict[str, float] = {}
         for mode in (("on", "off") if i % 2 == 0 else ("off", "on")):
@@ -165,7 +181,7 @@ def pairs_run(name: str, sh: InteractiveShell, seconds: float, pairs: int, gauge
                     nbmem_on(sh, gauge)
                     cell(sh, "pass")  # loading's one-time work (the first scan, the gauge's first push) is done
                     time.sleep(0.3)
-                tput[mode] = run(sh, seconds)
+                tput[mode] = run(sh, seconds, cpu if mode == "on" else None)
                 if mode == "on":
                     nbmem_off(sh)
         ratios.append(tput["on"] / tput["off"])
@@ -176,6 +192,10 @@ def pairs_run(name: str, sh: InteractiveShell, seconds: float, pairs: int, gauge
          f"mean {mean:.4f}, 95 % interval [{lo:.4f}, {hi:.4f}] over {pairs} pairs of {seconds:g} s runs "
          f"(min {min(ratios):.4f}, max {max(ratios):.4f}); lower bound >= {TARGET}: "
          f"{'met' if lo >= TARGET else 'NOT met'}")
+    used, wall = sum(c for c, _ in cpu), sum(w for _, w in cpu)
+    line(f"{name}: nbmem's threads' CPU while training", f"{used:.2f} s in {wall:.0f} s of monitored training = "
+         f"{used / wall:.3%} of one core (the OS counts 10 ms ticks): what the sampler and the gauge take from a "
+         f"loop that holds the GIL")
 
 
 def bench_loader(dev: str, seconds: float, pairs: int, gauge: bool) -> None:

@@ -121,7 +121,10 @@ def fit(body: Any, name: str, values: Any, *, restore: bool = True, warmup: bool
     trains them); ``restored`` and ``not_restored`` name them, a line each.
 
     ``want``: the value you want to run at; when it does not fit, ``remedies`` lists what would let it run
-    (gradient accumulation, ``expandable_segments``) and the largest value each allows.
+    and the largest value each allows: gradient accumulation (from the fit itself), activation checkpointing
+    of the model's repeated blocks and bf16 autocast (measured: the small runs again under each, undone
+    after, with the time per sample against the plain step), ``expandable_segments`` (predicted; it needs a
+    restart). A remedy that cannot apply is left out with its reason.
 
     Returns a ``FitResult``: ``largest_value``, ``power_of_two``, ``fixed_bytes``, ``bytes_per_unit``,
     ``lines`` (where memory grows), ``room`` (the memory it fits into and the margin), ``notes``;
