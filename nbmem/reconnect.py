@@ -19,6 +19,8 @@ import threading
 from typing import Any
 
 CONTROL_TARGET = "jupyter.widget.control"  # ipywidgets' comm that hands a new page every widget's state
+#: What a connecting page waits on; the comm messages only for ipywidgets' control comm.
+ROUTED = ("kernel_info_request", "comm_info_request", "comm_open", "comm_msg", "comm_close")
 _WAIT_S = 2.0
 
 
@@ -44,8 +46,9 @@ class ReconnectRoute:
         thread = getattr(k, "shell_channel_thread", None)
         stream = getattr(k, "shell_stream", None)
         original = getattr(k, "shell_channel_thread_main", None)
-        if thread is None or stream is None or original is None or not isinstance(getattr(k, "shell_handlers", None),
-                                                                                  dict) \
+        handlers = getattr(k, "shell_handlers", None)
+        if thread is None or stream is None or original is None or not isinstance(handlers, dict) \
+                or not all(callable(handlers.get(kind)) for kind in ROUTED) \
                 or not getattr(k, "_supports_kernel_subshells", False):
             self.reason = (f"ipykernel {_version()} answers pages only between cells "
                            "(ipykernel 7 reads them on a thread of its own)")
@@ -77,8 +80,7 @@ class ReconnectRoute:
                 idents, rest = session.feed_identities(msg, copy=False)
                 header = session.deserialize(rest, content=False, copy=False)["header"]
                 # Peeking at the content does not use up the message's signature; only a full read does.
-                if header.get("msg_type") not in ("kernel_info_request", "comm_info_request", "comm_open",
-                                                  "comm_msg", "comm_close"):
+                if header.get("msg_type") not in ROUTED:
                     mine = False
                 else:
                     mine = self._mine(header, session.unpack(rest[4].bytes))
@@ -94,18 +96,17 @@ class ReconnectRoute:
                 self._control_comms.add(comm_id)
             elif kind == "comm_close":
                 self._control_comms.discard(comm_id)
-            handler = kernel.shell_handlers.get(kind)
             # busy and idle as the main shell sends them: a page's request is done when both reply and idle came
-            kernel._publish_status("busy", "shell", parent)
+            _status(kernel, "busy", parent)
             try:
-                result = handler(stream, idents, parent)
+                result = kernel.shell_handlers[kind](stream, idents, parent)
                 if hasattr(result, "__await__"):
                     await result
                 self.answered[kind] = self.answered.get(kind, 0) + 1
             except Exception:
                 kernel.log.exception("nbmem: %s answered on the shell-channel thread failed", kind)
             finally:
-                kernel._publish_status("idle", "shell", parent)
+                _status(kernel, "idle", parent)
 
         return route
 
@@ -131,6 +132,14 @@ def reconnect_route(shell: Any, cannot: list[str], fault: Any) -> ReconnectRoute
     except Exception as e:
         fault("the reconnect route", e)
     return None
+
+
+def _status(kernel: Any, state: str, parent: Any) -> None:
+    """An iopub status for ``parent``; a failure here must not keep the request from its answer."""
+    try:
+        kernel._publish_status(state, "shell", parent)
+    except Exception:
+        pass
 
 
 def _on_thread(thread: Any, fn: Any) -> str | None:
