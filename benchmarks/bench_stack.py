@@ -1,8 +1,9 @@
 """Training throughput with `%cudamem on` against plain, on the stack people train with (issues 19, 26).
 
-    python benchmarks/bench_stack.py                                   # both workloads, CUDA, 12 pairs of 6 s runs
-    python benchmarks/bench_stack.py --only trainer --pairs 12         # one workload per command
-    python benchmarks/bench_stack.py --device cpu --seconds 1 --pairs 2   # a smoke run anywhere
+    python benchmarks/bench_stack.py --pairs 60 --seconds 2         # both workloads, CUDA, 60 pairs of 2 s blocks
+    python benchmarks/bench_stack.py --only trainer                 # one workload per command
+    python benchmarks/bench_stack.py --design runs --pairs 12 --seconds 6   # whole cells, nbmem loaded/unloaded
+    python benchmarks/bench_stack.py --device cpu --seconds 1 --pairs 4    # a smoke run anywhere
 
 Two workloads, each a notebook cell that trains for ``--seconds`` and counts the samples it trained on:
 
@@ -11,23 +12,33 @@ Two workloads, each a notebook cell that trains for ``--seconds`` and counts the
 - ``loader``: the PyTorch quickstart's shape, DataLoader-bound: 60,000 FashionMNIST-sized images (1x28x28,
   uint8, turned into float tensors per item as ``ToTensor`` does), batch 64, the quickstart's MLP, SGD.
 
-Runs alternate in one process and one shell, in many short pairs: on then off, off then on, and so on, so that
-a slow drift of the machine cancels. "on" is nbmem loaded with ``%cudamem on`` (and a gauge publishing, where
-anywidget is installed); "off" is nbmem unloaded. A run's throughput is its samples over the cell's whole wall
-time (nbmem's boundaries included). Each pair's ratio is on/off; the summary gives their mean with a 95 %
-interval (Student's t). Target: the interval's lower bound >= 0.98. Beside it, the cost measured directly:
-the CPU time nbmem's own threads used during the "on" runs, as a share of one core (read per thread from the OS).
+Two designs, both in one process and one shell, on and off in many short pairs (on then off, off then on, and so
+on, so that a slow drift of the machine cancels); each pair's ratio is on/off throughput, and the summary gives
+their mean with a 95 % interval (Student's t). Target: the interval's lower bound >= 0.98.
+
+- ``blocks`` (the default): one training cell, nbmem loaded with ``%cudamem on`` and a gauge publishing (where
+  anywidget is installed) throughout; its sampler thread, which drives all it does while a cell runs (samples,
+  the gauge's publishing, the flight recorder's writes), is started and stopped every ``--seconds``. Adjacent
+  blocks share the machine's state, so the pairs are tight: this is the cost of monitoring a long cell.
+- ``runs``: whole cells of ``--seconds``, with nbmem loaded (``%cudamem on``, gauge) and unloaded; a run's
+  throughput is its samples over the cell's whole wall time (nbmem's cell boundaries included). Two such runs
+  a few seconds apart differ by up to 10 % on the GPU machine, which needs many pairs.
+
+Beside the ratio, the cost measured directly: the CPU time nbmem's own threads used in the "on" blocks or runs,
+as a share of one core (read per thread from the OS).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
 import threading
 import time
+from typing import Any
 
 from bench_overhead import nbmem_off, nbmem_on  # benchmarks/ is on sys.path when run as a script
 from harness import Quiet, cell, line, new_shell, print_summary
@@ -67,8 +78,9 @@ model = NeuralNetwork().to(_dev)
 loss_fn = nn.CrossEntropyLoss()
 optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
 
-def train_for(seconds):
-    '''The quickstart's train loop, epoch after epoch, until ``seconds`` have passed; returns the samples seen.'''
+def train_for(seconds, blocks=None):
+    '''The quickstart's train loop, epoch after epoch, until ``seconds`` have passed (or ``blocks`` says it is
+    done); returns the samples seen.'''
     model.train()
     seen, t0 = 0, time.perf_counter()
     while True:
@@ -79,6 +91,8 @@ def train_for(seconds):
             optimizer.step()
             optimizer.zero_grad()
             seen += len(X)
+            if blocks is not None and blocks.step(len(X)):
+                return seen
             if time.perf_counter() - t0 >= seconds:
                 if _dev == "cuda":
                     torch.cuda.synchronize()
@@ -107,12 +121,14 @@ class Tokens(torch.utils.data.Dataset):
 class StopAfter(TrainerCallback):
     '''Ends training once ``seconds`` have passed; counts the optimizer steps.'''
     def __init__(self):
-        self.seconds, self.steps = 0.0, 0
+        self.seconds, self.steps, self.blocks = 0.0, 0, None
     def on_train_begin(self, args, state, control, **kw):
         self.t0, self.steps = time.perf_counter(), 0
     def on_step_end(self, args, state, control, **kw):
         self.steps += 1
-        if time.perf_counter() - self.t0 >= self.seconds:
+        if self.blocks is not None and self.blocks.step(args.per_device_train_batch_size):
+            control.should_training_stop = True
+        elif time.perf_counter() - self.t0 >= self.seconds:
             control.should_training_stop = True
 
 stop = StopAfter()
@@ -122,9 +138,10 @@ args = TrainingArguments(output_dir={out!r}, per_device_train_batch_size=8, max_
                          use_cpu=_dev == "cpu", dataloader_num_workers=0, seed=0)
 trainer = Trainer(model=model, args=args, train_dataset=Tokens(), callbacks=[stop])
 
-def train_for(seconds):
-    '''trainer.train() until ``seconds`` have passed; returns the sequences trained on.'''
-    stop.seconds = seconds
+def train_for(seconds, blocks=None):
+    '''trainer.train() until ``seconds`` have passed (or ``blocks`` says it is done); returns the sequences
+    trained on.'''
+    stop.seconds, stop.blocks = seconds, blocks
     trainer.train()
     if _dev == "cuda":
         torch.cuda.synchronize()
@@ -168,6 +185,88 @@ def interval95(xs: list[float]) -> tuple[float, float, float]:
     return m, m - half, m + half
 
 
+class Blocks:
+    """Monitoring on and off in turn inside one training cell: ``pairs`` pairs of blocks of ``block_s`` seconds,
+    on then off and off then on in turn. nbmem stays loaded with ``%cudamem on`` and its gauge; "off" stops its
+    sampler thread, which drives everything it does while a cell runs (the samples, the gauge's publishing, the
+    flight recorder's writes). The training loop calls ``step(samples)`` after each step; True ends it."""
+
+    def __init__(self, sampler: Any, pairs: int, block_s: float, sync: Any) -> None:
+        self.plan = [m for i in range(pairs) for m in (("on", "off") if i % 2 == 0 else ("off", "on"))]
+        self.sampler, self.block_s, self.sync = sampler, block_s, sync
+        self.results: list[tuple[str, int, float, float]] = []  # mode, samples, wall s, nbmem's CPU s
+        self.i = 0
+        self._begin()
+
+    def _begin(self) -> None:
+        if self.plan[self.i] == "on":
+            self.sampler.start()
+        else:
+            self.sampler.stop()
+        self.n, self.cpu0, self.t0 = 0, nbmem_cpu_s(), time.perf_counter()
+
+    def step(self, samples: int) -> bool:
+        self.n += samples
+        if time.perf_counter() - self.t0 < self.block_s:
+            return False
+        self.sync()  # the block's queued GPU work is its own
+        wall = time.perf_counter() - self.t0
+        if self.sampler.running != (self.plan[self.i] == "on"):
+            raise RuntimeError(f"block {self.i}: the sampler was {'on' if self.sampler.running else 'off'} in an "
+                               f"{self.plan[self.i]} block")
+        self.results.append((self.plan[self.i], self.n, wall, nbmem_cpu_s() - self.cpu0))
+        self.i += 1
+        if self.i == len(self.plan):
+            self.sampler.start()
+            return True
+        self._begin()
+        return False
+
+
+def blocks_run(name: str, sh: InteractiveShell, block_s: float, pairs: int, gauge: bool) -> None:
+    """``pairs`` pairs of on/off blocks inside one cell (class Blocks): each pair's ratio is on/off throughput."""
+    from nbmem.magics import session_of
+
+    with Quiet():
+        nbmem_on(sh, gauge)
+        cell(sh, "pass")
+    sync = "torch.cuda.synchronize" if sh.user_ns.get("_dev") == "cuda" else "lambda: None"
+    sh.user_ns["_blocks"] = Blocks(session_of(sh).sampler, pairs, block_s, eval(sync, sh.user_ns))
+    with Quiet():
+        cell(sh, f"_seen = train_for({pairs * 2 * block_s * 10 + 60!r}, blocks=_blocks)")
+    b: Blocks = sh.user_ns.pop("_blocks")
+    with Quiet():
+        nbmem_off(sh)
+    done = b.results
+    ratios = [on[1] / on[2] / (off[1] / off[2]) for on, off in
+              ((x, y) if x[0] == "on" else (y, x) for x, y in zip(done[0::2], done[1::2]))]
+    for i, r in enumerate(ratios):
+        print(f"    {name} pair {i + 1}: {r:.4f}", flush=True)
+    mean, lo, hi = interval95(ratios)
+    med, mlo, mhi = median95(ratios)
+    line(f"{name} throughput ratio on/off, blocks{' (+gauge)' if gauge else ''}",
+         f"mean {mean:.4f}, 95 % interval [{lo:.4f}, {hi:.4f}]; median {med:.4f}, 95 % interval [{mlo:.4f}, "
+         f"{mhi:.4f}]; over {len(ratios)} pairs of {block_s:g} s blocks in one cell (min {min(ratios):.4f}, max "
+         f"{max(ratios):.4f}); lower bound >= {TARGET}: mean {'met' if lo >= TARGET else 'NOT met'}, median "
+         f"{'met' if mlo >= TARGET else 'NOT met'}")
+    used = sum(r[3] for r in done if r[0] == "on")
+    wall = sum(r[2] for r in done if r[0] == "on")
+    line(f"{name}: nbmem's threads' CPU in the on blocks", f"{used:.2f} s in {wall:.0f} s = {used / wall:.3%} of "
+         f"one core (the OS counts 10 ms ticks)")
+
+
+def median95(xs: list[float]) -> tuple[float, float, float]:
+    """The median of ``xs`` and its distribution-free 95 % interval (order statistics, the sign test's binomial):
+    one hiccup of the machine moves it by one rank, not by its size."""
+    v, n = sorted(xs), len(xs)
+    k = 0  # the largest k with P(Binomial(n, 1/2) <= k - 1) <= 2.5 %
+    while k + 1 <= n and sum(math.comb(n, i) for i in range(k + 1)) / 2**n <= 0.025:
+        k += 1
+    if k == 0:
+        return statistics.median(v), float("nan"), float("nan")
+    return statistics.median(v), v[k - 1], v[n - k]
+
+
 def pairs_run(name: str, sh: InteractiveShell, seconds: float, pairs: int, gauge: bool) -> None:
     """``pairs`` short pairs in this shell, on then off and off then on in turn (so drift cancels); each pair's
     ratio is on/off, and the summary gives their mean with a 95 % interval."""
@@ -198,15 +297,15 @@ def pairs_run(name: str, sh: InteractiveShell, seconds: float, pairs: int, gauge
          f"loop that holds the GIL")
 
 
-def bench_loader(dev: str, seconds: float, pairs: int, gauge: bool) -> None:
+def bench_loader(dev: str, seconds: float, pairs: int, gauge: bool, design: str) -> None:
     print("loader: the PyTorch quickstart's loop, DataLoader-bound (1x28x28, batch 64, MLP, SGD)", flush=True)
     sh = new_shell()
     cell(sh, LOADER_SETUP.format(dev=dev))
     cell(sh, f"_seen = train_for({min(seconds, 5.0)!r})")  # warm-up: kernels, allocator, the loader's first epoch
-    pairs_run("loader", sh, seconds, pairs, gauge)
+    (blocks_run if design == "blocks" else pairs_run)("loader", sh, seconds, pairs, gauge)
 
 
-def bench_trainer(dev: str, seconds: float, pairs: int, gauge: bool) -> None:
+def bench_trainer(dev: str, seconds: float, pairs: int, gauge: bool, design: str) -> None:
     try:
         import transformers
     except ImportError:
@@ -219,7 +318,7 @@ def bench_trainer(dev: str, seconds: float, pairs: int, gauge: bool) -> None:
         with Quiet():
             cell(sh, TRAINER_SETUP.format(dev=dev, out=out))
             cell(sh, f"_seen = train_for({min(seconds, 5.0)!r})")  # warm-up
-        pairs_run("trainer", sh, seconds, pairs, gauge)
+        (blocks_run if design == "blocks" else pairs_run)("trainer", sh, seconds, pairs, gauge)
 
 
 def main() -> int:
@@ -228,6 +327,9 @@ def main() -> int:
     ap.add_argument("--seconds", type=float, default=6.0, help="length of each run")
     ap.add_argument("--pairs", type=int, default=12, help="pairs of runs (on/off, then off/on) per workload")
     ap.add_argument("--only", default="", help="comma list: trainer,loader")
+    ap.add_argument("--design", default="blocks", choices=["blocks", "runs"],
+                    help="blocks: on/off blocks of --seconds inside one training cell (nbmem loaded, its sampler "
+                         "started and stopped); runs: whole cells with nbmem loaded and unloaded")
     a = ap.parse_args()
     only = set(filter(None, a.only.split(",")))
     try:
@@ -240,13 +342,13 @@ def main() -> int:
     import torch
 
     env = {"python": sys.version.split()[0], "device": a.device, "torch": torch.__version__, "gauge": gauge,
-           "seconds": a.seconds, "pairs": a.pairs}
+           "seconds": a.seconds, "pairs": a.pairs, "design": a.design}
     if a.device == "cuda":
         env["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
     print(json.dumps(env), flush=True)
     for name, fn in (("trainer", bench_trainer), ("loader", bench_loader)):
         if not only or name in only:
-            fn(a.device, a.seconds, a.pairs, gauge)
+            fn(a.device, a.seconds, a.pairs, gauge, a.design)
     return print_summary()
 
 
