@@ -1,7 +1,8 @@
 """A page that connects while a cell runs gets its widgets, the gauge among them, without waiting for the cell.
 
 A JupyterLab page reloaded mid-cell first asks the kernel who it is (``kernel_info_request``), then opens
-ipywidgets' control comm and asks it for every widget's state (falling back to ``comm_info_request``). ipykernel
+ipywidgets' control comm and asks it for every widget's state (falling back to ``comm_info_request`` and each
+widget's ``request_state``). ipykernel
 answers all of these on the main thread, between cells: a page reloaded during an hour-long training cell had no
 gauge for the hour. ipykernel 7 reads the shell channel on a thread of its own; nbmem answers exactly these
 requests there, with ipykernel's and ipywidgets' own handlers, which only read (the kernel's fixed facts, the
@@ -62,10 +63,14 @@ class ReconnectRoute:
         return True
 
     def _mine(self, header: dict[str, Any], content: dict[str, Any]) -> bool:
-        """Whether a main-shell message is one a connecting page waits on."""
+        """Whether a message is one a connecting page waits on: on the main shell, or (a widget's state, which
+        ipykernel may route back to the main shell) on any."""
+        kind = header.get("msg_type")
+        data = content.get("data")
+        if kind == "comm_msg" and isinstance(data, dict) and data.get("method") == "request_state":
+            return True  # ipywidgets' fallback restore, one widget at a time: it only sends the widget's state
         if header.get("subshell_id") is not None:
             return False
-        kind = header.get("msg_type")
         if kind in ("kernel_info_request", "comm_info_request"):
             return True
         if kind == "comm_open":
@@ -107,6 +112,7 @@ class ReconnectRoute:
                 kernel.log.exception("nbmem: %s answered on the shell-channel thread failed", kind)
             finally:
                 _status(kernel, "idle", parent)
+                _still_busy(kernel, parent)
 
         return route
 
@@ -140,6 +146,18 @@ def _status(kernel: Any, state: str, parent: Any) -> None:
         kernel._publish_status(state, "shell", parent)
     except Exception:
         pass
+
+
+def _still_busy(kernel: Any, parent: Any) -> None:
+    """Say "busy" again while the main shell still runs a cell: pages and the server take the kernel's state from
+    the latest status, and an "idle" mid-cell would show a training kernel as idle (and let an idle culler end it).
+    Checked again after: if the cell ended meanwhile, its "idle" may have come first, so "idle" follows."""
+    lock = getattr(kernel, "_main_asyncio_lock", None)
+    if lock is None or not lock.locked():
+        return
+    _status(kernel, "busy", parent)
+    if not lock.locked():
+        _status(kernel, "idle", parent)
 
 
 def _on_thread(thread: Any, fn: Any) -> str | None:

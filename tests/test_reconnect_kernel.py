@@ -175,3 +175,54 @@ def test_a_click_sent_to_a_subshell_mid_cell_runs_after_the_cell(kc: Any) -> Non
     kc.execute_interactive("print('kept' in globals())", timeout=30,
                            output_hook=lambda m: after.append(m["content"].get("text", "")))
     assert "".join(after).strip() == "False", "the click was not carried out after the cell"
+
+
+def test_the_fallback_restore_one_widget_at_a_time_is_answered_mid_cell(kc: Any) -> None:
+    """Where the control comm fails, ipywidgets lists the comms and asks each widget for its state; ipykernel
+    sends that request back to the main shell whatever subshell it came on. Both are answered mid-cell."""
+    kc.execute_interactive("%load_ext nbmem", timeout=60)
+    gauge_id = next(k for k, s in _states(kc).items() if "gauge_id" in s["state"])
+    kc.control_channel.send(kc.session.msg("create_subshell_request", {}))
+    subshell = kc.control_channel.get_msg(timeout=10)["content"]["subshell_id"]
+    cell = kc.execute(SLEEP.format(s=5))
+    comms = kc.comm_info(target_name="jupyter.widget")
+    ask = kc.session.msg("comm_msg", {"comm_id": gauge_id, "data": {"method": "request_state"}})
+    ask["header"]["subshell_id"] = subshell
+    kc.shell_channel.send(ask)
+    seen: list[str] = []
+    while "cell" not in seen:
+        for get in (kc.get_shell_msg, kc.get_iopub_msg):
+            try:
+                m = get(timeout=0.05)
+            except Exception:
+                continue
+            parent = m["parent_header"].get("msg_id")
+            if parent == comms and m["msg_type"] == "comm_info_reply":
+                assert gauge_id in m["content"]["comms"]
+                seen.append("comms")
+            data = m["content"].get("data", {}) if m["msg_type"] == "comm_msg" else {}
+            if m["content"].get("comm_id") == gauge_id and data.get("method") == "update" \
+                    and "gauge_id" in data.get("state", {}):
+                seen.append("state")
+            if parent == cell and m["msg_type"] == "execute_reply":
+                seen.append("cell")
+    assert seen.index("cell") == len(seen) - 1 and {"comms", "state"} <= set(seen), seen
+
+
+def test_the_kernel_still_reads_busy_after_a_mid_cell_answer(kc: Any) -> None:
+    """Pages and the server take the kernel's state from the latest status message: an "idle" for the answered
+    request, mid-cell, must be followed by "busy" again (else a training kernel shows idle, and can be culled)."""
+    kc.execute_interactive("%load_ext nbmem", timeout=60)
+    cell = kc.execute(SLEEP.format(s=4))
+    time.sleep(0.5)
+    asked = {kc.kernel_info(), _states_request(kc)}
+    states: list[tuple[str, str]] = []
+    while True:
+        m = kc.get_iopub_msg(timeout=30)
+        if m["msg_type"] == "status":
+            states.append((m["parent_header"].get("msg_id"), m["content"]["execution_state"]))
+            if m["parent_header"].get("msg_id") == cell and states[-1][1] == "idle":
+                break
+    mid = [st for pid, st in states[:-1] if pid != cell]
+    assert asked <= {pid for pid, _ in states}, "no status for the answered requests"
+    assert mid and mid[-1] == "busy", states

@@ -33,11 +33,17 @@ CELLS = [
     "print('queue done')",
 ]
 LOAD, KEPT, LOOP, DONE = range(len(CELLS))
+#: The reload test's loop makes a widget each step, as tqdm's bars do: the page's widget-state request is
+#: answered on another thread while the running cell adds widgets.
+CHURN = [*CELLS[:LOOP], "import time, ipywidgets as W\nfrom IPython.display import display\nbars = []\n"
+         f"for i in range({LOOP_S * 4}):  # a training loop with a progress bar per step\n"
+         "    b = W.IntProgress(max=10)\n    display(b)\n    bars.append(b)\n"
+         "    for j in range(10):\n        b.value = j\n        time.sleep(0.025)", *CELLS[LOOP + 1:]]
 SHOTS = Path("/tmp/shots")
 
 
-def _notebook(path: Path) -> None:
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(src) for src in CELLS])
+def _notebook(path: Path, cells: list[str]) -> None:
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(src) for src in cells])
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     nbformat.write(nb, path)
 
@@ -58,8 +64,8 @@ def _run_all(page: Any, nb: Cells) -> float:
     raise AssertionError("Run All never started the cells")
 
 
-def _open(server: Any, page: Any, name: str) -> Cells:
-    _notebook(server.root / name)
+def _open(server: Any, page: Any, name: str, cells: list[str] = CELLS) -> Cells:
+    _notebook(server.root / name, cells)
     page.set_default_timeout(60_000)  # a loaded 2-core machine
     page.goto(server.url(f"/lab/tree/{name}?reset"))  # ?reset: no restored workspace tabs
     page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for()
@@ -169,11 +175,12 @@ def test_run_all_puts_the_gauge_in_the_sidebar_at_once_and_keeps_it_live(lab: An
 
 
 def test_a_page_reloaded_mid_run_gets_its_gauge_back_while_the_cell_runs(lab: Any, page: Any) -> None:
-    """A reloaded page asks the kernel who it is before anything else, and ipykernel answers between cells:
-    without nbmem's answer on the shell-channel thread (kernelinfo.py) the gauge came back only when the long
-    cell ended. Now the page restores the widgets over a subshell mid-cell and makes exactly one live panel."""
+    """A reloaded page asks the kernel who it is, then every widget's state, and ipykernel answers between
+    cells: the gauge came back only when the long cell ended. nbmem answers those requests on ipykernel's
+    shell-channel thread (reconnect.py), so the page makes exactly one live panel mid-cell, while the cell
+    keeps making widgets (a progress bar per step)."""
     SHOTS.mkdir(exist_ok=True)
-    nb = _open(lab, page, "reload.ipynb")
+    nb = _open(lab, page, "reload.ipynb", CHURN)
     sidebar = page.locator("#jp-right-stack .nbmem-gauge")
     _run_all(page, nb)
     if _wait_for(lambda: sidebar.count() == 1, 30) is None:
