@@ -601,7 +601,7 @@ def load_ipython_extension(shell: Any) -> None:
     except Exception as e:
         session.fault("the flight recorder", e)
     session.start()
-    magics.reconnect = reconnect_route(shell, session.cannot, session.fault)
+    magics.reconnect = reconnect_route(shell, session.cannot, session.fault, magics.between)
     for event, hook in magics.between.hooks.items():  # every run, nested too: is a cell running now?
         shell.events.register(event, hook)
 
@@ -643,6 +643,7 @@ def unload_ipython_extension(shell: Any) -> None:
             del mm.magics[kind]["cudamem"]
     mm.registry.pop(type(magics).__name__, None)
     magics.close()
+    magics.between.close()
     if magics.reconnect is not None:
         magics.reconnect.close()
     if magics.flight is not None:

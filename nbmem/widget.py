@@ -441,11 +441,13 @@ class Gauge(anywidget.AnyWidget):
     def _not_now(self, content: dict[str, Any], fn: Callable[[], None]) -> bool:
         """Whether a click must wait: a cleanup or a rescan never runs beside the user's code. JupyterLab may
         deliver it on a subshell thread while a cell runs; ``between_cells`` (the adapter's) then runs it on the
-        kernel's main thread between cells. Without one, a click off the main thread is refused."""
-        if self.between_cells is not None:
-            return bool(self.between_cells.later(fn))
-        if threading.current_thread() is threading.main_thread():
+        kernel's main thread between cells. Where nothing can wait for the cell, a click off the main thread is
+        refused with a message."""
+        b = self.between_cells
+        if threading.current_thread() is threading.main_thread() and (b is None or not b.busy):
             return False
+        if b is not None and b.later(lambda: None if self._closed else fn()):
+            return True
         self._refuse(_req_of(content), "the notebook is running a cell: click again when it ends", content)
         return True
 

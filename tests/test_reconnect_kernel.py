@@ -23,10 +23,11 @@ SLEEP = "import time\ntime.sleep({s})\nprint('cell done')"
 
 
 @pytest.fixture
-def kc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+def kc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureRequest) -> Iterator[Any]:
+    """A kernel of this interpreter; ``@pytest.mark.parametrize("kc", [[ARGS]], indirect=True)`` adds arguments."""
     spec = tmp_path / "jupyter" / "kernels" / "nbmem-reconnect"
     spec.mkdir(parents=True)
-    argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}", *getattr(request, "param", [])]
     (spec / "kernel.json").write_text(json.dumps({"argv": argv, "display_name": "nbmem", "language": "python"}))
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
     km = jupyter_client.KernelManager(kernel_name="nbmem-reconnect")
@@ -67,12 +68,16 @@ def _order(kc: Any, sent: dict[str, str], timeout_s: float = 60) -> list[str]:
     return seen
 
 
-def _states_request(kc: Any) -> str:
-    """Open ipywidgets' control comm and ask for every widget's state, as a page does; the comm's id."""
+def _states_request(kc: Any, sent: list[str] | None = None) -> str:
+    """Open ipywidgets' control comm and ask for every widget's state, as a page does; the comm's id (``sent``
+    gets the two messages' ids)."""
     comm_id = str(uuid.uuid4())
-    kc.shell_channel.send(kc.session.msg("comm_open", {"comm_id": comm_id, "target_name": "jupyter.widget.control",
-                                                       "data": {}}, metadata={"version": "1.0.0"}))
-    kc.shell_channel.send(kc.session.msg("comm_msg", {"comm_id": comm_id, "data": {"method": "request_states"}}))
+    for msg in (kc.session.msg("comm_open", {"comm_id": comm_id, "target_name": "jupyter.widget.control",
+                                             "data": {}}, metadata={"version": "1.0.0"}),
+                kc.session.msg("comm_msg", {"comm_id": comm_id, "data": {"method": "request_states"}})):
+        kc.shell_channel.send(msg)
+        if sent is not None:
+            sent.append(msg["header"]["msg_id"])
     return comm_id
 
 
@@ -86,10 +91,12 @@ def test_a_connecting_page_is_answered_while_a_cell_runs(kc: Any) -> None:
     assert order.index("cell") == len(order) - 1, f"answered only after the running cell: {order}"
 
 
-def test_the_states_name_the_gauge(kc: Any) -> None:
+def test_the_states_name_the_gauge_in_answer_to_their_request(kc: Any) -> None:
+    """The page takes the states as the answer to its request: their parent is that request, not the cell."""
     kc.execute_interactive("%load_ext nbmem", timeout=60)
     kc.execute(SLEEP.format(s=4))
-    comm_id = _states_request(kc)
+    sent: list[str] = []
+    comm_id = _states_request(kc, sent)
     while True:
         m = kc.get_iopub_msg(timeout=30)
         if m["msg_type"] == "comm_msg" and m["content"]["comm_id"] == comm_id:
@@ -97,6 +104,7 @@ def test_the_states_name_the_gauge(kc: Any) -> None:
     states = m["content"]["data"]["states"]
     gauges = [s for s in states.values() if "gauge_id" in s["state"]]
     assert len(gauges) == 1, sorted(s["model_name"] for s in states.values())
+    assert m["parent_header"]["msg_id"] == sent[1], m["parent_header"].get("msg_type")
 
 
 def test_after_unload_the_kernel_answers_between_cells_again(kc: Any) -> None:
@@ -203,6 +211,8 @@ def test_the_fallback_restore_one_widget_at_a_time_is_answered_mid_cell(kc: Any)
             data = m["content"].get("data", {}) if m["msg_type"] == "comm_msg" else {}
             if m["content"].get("comm_id") == gauge_id and data.get("method") == "update" \
                     and "gauge_id" in data.get("state", {}):
+                # ipywidgets' page takes a widget's state only as the answer to its own request
+                assert m["parent_header"]["msg_id"] == ask["header"]["msg_id"], m["parent_header"].get("msg_type")
                 seen.append("state")
             if parent == cell and m["msg_type"] == "execute_reply":
                 seen.append("cell")
@@ -215,7 +225,9 @@ def test_the_kernel_still_reads_busy_after_a_mid_cell_answer(kc: Any) -> None:
     kc.execute_interactive("%load_ext nbmem", timeout=60)
     cell = kc.execute(SLEEP.format(s=4))
     time.sleep(0.5)
-    asked = {kc.kernel_info(), _states_request(kc)}
+    sent: list[str] = [kc.kernel_info()]
+    _states_request(kc, sent)
+    asked = set(sent)
     states: list[tuple[str, str]] = []
     while True:
         m = kc.get_iopub_msg(timeout=30)
@@ -226,3 +238,60 @@ def test_the_kernel_still_reads_busy_after_a_mid_cell_answer(kc: Any) -> None:
     mid = [st for pid, st in states[:-1] if pid != cell]
     assert asked <= {pid for pid, _ in states}, "no status for the answered requests"
     assert mid and mid[-1] == "busy", states
+
+
+@pytest.mark.parametrize("kc", [["--ext=nbmem"]], indirect=True)
+def test_loaded_at_the_kernels_start_it_answers_from_the_first_cell_on(kc: Any) -> None:
+    """``c.InteractiveShellApp.extensions = ["nbmem"]`` loads nbmem before ipykernel registers its own shell
+    callback: the route is registered when the first cell runs, and a click can wait for a cell."""
+    kc.execute_interactive("x = 1", timeout=60)
+    cell = kc.execute(SLEEP.format(s=4))
+    info = kc.kernel_info()
+    assert _order(kc, {"_cell": cell, "info": info}) == ["info", "cell"]
+
+
+def test_a_state_request_amid_new_widgets_is_answered_every_time(kc: Any) -> None:
+    """A cell that makes widgets as it runs (progress bars) while pages ask for every widget's state: the answer
+    comes from a snapshot of the widget table, every time."""
+    kc.execute_interactive("%load_ext nbmem\nimport ipywidgets as W\nkeep = [W.IntSlider() for _ in range(300)]",
+                           timeout=60)
+    cell = kc.execute("import time\nfor i in range(200):\n    keep.append(W.IntProgress())\n    time.sleep(0.02)")
+    asked = [_states_request(kc) for _ in range(10)]
+    answered: set[str] = set()
+    while len(answered) < len(asked):
+        m = kc.get_iopub_msg(timeout=30)
+        if m["msg_type"] == "comm_msg" and m["content"]["comm_id"] in asked:
+            assert len(m["content"]["data"]["states"]) >= 300
+            answered.add(m["content"]["comm_id"])
+    kc.get_shell_msg(timeout=30)  # the cell's reply, or another: the kernel is alive and answering
+    assert cell
+
+
+def test_a_click_waiting_for_the_cell_is_dropped_when_nbmem_unloads() -> None:
+    """BetweenCells on a real tornado loop: a deferred click runs once no cell runs, never after close()."""
+    from types import SimpleNamespace
+
+    from tornado.ioloop import IOLoop
+
+    from nbmem.reconnect import BetweenCells
+
+    loop = IOLoop(make_current=False)
+    ran: list[str] = []
+    b = BetweenCells(SimpleNamespace(io_loop=loop))
+    info, other = object(), object()
+    b.hooks["pre_run_cell"](info)
+    b.hooks["post_run_cell"](SimpleNamespace(info=other))  # a post without its pre (an empty cell): still running
+    assert b.busy and b.later(lambda: ran.append("first"))
+    loop.call_later(0.5, lambda: b.hooks["post_run_cell"](SimpleNamespace(info=info)))
+    loop.call_later(1.2, loop.stop)
+    loop.start()
+    assert ran == ["first"] and not b.busy
+    b.hooks["pre_run_cell"](info)
+    assert b.later(lambda: ran.append("second"))
+    b.close()
+    b.hooks["post_run_cell"](SimpleNamespace(info=info))
+    loop.call_later(0.6, loop.stop)
+    loop.start()
+    loop.close()
+    assert ran == ["first"]
+    assert not BetweenCells(SimpleNamespace()).later(lambda: None)  # no kernel loop: the caller refuses
