@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import queue
 import sys
 import time
 import uuid
@@ -40,31 +41,38 @@ def kc(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, request: pytest.FixtureR
     km.shutdown_kernel(now=True)
 
 
-def _order(kc: Any, sent: dict[str, str], timeout_s: float = 60) -> list[str]:
+def _both(kc: Any, timeout_s: float = 60) -> Iterator[dict[str, Any]]:
+    """Messages from the shell and iopub channels as they come, for ``timeout_s`` at most."""
+    end = time.monotonic() + timeout_s
+    while time.monotonic() < end:
+        for get in (kc.get_shell_msg, kc.get_iopub_msg):
+            try:
+                yield get(timeout=0.05)
+            except queue.Empty:
+                continue
+    raise AssertionError(f"nothing more came in {timeout_s} s")
+
+
+def _order(kc: Any, sent: dict[str, str]) -> list[str]:
     """The names of ``sent`` (name -> request msg_id, on shell) and "cell" (the execute_reply of ``sent["_cell"]``)
     in the order their replies came; a name ending in "/states" waits for the control comm's update_states."""
     seen: list[str] = []
     want = {n for n in sent if not n.startswith("_")} | {"cell"}
-    while want - set(seen):
-        for get in (kc.get_shell_msg, kc.get_iopub_msg):
-            try:
-                m = get(timeout=0.05)
-            except Exception:
+    for m in _both(kc):
+        parent = m["parent_header"].get("msg_id")
+        for name, msg_id in sent.items():
+            if name.startswith("_"):
                 continue
-            parent = m["parent_header"].get("msg_id")
-            for name, msg_id in sent.items():
-                if name.startswith("_"):
-                    continue
-                if name.endswith("/states"):
-                    data = m["content"].get("data", {}) if m["msg_type"] == "comm_msg" else {}
-                    if m["content"].get("comm_id") == msg_id and data.get("method") == "update_states":
-                        seen.append(name)
-                elif parent == msg_id and m["msg_type"].endswith("_reply"):
+            if name.endswith("/states"):
+                data = m["content"].get("data", {}) if m["msg_type"] == "comm_msg" else {}
+                if m["content"].get("comm_id") == msg_id and data.get("method") == "update_states":
                     seen.append(name)
-            if m["msg_type"] == "execute_reply" and parent == sent.get("_cell"):
-                seen.append("cell")
-        timeout_s -= 0.1
-        assert timeout_s > 0, f"only {seen} came"
+            elif parent == msg_id and m["msg_type"].endswith("_reply"):
+                seen.append(name)
+        if m["msg_type"] == "execute_reply" and parent == sent.get("_cell"):
+            seen.append("cell")
+        if not want - set(seen):
+            break
     return seen
 
 
@@ -198,24 +206,20 @@ def test_the_fallback_restore_one_widget_at_a_time_is_answered_mid_cell(kc: Any)
     ask["header"]["subshell_id"] = subshell
     kc.shell_channel.send(ask)
     seen: list[str] = []
-    while "cell" not in seen:
-        for get in (kc.get_shell_msg, kc.get_iopub_msg):
-            try:
-                m = get(timeout=0.05)
-            except Exception:
-                continue
-            parent = m["parent_header"].get("msg_id")
-            if parent == comms and m["msg_type"] == "comm_info_reply":
-                assert gauge_id in m["content"]["comms"]
-                seen.append("comms")
-            data = m["content"].get("data", {}) if m["msg_type"] == "comm_msg" else {}
-            if m["content"].get("comm_id") == gauge_id and data.get("method") == "update" \
-                    and "gauge_id" in data.get("state", {}):
-                # ipywidgets' page takes a widget's state only as the answer to its own request
-                assert m["parent_header"]["msg_id"] == ask["header"]["msg_id"], m["parent_header"].get("msg_type")
-                seen.append("state")
-            if parent == cell and m["msg_type"] == "execute_reply":
-                seen.append("cell")
+    for m in _both(kc):
+        parent = m["parent_header"].get("msg_id")
+        if parent == comms and m["msg_type"] == "comm_info_reply":
+            assert gauge_id in m["content"]["comms"]
+            seen.append("comms")
+        data = m["content"].get("data", {}) if m["msg_type"] == "comm_msg" else {}
+        if m["content"].get("comm_id") == gauge_id and data.get("method") == "update" \
+                and "gauge_id" in data.get("state", {}):
+            # ipywidgets' page takes a widget's state only as the answer to its own request
+            assert m["parent_header"]["msg_id"] == ask["header"]["msg_id"], m["parent_header"].get("msg_type")
+            seen.append("state")
+        if parent == cell and m["msg_type"] == "execute_reply":
+            seen.append("cell")
+            break
     assert seen.index("cell") == len(seen) - 1 and {"comms", "state"} <= set(seen), seen
 
 
