@@ -186,10 +186,17 @@ def last_death() -> Any:
     return None if flight is None else flight.last_death
 
 
-def plot(**kwargs: Any) -> Any:
-    """A matplotlib Figure of memory over time per device, monitored cells shaded with their peaks."""
+def plot(death: Any = None, **kwargs: Any) -> Any:
+    """A matplotlib Figure of memory over time per device, monitored cells shaded with their peaks;
+    ``nbmem.plot(nbmem.last_death())`` draws the previous kernel's last samples instead."""
+    from .deaths import Death
     from .plotting import plot as _plot
+    from .plotting import plot_death
 
+    if death is not None:
+        if not isinstance(death, Death):
+            raise TypeError(f"nbmem.plot(death) takes what nbmem.last_death() returns, not {type(death).__name__}")
+        return plot_death(death)
     return _plot(_session(), **kwargs)
 
 

@@ -75,6 +75,9 @@ class Death(Shown):
     cause_text: str
     owners: tuple[tuple[str, str, str, int], ...] = ()  # (name, kind, device, bytes), biggest first
     gpus: tuple[tuple[str, int | None, int | None, int | None], ...] = ()  # (device, allocated, reserved, process)
+    #: The capsule's samples, for ``nbmem.plot(death)``: wall times, then each series over them (None: unknown).
+    times: tuple[float, ...] = ()
+    series: tuple[tuple[str, str, tuple[int | None, ...]], ...] = ()  # (device, what, values): "cpu" "rss", ...
 
     def _when(self) -> str:
         t = _dt.datetime.fromtimestamp(self.last_seen_wall)
@@ -213,13 +216,17 @@ def explain(capsule: Mapping[str, Any], oom_kills_now: int | None = None) -> Dea
                    for o in (capsule.get("owners") or [])[:TOP_OWNERS])
     gpus = tuple((dev, _last(g.get("allocated") or []), _last(g.get("reserved") or []), _last(g.get("process") or []))
                  for dev, g in sorted((s.get("gpus") or {}).items()))
+    series = [("cpu", what, tuple(s.get(what) or ())) for what in ("rss", "used", "total")]
+    series += [(dev, what, tuple(g.get(what) or ())) for dev, g in sorted((s.get("gpus") or {}).items())
+               for what in ("allocated", "reserved", "process")]
     return Death(
         pid=int(capsule.get("pid", 0)), notebook=str(capsule.get("notebook") or ""),
         last_seen_wall=float(t[-1]) if t else float(capsule.get("written") or 0.0),
         cell=cell.get("number"), first_line=str(cell.get("first_line", "")), cell_started_wall=cell.get("started"),
         rss_bytes=_last(rss), used_bytes=_last(s.get("used") or []), total_bytes=_last(s.get("total") or []),
         limit_source=str(lim.get("source") or "") if lim.get("applies") else "",
-        growth_bytes=growth, growth_s=span, cause=cause, cause_text=text, owners=owners, gpus=gpus)
+        growth_bytes=growth, growth_s=span, cause=cause, cause_text=text, owners=owners, gpus=gpus,
+        times=tuple(float(x) for x in t), series=tuple((d, w, v) for d, w, v in series if len(v) == len(t)))
 
 
 def with_pressure(report: CellReport, samples: Sequence[Sample]) -> CellReport:

@@ -144,6 +144,46 @@ def plot(session: Any, *, clock: bool = False) -> MemoryFigure:
 
 
 # -- a fit ---------------------------------------------------------------------------------------------
+_DEATH_STYLE = {"rss": ("#1976d2", "-", "host RSS"), "used": ("#ef6c00", "--", "counted against the limit"),
+                "total": ("#c62828", ":", "the limit"), "allocated": ("#1976d2", "-", "allocated"),
+                "reserved": ("#64b5f6", "--", "reserved"), "process": ("#6a1b9a", ":", "this process (NVML)")}
+
+
+def plot_death(death: Any) -> MemoryFigure:
+    """A dead kernel's last samples (its capsule's): host memory against the limit, and each GPU, over the
+    seconds before it died, with the cell that was running marked."""
+    devices = list(dict.fromkeys(d for d, _w, _v in death.series)) or ["cpu"]
+    fig = MemoryFigure(figsize=(9.6, 0.5 + 2.6 * len(devices)), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(len(devices), 1, squeeze=False, sharex=True)[:, 0]
+    if not death.times:
+        _empty(axes[0], "cpu", "the capsule kept no samples")
+        return fig
+    x = np.array(death.times) - death.last_seen_wall
+    for ax, dev in zip(axes, devices):
+        top = 0.0
+        for d, what, values in death.series:
+            if d != dev or all(v is None for v in values):
+                continue
+            color, style, label = _DEATH_STYLE[what]
+            y = np.array([np.nan if v is None else float(v) for v in values])
+            ax.plot(x, y, color=color, ls=style, lw=1.6, label=label)
+            top = max(top, float(np.nanmax(y)))
+        ax.set_ylim(0, top * 1.08 or 1)  # from zero: how much of the limit was in use reads off the picture
+        ax.set_title(dev if dev != "cpu" else "host memory", loc="left", fontsize=10, fontweight="bold",
+                     color="#212121")
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, pos: tick_bytes(v)))
+        ax.tick_params(labelsize=9, colors=_INK)
+        if death.cell_started_wall is not None and death.cell_started_wall - death.last_seen_wall >= x[0]:
+            ax.axvline(death.cell_started_wall - death.last_seen_wall, color=_INK, lw=1.0, ls="--")
+        ax.legend(fontsize=8, loc="lower right", frameon=False)
+    if death.cell is not None:
+        axes[0].text(0.99, 1.02, f"In [{death.cell}]: {death.first_line[:60]}", transform=axes[0].transAxes,
+                     ha="right", va="bottom", fontsize=8, color=_INK)
+    axes[-1].set_xlabel("seconds before the kernel died (its last sample at 0)", fontsize=9, color=_INK)
+    return fig
+
+
 def plot_fit(result: FitResult, ax: Any = None) -> Any:
     """The runs' peaks, the model's peak reserved memory over the value, the room and the prediction."""
     fig = None

@@ -203,6 +203,31 @@ def test_the_story_of_a_kernel_killed_at_its_limit(tmp_path: Path) -> None:
     rec.close()
 
 
+def test_nbmem_plot_draws_a_deaths_last_samples(tmp_path: Path) -> None:
+    """``nbmem.plot(nbmem.last_death())``: host memory against the limit and each GPU, over the seconds before
+    the kernel died, with the running cell marked; anything else is a clear error."""
+    import nbmem
+
+    clock = Clock()
+    rec = recorder(tmp_path, clock)
+    rec.running(5, "state = torch.load('ckpt.pt', map_location='cpu')")
+    growing(rec, clock, to=int(3.96 * GiB))
+    d = explain(json.loads(rec.path.read_bytes()))
+    rec.close()
+    assert len(d.times) == 41 and {(dev, what) for dev, what, _ in d.series} >= {("cpu", "rss"), ("cpu", "total"),
+                                                                                    ("cuda:0", "allocated")}
+    fig = nbmem.plot(d)
+    host, gpu = fig.axes
+    assert host.get_title(loc="left") == "host memory" and gpu.get_title(loc="left") == "cuda:0"
+    lines = {ln.get_label(): ln for ln in host.get_lines() if not ln.get_label().startswith("_")}
+    assert max(lines["host RSS"].get_ydata()) == int(3.96 * GiB) and set(lines["the limit"].get_ydata()) == {4 * GiB}
+    assert lines["host RSS"].get_xdata()[-1] == 0.0 and lines["host RSS"].get_xdata()[0] == -20.0
+    assert "In [5]: state = torch.load(" in " ".join(t.get_text() for t in host.texts)
+    fig.savefig(tmp_path / "death.png")
+    with pytest.raises(TypeError, match="last_death"):
+        nbmem.plot("a death")
+
+
 def test_causes_far_from_a_limit(tmp_path: Path) -> None:
     clock = Clock()
     rec = recorder(tmp_path, clock)

@@ -130,8 +130,9 @@ def test_a_kernel_killed_while_a_cell_grows_is_told_after_the_restart(kernels: A
     assert figure(out) >= (seen["samples"]["rss"][-1] / MiB) * 0.99  # at least what it had when we looked
     assert "Likely cause: unknown" in out  # kill -9 far from any limit: nbmem does not guess
     assert "/elsewhere/b.ipynb" not in out and other.exists()
-    told = k.run("import nbmem; d = nbmem.last_death(); print(d.cell, d.cause)")
-    assert told.split() == [str(n), "unknown"]
+    told = k.run("import nbmem; d = nbmem.last_death(); print(d.cell, d.cause)\n"
+                 "f = nbmem.plot(d); print(f.axes[0].get_title(loc='left'), len(d.times) >= 2)")
+    assert told.split() == [str(n), "unknown", "host", "memory", "True"], told
     # Told once: the dead kernel's capsule is gone; this kernel's own is there.
     assert [json.loads(p.read_bytes())["pid"] for p in k.capsules() if p != other] == [k.pid]
 
