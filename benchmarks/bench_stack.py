@@ -185,6 +185,32 @@ def interval95(xs: list[float]) -> tuple[float, float, float]:
     return m, m - half, m + half
 
 
+def median95(xs: list[float]) -> tuple[float, float, float]:
+    """The median of ``xs`` and its distribution-free 95 % interval (order statistics, the sign test's binomial):
+    one hiccup of the machine moves it by one rank, not by its size."""
+    v, n = sorted(xs), len(xs)
+    k = 0  # the largest k with P(Binomial(n, 1/2) <= k - 1) <= 2.5 %
+    while k + 1 <= n and sum(math.comb(n, i) for i in range(k + 1)) / 2**n <= 0.025:
+        k += 1
+    if k == 0:
+        return statistics.median(v), float("nan"), float("nan")
+    return statistics.median(v), v[k - 1], v[n - k]
+
+
+def summarize(name: str, design: str, ratios: list[float], cpu_s: float, wall_s: float) -> None:
+    """The summary lines of one workload: the pairs' on/off ratios (mean with Student's t interval, median with
+    its distribution-free one) and nbmem's threads' CPU over the monitored seconds."""
+    mean, lo, hi = interval95(ratios)
+    med, mlo, mhi = median95(ratios)
+    line(f"{name} throughput ratio on/off, {design}",
+         f"mean {mean:.4f}, 95 % interval [{lo:.4f}, {hi:.4f}]; median {med:.4f}, 95 % interval [{mlo:.4f}, "
+         f"{mhi:.4f}]; over {len(ratios)} pairs (min {min(ratios):.4f}, max {max(ratios):.4f}); lower bound >= "
+         f"{TARGET}: mean {'met' if lo >= TARGET else 'NOT met'}, median {'met' if mlo >= TARGET else 'NOT met'}")
+    line(f"{name}: nbmem's threads' CPU while monitoring", f"{cpu_s:.2f} s in {wall_s:.0f} s = {cpu_s / wall_s:.3%} "
+         f"of one core (the OS counts 10 ms ticks): what the sampler and the gauge take from a loop that holds "
+         f"the GIL")
+
+
 class Blocks:
     """Monitoring on and off in turn inside one training cell: ``pairs`` pairs of blocks of ``block_s`` seconds,
     on then off and off then on in turn. nbmem stays loaded with ``%cudamem on`` and its gauge; "off" stops its
@@ -230,8 +256,8 @@ def blocks_run(name: str, sh: InteractiveShell, block_s: float, pairs: int, gaug
     with Quiet():
         nbmem_on(sh, gauge)
         cell(sh, "pass")
-    sync = "torch.cuda.synchronize" if sh.user_ns.get("_dev") == "cuda" else "lambda: None"
-    sh.user_ns["_blocks"] = Blocks(session_of(sh).sampler, pairs, block_s, eval(sync, sh.user_ns))
+    sync = sh.user_ns["torch"].cuda.synchronize if sh.user_ns.get("_dev") == "cuda" else lambda: None
+    sh.user_ns["_blocks"] = Blocks(session_of(sh).sampler, pairs, block_s, sync)
     with Quiet():
         cell(sh, f"_seen = train_for({pairs * 2 * block_s * 10 + 60!r}, blocks=_blocks)")
     b: Blocks = sh.user_ns.pop("_blocks")
@@ -242,34 +268,14 @@ def blocks_run(name: str, sh: InteractiveShell, block_s: float, pairs: int, gaug
               ((x, y) if x[0] == "on" else (y, x) for x, y in zip(done[0::2], done[1::2]))]
     for i, r in enumerate(ratios):
         print(f"    {name} pair {i + 1}: {r:.4f}", flush=True)
-    mean, lo, hi = interval95(ratios)
-    med, mlo, mhi = median95(ratios)
-    line(f"{name} throughput ratio on/off, blocks{' (+gauge)' if gauge else ''}",
-         f"mean {mean:.4f}, 95 % interval [{lo:.4f}, {hi:.4f}]; median {med:.4f}, 95 % interval [{mlo:.4f}, "
-         f"{mhi:.4f}]; over {len(ratios)} pairs of {block_s:g} s blocks in one cell (min {min(ratios):.4f}, max "
-         f"{max(ratios):.4f}); lower bound >= {TARGET}: mean {'met' if lo >= TARGET else 'NOT met'}, median "
-         f"{'met' if mlo >= TARGET else 'NOT met'}")
-    used = sum(r[3] for r in done if r[0] == "on")
-    wall = sum(r[2] for r in done if r[0] == "on")
-    line(f"{name}: nbmem's threads' CPU in the on blocks", f"{used:.2f} s in {wall:.0f} s = {used / wall:.3%} of "
-         f"one core (the OS counts 10 ms ticks)")
-
-
-def median95(xs: list[float]) -> tuple[float, float, float]:
-    """The median of ``xs`` and its distribution-free 95 % interval (order statistics, the sign test's binomial):
-    one hiccup of the machine moves it by one rank, not by its size."""
-    v, n = sorted(xs), len(xs)
-    k = 0  # the largest k with P(Binomial(n, 1/2) <= k - 1) <= 2.5 %
-    while k + 1 <= n and sum(math.comb(n, i) for i in range(k + 1)) / 2**n <= 0.025:
-        k += 1
-    if k == 0:
-        return statistics.median(v), float("nan"), float("nan")
-    return statistics.median(v), v[k - 1], v[n - k]
+    on_blocks = [r for r in done if r[0] == "on"]
+    summarize(name, f"{block_s:g} s blocks in one cell{' (+gauge)' if gauge else ''}", ratios,
+              sum(r[3] for r in on_blocks), sum(r[2] for r in on_blocks))
 
 
 def pairs_run(name: str, sh: InteractiveShell, seconds: float, pairs: int, gauge: bool) -> None:
     """``pairs`` short pairs in this shell, on then off and off then on in turn (so drift cancels); each pair's
-    ratio is on/off, and the summary gives their mean with a 95 % interval."""
+    ratio is on/off, and the summary gives their mean and median with 95 % intervals."""
     ratios: list[float] = []
     cpu: list[tuple[float, float]] = []
     for i in range(pairs):
@@ -286,15 +292,8 @@ def pairs_run(name: str, sh: InteractiveShell, seconds: float, pairs: int, gauge
         ratios.append(tput["on"] / tput["off"])
         print(f"    {name} pair {i + 1}: on {tput['on']:.1f}, off {tput['off']:.1f} samples/s -> {ratios[-1]:.4f}",
               flush=True)
-    mean, lo, hi = interval95(ratios)
-    line(f"{name} throughput ratio on/off{' (+gauge)' if gauge else ''}",
-         f"mean {mean:.4f}, 95 % interval [{lo:.4f}, {hi:.4f}] over {pairs} pairs of {seconds:g} s runs "
-         f"(min {min(ratios):.4f}, max {max(ratios):.4f}); lower bound >= {TARGET}: "
-         f"{'met' if lo >= TARGET else 'NOT met'}")
-    used, wall = sum(c for c, _ in cpu), sum(w for _, w in cpu)
-    line(f"{name}: nbmem's threads' CPU while training", f"{used:.2f} s in {wall:.0f} s of monitored training = "
-         f"{used / wall:.3%} of one core (the OS counts 10 ms ticks): what the sampler and the gauge take from a "
-         f"loop that holds the GIL")
+    summarize(name, f"{seconds:g} s runs{' (+gauge)' if gauge else ''}", ratios, sum(c for c, _ in cpu),
+              sum(w for _, w in cpu))
 
 
 def bench_loader(dev: str, seconds: float, pairs: int, gauge: bool, design: str) -> None:

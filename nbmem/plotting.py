@@ -143,7 +143,7 @@ def plot(session: Any, *, clock: bool = False) -> MemoryFigure:
     return fig
 
 
-# -- a fit ---------------------------------------------------------------------------------------------
+# -- a dead kernel's last samples --------------------------------------------------------------------
 _DEATH_STYLE = {"rss": ("#1976d2", "-", "host RSS"), "used": ("#ef6c00", "--", "counted against the limit"),
                 "total": ("#c62828", ":", "the limit"), "allocated": ("#1976d2", "-", "allocated"),
                 "reserved": ("#64b5f6", "--", "reserved"), "process": ("#6a1b9a", ":", "this process (NVML)")}
@@ -184,6 +184,7 @@ def plot_death(death: Any) -> MemoryFigure:
     return fig
 
 
+# -- a fit ---------------------------------------------------------------------------------------------
 def plot_fit(result: FitResult, ax: Any = None) -> Any:
     """The runs' peaks, the model's peak reserved memory over the value, the room and the prediction."""
     fig = None

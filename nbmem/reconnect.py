@@ -38,17 +38,12 @@ class ReconnectRoute:
     def __init__(self, kernel: Any) -> None:
         self._kernel = kernel
         self.reason: str | None = None  # why there is no route, when there is none
-        self.answered: dict[str, int] = {}  # requests answered on the thread, by type (tests read it)
         self._control_comms: set[str] = set()
         self._stream: Any = None
         self._original: Any = None
         self._thread: Any = None
         self._route: Any = None
         self._started = False  # the kernel's loop runs: what is registered now stays (see ``ensure``)
-
-    @property
-    def is_open(self) -> bool:
-        return self._original is not None
 
     def open(self) -> bool:
         """Route through the thread; False (and ``reason``) where this kernel cannot."""
@@ -157,7 +152,6 @@ class ReconnectRoute:
                 result = kernel.shell_handlers[kind](stream, idents, parent)
                 if hasattr(result, "__await__"):
                     await result
-            self.answered[kind] = self.answered.get(kind, 0) + 1
         except Exception:
             kernel.log.exception("nbmem: %s answered on the shell-channel thread failed", kind)
         finally:

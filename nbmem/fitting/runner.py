@@ -153,7 +153,7 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
         failed = e
         raise
     finally:
-        candidates = []
+        candidates = []  # they hold the modules: no reference is kept past the fit
         steps = body.ran + sum(others_ran)
         restored = restore_state(saved) if saved is not None else None
         lines = (tuple(saved.restored), tuple(saved.not_restored)) if saved is not None else ((), ())
