@@ -397,6 +397,27 @@ class TorchSource:
         clear()
         return True
 
+    # Clearing takes every handle's workspace, the user's own too; these make one of them again, as torch makes
+    # it at a first product: this thread's cuBLAS handle, cuBLASLt's (a product with a bias), the autograd
+    # thread's (a backward). Ones, not random: nothing is drawn from the user's generators, nothing is kept.
+    CUBLAS_WORKSPACES = ("this thread's cuBLAS", "cuBLASLt", "the autograd thread's cuBLAS")
+
+    def make_cublas_workspace(self, kind: str, device: int) -> None:
+        """Make the workspace ``kind`` (one of ``CUBLAS_WORKSPACES``) on ``device`` again, if torch has none."""
+        t = self._cuda()
+        if t is None:
+            return
+        with t.cuda.device(device), t.enable_grad():
+            if kind == self.CUBLAS_WORKSPACES[0]:
+                t.cuda.current_blas_handle()
+            elif kind == self.CUBLAS_WORKSPACES[1]:
+                x = t.ones(64, 64, device=f"cuda:{device}")
+                t.nn.functional.linear(x, x, x[0])
+            else:
+                w = t.ones(64, 64, device=f"cuda:{device}", requires_grad=True)
+                (w @ w).sum().backward()
+            t.cuda.synchronize()
+
 
 def largest_free_block(segments: list[dict[str, Any]], device: int) -> int:
     """The largest inactive block of one device's segments: the biggest single request the cache could

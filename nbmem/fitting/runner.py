@@ -18,6 +18,7 @@ for bit, after the last, also after a failure, so the training steps the fit ran
 from __future__ import annotations
 
 import gc
+import itertools
 import os
 import sys
 import time
@@ -80,6 +81,24 @@ def _free_cached(src: TorchSource, device: int) -> None:
     """What the last run left in the cache, given back (the user asked for the fit: this is its cleanup)."""
     gc.collect()
     src.empty_cache(device)
+
+
+def _remake_workspaces(src: TorchSource, device: int, before: int) -> int:
+    """Clearing cuBLAS's workspaces took the ones the user had before the fit too: make again the fewest of
+    them that bring memory back to where it was (torch keeps no list of them); the bytes allocated after."""
+    kinds = getattr(src, "CUBLAS_WORKSPACES", ())
+    after = _allocated_reserved(src, device)[0]
+    for n in range(1, len(kinds) + 1):
+        for chosen in itertools.combinations(kinds, n):
+            for kind in chosen:
+                src.make_cublas_workspace(kind, device)
+            after = _allocated_reserved(src, device)[0]
+            if after == before:
+                return after
+            src.clear_cublas_workspaces()
+            _free_cached(src, device)
+            after = _allocated_reserved(src, device)[0]
+    return after
 
 
 def _allocated_reserved(src: TorchSource, device: int) -> tuple[int, int]:
@@ -168,12 +187,15 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
     if after > before and src.clear_cublas_workspaces():
         _free_cached(src, dev)
         after = _allocated_reserved(src, dev)[0]
+        if after < before:
+            after = _remake_workspaces(src, dev, before)
     if after > before:
         notes.append(f"after the fit {fmt_bytes(after - before, signed=True)} is allocated that was not before it "
                      "(something the body keeps that is neither in the namespace nor in the state restored)")
     elif after < before:
         notes.append(f"after the fit {fmt_bytes(before - after)} less is allocated than before it: garbage that only "
-                     "a collection frees (reference cycles) was freed by the fit's gc.collect()")
+                     "a collection frees (reference cycles) was freed by the fit's gc.collect(), or a cuBLAS "
+                     "workspace it could not make again (torch makes it again at the next matrix product)")
     if not restore and steps:
         notes.append(f"not restored: the fit ran the body {steps} times, and whatever it trains was trained")
     result = analyse(runs, room, name=name, segments=segments, cell_files=cell_files, sources=sources,

@@ -152,3 +152,29 @@ def test_a_fit_starts_from_what_the_notebook_holds() -> None:
     # one block of v × 64 MiB: what the fit predicts is exactly what cudaMalloc may still give
     assert second.room is not None
     assert second.largest_value * 64 * MiB <= second.room.capacity_bytes - second.room.reserved_bytes
+
+
+@pytest.mark.parametrize("before", ["none", "forward", "forward and backward"])
+def test_the_fit_gives_back_the_cublas_workspaces_it_made_and_keeps_the_users(before: str) -> None:
+    """cuBLAS keeps a workspace per handle and stream from a first product on, in memory_allocated(); torch can
+    only clear them all. A user who ran only forwards has this thread's: the fit's backward makes the autograd
+    thread's, and the fit takes back that one only."""
+    torch._C._cuda_clearCublasWorkspaces()  # the test's own start: no workspace from earlier tests
+    model, opt = make(bn=False)
+    if before != "none":
+        with torch.set_grad_enabled(before != "forward"):
+            out = model(torch.ones(32, 256, device="cuda")).sum()
+            if before != "forward":
+                out.backward()
+                model.zero_grad(set_to_none=True)
+        del out
+    ns: dict[str, Any] = {}
+    gc.collect()
+    torch.cuda.synchronize()
+    held = torch.cuda.memory_allocated()
+    res = fitting.fit(lambda b: step(model, opt, ns, b), [64, 128, 256], clean=ns.clear, name="batch",
+                      modules=[model], optimizers=[opt])
+    gc.collect()
+    torch.cuda.synchronize()
+    assert res.largest_value is not None, str(res)
+    assert torch.cuda.memory_allocated() == held, (before, torch.cuda.memory_allocated() - held, res.notes)
