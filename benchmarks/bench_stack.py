@@ -2,6 +2,7 @@
 
     python benchmarks/bench_stack.py --pairs 60 --seconds 2         # both workloads, CUDA, 60 pairs of 2 s blocks
     python benchmarks/bench_stack.py --only trainer                 # one workload per command
+    python benchmarks/bench_stack.py --pairs 20 --seconds 2 --interval 0.05   # ten times the ticks: a tick's cost
     python benchmarks/bench_stack.py --design runs --pairs 12 --seconds 6   # whole cells, nbmem loaded/unloaded
     python benchmarks/bench_stack.py --device cpu --seconds 1 --pairs 4    # a smoke run anywhere
 
@@ -23,6 +24,10 @@ their mean with a 95 % interval (Student's t). Target: the interval's lower boun
 - ``runs``: whole cells of ``--seconds``, with nbmem loaded (``%cudamem on``, gauge) and unloaded; a run's
   throughput is its samples over the cell's whole wall time (nbmem's cell boundaries included). Two such runs
   a few seconds apart differ by up to 10 % on the GPU machine, which needs many pairs.
+
+``--interval 0.05`` (blocks only) runs the sampler ten times as often in the on blocks: a tick costs what it
+costs at any interval, so the loss shows ten times larger against the same noise, and scaled back to the default
+interval it gives the cost of monitoring with a 95 % lower bound that short pairs at 2 Hz cannot reach.
 
 Beside the ratio, the cost measured directly: the CPU time nbmem's own threads used in the "on" blocks or runs,
 as a share of one core (read per thread from the OS).
@@ -249,15 +254,48 @@ class Blocks:
         return False
 
 
-def blocks_run(name: str, sh: InteractiveShell, block_s: float, pairs: int, gauge: bool) -> None:
-    """``pairs`` pairs of on/off blocks inside one cell (class Blocks): each pair's ratio is on/off throughput."""
+class TickClock:
+    """The wall time the sampler's ticks take on its own thread (reads and hand-off), and how many ran."""
+
+    def __init__(self, sampler: Any) -> None:
+        self.ticks, self.wall_s = 0, 0.0
+        read, sink = sampler._read, sampler._sink
+
+        def timed_read() -> Any:
+            t0 = time.perf_counter()
+            try:
+                return read()
+            finally:
+                self.wall_s += time.perf_counter() - t0
+
+        def timed_sink(batch: Any) -> None:
+            t0 = time.perf_counter()
+            try:
+                sink(batch)
+            finally:
+                self.wall_s += time.perf_counter() - t0
+                self.ticks += 1
+
+        sampler._read, sampler._sink = timed_read, timed_sink
+
+
+def blocks_run(name: str, sh: InteractiveShell, block_s: float, pairs: int, gauge: bool,
+               interval_s: float | None = None) -> None:
+    """``pairs`` pairs of on/off blocks inside one cell (class Blocks): each pair's ratio is on/off throughput.
+    ``interval_s`` below the sampler's own makes each tick's cost that many times more visible."""
     from nbmem.magics import session_of
 
     with Quiet():
         nbmem_on(sh, gauge)
         cell(sh, "pass")
     sync = sh.user_ns["torch"].cuda.synchronize if sh.user_ns.get("_dev") == "cuda" else lambda: None
-    sh.user_ns["_blocks"] = Blocks(session_of(sh).sampler, pairs, block_s, sync)
+    sampler = session_of(sh).sampler
+    default_s = sampler.interval_s
+    if interval_s:
+        sampler.stop()
+        sampler.interval_s = interval_s
+    clock = TickClock(sampler)
+    sh.user_ns["_blocks"] = Blocks(sampler, pairs, block_s, sync)
     with Quiet():
         cell(sh, f"_seen = train_for({pairs * 2 * block_s * 10 + 60!r}, blocks=_blocks)")
     b: Blocks = sh.user_ns.pop("_blocks")
@@ -269,8 +307,23 @@ def blocks_run(name: str, sh: InteractiveShell, block_s: float, pairs: int, gaug
     for i, r in enumerate(ratios):
         print(f"    {name} pair {i + 1}: {r:.4f}", flush=True)
     on_blocks = [r for r in done if r[0] == "on"]
-    summarize(name, f"{block_s:g} s blocks in one cell{' (+gauge)' if gauge else ''}", ratios,
+    summarize(name, f"{block_s:g} s blocks in one cell{' (+gauge)' if gauge else ''}"
+              f"{f', ticks every {interval_s:g} s' if interval_s else ''}", ratios,
               sum(r[3] for r in on_blocks), sum(r[2] for r in on_blocks))
+    if clock.ticks:
+        per_tick_ms = clock.wall_s / clock.ticks * 1e3
+        line(f"{name}: one tick", f"{per_tick_ms:.2f} ms of wall time on the sampler's thread ({clock.ticks} ticks); "
+             f"at the default {default_s:g} s interval that is {per_tick_ms / 1e3 / default_s:.3%} of the time")
+    if interval_s:
+        # A tick's cost is the same at any interval: the loss at ``interval_s``, scaled to the default's ticks,
+        # is the loss at the default, and so is its interval's lower bound.
+        mean, lo, _ = interval95(ratios)
+        scale = interval_s / default_s
+        line(f"{name}: per tick, from the ratio", f"{(1 - mean) * interval_s * 1e3:.2f} ms of the loop's time "
+             f"(95 % at most {(1 - lo) * interval_s * 1e3:.2f} ms); at the default {default_s:g} s interval, on/off "
+             f"{1 - (1 - mean) * scale:.4f}, 95 % lower bound {1 - (1 - lo) * scale:.4f}"
+             f" ({'>=' if 1 - (1 - lo) * scale >= TARGET else '<'} {TARGET})")
+        sampler.interval_s = default_s
 
 
 def pairs_run(name: str, sh: InteractiveShell, seconds: float, pairs: int, gauge: bool) -> None:
@@ -296,15 +349,18 @@ def pairs_run(name: str, sh: InteractiveShell, seconds: float, pairs: int, gauge
               sum(w for _, w in cpu))
 
 
-def bench_loader(dev: str, seconds: float, pairs: int, gauge: bool, design: str) -> None:
+def bench_loader(dev: str, seconds: float, pairs: int, gauge: bool, design: str, interval_s: float | None) -> None:
     print("loader: the PyTorch quickstart's loop, DataLoader-bound (1x28x28, batch 64, MLP, SGD)", flush=True)
     sh = new_shell()
     cell(sh, LOADER_SETUP.format(dev=dev))
     cell(sh, f"_seen = train_for({min(seconds, 5.0)!r})")  # warm-up: kernels, allocator, the loader's first epoch
-    (blocks_run if design == "blocks" else pairs_run)("loader", sh, seconds, pairs, gauge)
+    if design == "blocks":
+        blocks_run("loader", sh, seconds, pairs, gauge, interval_s)
+    else:
+        pairs_run("loader", sh, seconds, pairs, gauge)
 
 
-def bench_trainer(dev: str, seconds: float, pairs: int, gauge: bool, design: str) -> None:
+def bench_trainer(dev: str, seconds: float, pairs: int, gauge: bool, design: str, interval_s: float | None) -> None:
     try:
         import transformers
     except ImportError:
@@ -317,7 +373,10 @@ def bench_trainer(dev: str, seconds: float, pairs: int, gauge: bool, design: str
         with Quiet():
             cell(sh, TRAINER_SETUP.format(dev=dev, out=out))
             cell(sh, f"_seen = train_for({min(seconds, 5.0)!r})")  # warm-up
-        (blocks_run if design == "blocks" else pairs_run)("trainer", sh, seconds, pairs, gauge)
+        if design == "blocks":
+            blocks_run("trainer", sh, seconds, pairs, gauge, interval_s)
+        else:
+            pairs_run("trainer", sh, seconds, pairs, gauge)
 
 
 def main() -> int:
@@ -329,6 +388,9 @@ def main() -> int:
     ap.add_argument("--design", default="blocks", choices=["blocks", "runs"],
                     help="blocks: on/off blocks of --seconds inside one training cell (nbmem loaded, its sampler "
                          "started and stopped); runs: whole cells with nbmem loaded and unloaded")
+    ap.add_argument("--interval", type=float, default=None,
+                    help="blocks only: the sampler's interval in the on blocks (0.05: ten times the ticks of the "
+                         "default 0.5 s, so that a tick's cost shows above the pairs' noise)")
     a = ap.parse_args()
     only = set(filter(None, a.only.split(",")))
     try:
@@ -341,13 +403,14 @@ def main() -> int:
     import torch
 
     env = {"python": sys.version.split()[0], "device": a.device, "torch": torch.__version__, "gauge": gauge,
-           "seconds": a.seconds, "pairs": a.pairs, "design": a.design}
+           "seconds": a.seconds, "pairs": a.pairs, "design": a.design,
+           "interval": a.interval}
     if a.device == "cuda":
         env["gpu"] = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"
     print(json.dumps(env), flush=True)
     for name, fn in (("trainer", bench_trainer), ("loader", bench_loader)):
         if not only or name in only:
-            fn(a.device, a.seconds, a.pairs, gauge, a.design)
+            fn(a.device, a.seconds, a.pairs, gauge, a.design, a.interval)
     return print_summary()
 
 
