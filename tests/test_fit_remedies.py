@@ -5,7 +5,7 @@ traces follow what the real body did (checkpointed blocks keep less per sample).
 from __future__ import annotations
 
 import itertools
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 
@@ -334,3 +334,45 @@ def test_a_remedy_that_allows_no_more_is_left_out_and_says_what_it_measured(stan
     assert any(n.startswith("activation checkpointing left out: measured, the largest batch under it is ") and
                f"no more than {res.largest_value:,} without it" in n for n in res.notes)
     assert any(c for _, c in stand_in["runs"]), "it was measured"
+
+
+class WorkspaceSource(FakeSource):
+    """cuBLAS's workspaces as torch keeps them: 32 MiB each, cleared all at once; the autograd thread's backward
+    makes this thread's too (its forward product)."""
+
+    SIZES: ClassVar[dict[str, int]] = {
+        "this thread's cuBLAS": 32 << 20, "cuBLASLt": 33 << 20, "the autograd thread's cuBLAS": 32 << 20}
+    CUBLAS_WORKSPACES = tuple(SIZES)
+
+    def __init__(self, present: set[str]) -> None:
+        self.present = set(present)
+
+    def read(self, device: int) -> Any:
+        n = 100 + sum(self.SIZES[k] for k in self.present)
+        return type("Reading", (), {"allocated_bytes": n, "reserved_bytes": n})()
+
+    def clear_cublas_workspaces(self) -> bool:
+        self.present.clear()
+        return True
+
+    def make_cublas_workspace(self, kind: str, device: int) -> None:
+        self.present.add(kind)
+        if kind == "the autograd thread's cuBLAS":
+            self.present.add("this thread's cuBLAS")
+
+
+@pytest.mark.parametrize("users", [set(), {"this thread's cuBLAS"}, {"this thread's cuBLAS", "cuBLASLt"},
+                                   set(WorkspaceSource.SIZES)])
+def test_the_fit_gives_back_the_workspaces_its_runs_made_and_makes_the_users_again(users: set[str]) -> None:
+    src = WorkspaceSource(users)
+    before = src.read(0).allocated_bytes
+    src.present |= set(WorkspaceSource.SIZES)  # the fit's runs made every kind
+    assert runner.give_back_workspaces(src, 0, before) == before  # type: ignore[arg-type]
+    assert src.present == users
+
+
+def test_workspaces_are_left_alone_when_the_fit_made_none() -> None:
+    src = WorkspaceSource({"cuBLASLt"})
+    before = src.read(0).allocated_bytes
+    assert runner.give_back_workspaces(src, 0, before) == before  # type: ignore[arg-type]
+    assert src.present == {"cuBLASLt"}

@@ -83,6 +83,20 @@ def _free_cached(src: TorchSource, device: int) -> None:
     src.empty_cache(device)
 
 
+def give_back_workspaces(src: TorchSource, device: int, before: int) -> int:
+    """cuBLAS keeps a workspace per handle and stream from its first matrix product on: where runs made them
+    (more is allocated than ``before``), they go again, and the user's own are made again. The bytes allocated
+    after. A workspace left in place also pins the segment it was made in, a cache emptied around it keeps
+    that segment, and a later run's large blocks cannot use its free part (716 MiB of a 748 MiB segment, seen)."""
+    after = _allocated_reserved(src, device)[0]
+    if after > before and src.clear_cublas_workspaces():
+        _free_cached(src, device)
+        after = _allocated_reserved(src, device)[0]
+        if after < before:
+            after = _remake_workspaces(src, device, before)
+    return after
+
+
 def _remake_workspaces(src: TorchSource, device: int, before: int) -> int:
     """Clearing cuBLAS's workspaces took the ones the user had before the fit too: make again the fewest of
     them that bring memory back to where it was (torch keeps no list of them); the bytes allocated after."""
@@ -181,14 +195,7 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
         if failed is not None:
             _say_what_was_put_back(failed, src, dev, before, lines, steps)
             failed = None
-    after = _allocated_reserved(src, dev)[0]
-    # cuBLAS keeps a workspace per handle and stream from its first matrix product on: where the fit's runs
-    # made it, it goes again (the user's next product makes it anew).
-    if after > before and src.clear_cublas_workspaces():
-        _free_cached(src, dev)
-        after = _allocated_reserved(src, dev)[0]
-        if after < before:
-            after = _remake_workspaces(src, dev, before)
+    after = give_back_workspaces(src, dev, before)
     if after > before:
         notes.append(f"after the fit {fmt_bytes(after - before, signed=True)} is allocated that was not before it "
                      "(something the body keeps that is neither in the namespace nor in the state restored)")
