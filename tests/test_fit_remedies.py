@@ -346,9 +346,10 @@ class WorkspaceSource(FakeSource):
 
     def __init__(self, present: set[str]) -> None:
         self.present = set(present)
+        self.leak = 0
 
     def read(self, device: int) -> Any:
-        n = 100 + sum(self.SIZES[k] for k in self.present)
+        n = 100 + self.leak + sum(self.SIZES[k] for k in self.present)
         return type("Reading", (), {"allocated_bytes": n, "reserved_bytes": n})()
 
     def clear_cublas_workspaces(self) -> bool:
@@ -367,12 +368,54 @@ def test_the_fit_gives_back_the_workspaces_its_runs_made_and_makes_the_users_aga
     src = WorkspaceSource(users)
     before = src.read(0).allocated_bytes
     src.present |= set(WorkspaceSource.SIZES)  # the fit's runs made every kind
-    assert runner.give_back_workspaces(src, 0, before) == before  # type: ignore[arg-type]
+    assert runner.give_back_workspaces(src, 0, before) == (before, None)  # type: ignore[arg-type]
     assert src.present == users
 
 
 def test_workspaces_are_left_alone_when_the_fit_made_none() -> None:
     src = WorkspaceSource({"cuBLASLt"})
     before = src.read(0).allocated_bytes
-    assert runner.give_back_workspaces(src, 0, before) == before  # type: ignore[arg-type]
+    assert runner.give_back_workspaces(src, 0, before) == (before, None)  # type: ignore[arg-type]
     assert src.present == {"cuBLASLt"}
+
+
+class OddWorkspaces(WorkspaceSource):
+    """A workspace of a kind the fit cannot make (another stream's), and, optionally, making one fails."""
+
+    SIZES: ClassVar[dict[str, int]] = {**WorkspaceSource.SIZES, "another stream's": 34 << 20}
+
+    def __init__(self, present: set[str], fail: bool = False) -> None:
+        super().__init__(present)
+        self.fail = fail
+
+    def make_cublas_workspace(self, kind: str, device: int) -> None:
+        if self.fail:
+            raise RuntimeError("CUDA error: out of memory")
+        super().make_cublas_workspace(kind, device)
+
+
+@pytest.mark.parametrize(("fail", "says"), [(False, "could not be made again exactly"), (True, "failed (RuntimeError")])
+def test_workspaces_the_fit_cannot_make_again_are_said_and_none_is_left_half_made(fail: bool, says: str) -> None:
+    src = OddWorkspaces({"another stream's"}, fail=fail)
+    before = src.read(0).allocated_bytes
+    src.present.add("the autograd thread's cuBLAS")
+    after, note = runner.give_back_workspaces(src, 0, before)  # type: ignore[arg-type]
+    assert after < before and src.present == set() and note is not None and says in note
+
+
+def test_a_fit_that_also_leaks_says_the_workspaces_went_too() -> None:
+    src = WorkspaceSource({"this thread's cuBLAS"})
+    before = src.read(0).allocated_bytes
+    src.present.add("cuBLASLt")
+    src.leak = 40 << 20  # more than the user's workspace: the fit cannot tell what to make again
+    after, note = runner.give_back_workspaces(src, 0, before)  # type: ignore[arg-type]
+    assert after > before and note is not None and "given back as well" in note
+
+
+def test_on_several_gpus_the_workspaces_stay_and_the_report_says_why() -> None:
+    src = WorkspaceSource(set())
+    src.device_count = lambda: 2  # type: ignore[method-assign]
+    before = src.read(0).allocated_bytes
+    src.present.add("cuBLASLt")
+    after, note = runner.give_back_workspaces(src, 0, before)  # type: ignore[arg-type]
+    assert after > before and src.present == {"cuBLASLt"} and note is not None and "every GPU" in note

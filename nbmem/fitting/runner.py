@@ -83,18 +83,41 @@ def _free_cached(src: TorchSource, device: int) -> None:
     src.empty_cache(device)
 
 
-def give_back_workspaces(src: TorchSource, device: int, before: int) -> int:
+def give_back_workspaces(src: TorchSource, device: int, before: int) -> tuple[int, str | None]:
     """cuBLAS keeps a workspace per handle and stream from its first matrix product on: where runs made them
     (more is allocated than ``before``), they go again, and the user's own are made again. The bytes allocated
-    after. A workspace left in place also pins the segment it was made in, a cache emptied around it keeps
-    that segment, and a later run's large blocks cannot use its free part (716 MiB of a 748 MiB segment, seen)."""
+    after, and a line for the report where that could not be done exactly. A workspace left in place also pins
+    the segment it was made in: a cache emptied around it keeps that segment, and a later run's large blocks
+    cannot use its free part (716 MiB of a 748 MiB segment, seen)."""
     after = _allocated_reserved(src, device)[0]
-    if after > before and src.clear_cublas_workspaces():
+    if after <= before:
+        return after, None
+    if getattr(src, "device_count", lambda: 1)() > 1:
+        return after, ("cuBLAS's workspaces the runs made were left in place: torch clears them on every GPU at "
+                       "once, and the ones your own products made on the other GPUs would go too")
+    if not src.clear_cublas_workspaces():
+        return after, None
+    _free_cached(src, device)  # the garbage went before ``after`` was read: this frees the workspaces alone
+    cleared, after = after, _allocated_reserved(src, device)[0]
+    cleared -= after
+    if after > before:  # something else is kept: the caller says so, and this says the workspaces went too
+        return after, "cuBLAS's workspaces were given back as well; torch makes them at the next matrix product"
+    if after == before:
+        return after, None
+    if before - after > cleared:
+        return after, None  # less than before, and not for the workspaces: the caller says so
+    try:
+        after = _remake_workspaces(src, device, before)
+    except Exception as e:
+        src.clear_cublas_workspaces()
         _free_cached(src, device)
         after = _allocated_reserved(src, device)[0]
-        if after < before:
-            after = _remake_workspaces(src, device, before)
-    return after
+        return after, (f"cuBLAS's workspaces were given back, and making yours again failed ({type(e).__name__}: "
+                       f"{(str(e).splitlines() or [''])[0][:100]}); torch makes them at the next matrix product")
+    if after != before:
+        return after, ("cuBLAS's workspaces were given back and yours could not be made again exactly; torch "
+                       "makes them at the next matrix product")
+    return after, None
 
 
 def _remake_workspaces(src: TorchSource, device: int, before: int) -> int:
@@ -195,14 +218,16 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
         if failed is not None:
             _say_what_was_put_back(failed, src, dev, before, lines, steps)
             failed = None
-    after = give_back_workspaces(src, dev, before)
+    after, workspaces = give_back_workspaces(src, dev, before)
+    if workspaces:
+        notes.append(workspaces)
     if after > before:
         notes.append(f"after the fit {fmt_bytes(after - before, signed=True)} is allocated that was not before it "
                      "(something the body keeps that is neither in the namespace nor in the state restored)")
     elif after < before:
         notes.append(f"after the fit {fmt_bytes(before - after)} less is allocated than before it: garbage that only "
-                     "a collection frees (reference cycles) was freed by the fit's gc.collect(), or a cuBLAS "
-                     "workspace it could not make again (torch makes it again at the next matrix product)")
+                     "a collection frees (reference cycles) was freed by the fit's gc.collect()"
+                     + (", or cuBLAS's workspaces (above)" if workspaces else ""))
     if not restore and steps:
         notes.append(f"not restored: the fit ran the body {steps} times, and whatever it trains was trained")
     result = analyse(runs, room, name=name, segments=segments, cell_files=cell_files, sources=sources,
