@@ -149,6 +149,11 @@ def instance_dict(obj: Any, lay: Layout) -> dict[Any, Any] | None:
     return d if type(d) is dict else None
 
 
+def dict_of(obj: Any) -> dict[Any, Any] | None:
+    """``obj``'s instance dict, read without running its code (its type's layout looked up now); None without."""
+    return instance_dict(obj, layout(type(obj)))
+
+
 def slot_values(obj: Any, lay: Layout) -> Iterator[tuple[str, Any]]:
     for name, get in lay.slots:
         try:

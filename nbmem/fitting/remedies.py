@@ -179,7 +179,7 @@ def _hf_checkpointable(m: Any) -> bool:
 
 
 def _already_checkpointed(block: Any) -> bool:
-    return "forward" in (reach.instance_dict(block, reach.layout(type(block))) or {})
+    return "forward" in (reach.dict_of(block) or {})
 
 
 def _is_compiled(m: Any) -> bool:
@@ -188,7 +188,7 @@ def _is_compiled(m: Any) -> bool:
 
 def _static(obj: Any, name: str, default: Any) -> Any:
     """An attribute looked up without running the object's code: its instance dict, then its class's."""
-    d = reach.instance_dict(obj, reach.layout(type(obj))) or {}
+    d = reach.dict_of(obj) or {}
     if name in d:
         return d[name]
     for k in reach.mro(type(obj)):
@@ -241,7 +241,7 @@ def _module_attrs(tops: Sequence[Any]) -> list[tuple[dict[Any, Any], dict[Any, A
     for top in tops:
         for m in top.modules():
             for obj in (m, _static(m, "config", None)):
-                d = reach.instance_dict(obj, reach.layout(type(obj))) if obj is not None else None
+                d = reach.dict_of(obj)
                 if d is None or id(d) in seen:
                     continue
                 seen.add(id(d))

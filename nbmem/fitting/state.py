@@ -120,10 +120,6 @@ def _put_back(v: Any) -> Any:
     return v
 
 
-def _instance_dict(obj: Any) -> dict[Any, Any] | None:
-    return reach.instance_dict(obj, reach.layout(type(obj)))
-
-
 # -- the copy ----------------------------------------------------------------------------------------------------
 @dataclass
 class StateCopy:
@@ -237,10 +233,10 @@ def snapshot_state(modules: Iterable[Any] = (), optimizers: Iterable[Any] = (), 
                  for p, st in opt.state.items()}
         groups = [{k: copier.copy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
         saved._optimizers.append((opt, state, groups))
-        own = _instance_dict(opt) or {}
+        own = reach.dict_of(opt) or {}
         saved._attrs.append((opt, {k: copier.copy(v) for k, v in dict.items(own) if k not in _OPT_OWN}))
     for obj in others:
-        d = _instance_dict(obj)
+        d = reach.dict_of(obj)
         if d is None:
             saved.not_restored.append(f"{reach.type_name(type(obj))}: its attributes cannot be read without running "
                                       "its code")
@@ -357,7 +353,7 @@ def _put_optimizers(saved: StateCopy, t: Any) -> None:
 
 def _put_attrs(saved: StateCopy, t: Any) -> None:
     for obj, attrs in saved._attrs:
-        d = _instance_dict(obj)
+        d = reach.dict_of(obj)
         if d is None:
             continue
         own = _OPT_OWN if any(obj is o for o, _, _ in saved._optimizers) else ()
