@@ -194,6 +194,9 @@ class FakeSource:
     def clear_cublas_workspaces(self) -> bool:
         return False
 
+    def device_count(self) -> int:
+        return 1
+
 
 class Bf16Cuda(FakeCuda):
     def is_bf16_supported(self) -> bool:

@@ -92,20 +92,19 @@ def give_back_workspaces(src: TorchSource, device: int, before: int) -> tuple[in
     after = _allocated_reserved(src, device)[0]
     if after <= before:
         return after, None
-    if getattr(src, "device_count", lambda: 1)() > 1:
+    if src.device_count() > 1:
         return after, ("cuBLAS's workspaces the runs made were left in place: torch clears them on every GPU at "
                        "once, and the ones your own products made on the other GPUs would go too")
     if not src.clear_cublas_workspaces():
         return after, None
-    _free_cached(src, device)  # the garbage went before ``after`` was read: this frees the workspaces alone
-    cleared, after = after, _allocated_reserved(src, device)[0]
-    cleared -= after
+    # The garbage went before ``after`` was read, so what is missing now (never more than the clear freed, as
+    # more than ``before`` was held) is the user's workspaces.
+    _free_cached(src, device)
+    after = _allocated_reserved(src, device)[0]
     if after > before:  # something else is kept: the caller says so, and this says the workspaces went too
         return after, "cuBLAS's workspaces were given back as well; torch makes them at the next matrix product"
     if after == before:
         return after, None
-    if before - after > cleared:
-        return after, None  # less than before, and not for the workspaces: the caller says so
     try:
         after = _remake_workspaces(src, device, before)
     except Exception as e:
@@ -123,7 +122,7 @@ def give_back_workspaces(src: TorchSource, device: int, before: int) -> tuple[in
 def _remake_workspaces(src: TorchSource, device: int, before: int) -> int:
     """Clearing cuBLAS's workspaces took the ones the user had before the fit too: make again the fewest of
     them that bring memory back to where it was (torch keeps no list of them); the bytes allocated after."""
-    kinds = getattr(src, "CUBLAS_WORKSPACES", ())
+    kinds = src.CUBLAS_WORKSPACES
     after = _allocated_reserved(src, device)[0]
     for n in range(1, len(kinds) + 1):
         for chosen in itertools.combinations(kinds, n):
