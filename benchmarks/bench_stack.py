@@ -283,7 +283,7 @@ class TickClock:
 def blocks_run(name: str, sh: InteractiveShell, block_s: float, pairs: int, gauge: bool,
                interval_s: float | None = None) -> None:
     """``pairs`` pairs of on/off blocks inside one cell (class Blocks): each pair's ratio is on/off throughput.
-    ``interval_s`` below the sampler's own makes each tick's cost that many times more visible."""
+    ``interval_s`` below the sampler's own runs it that much more often in the on blocks, so its cost shows."""
     from nbmem.magics import session_of
 
     with Quiet():
@@ -308,9 +308,9 @@ def blocks_run(name: str, sh: InteractiveShell, block_s: float, pairs: int, gaug
     for i, r in enumerate(ratios):
         print(f"    {name} pair {i + 1}: {r:.4f}", flush=True)
     on_blocks = [r for r in done if r[0] == "on"]
+    cpu_s, wall_s = sum(r[3] for r in on_blocks), sum(r[2] for r in on_blocks)
     summarize(name, f"{block_s:g} s blocks in one cell{' (+gauge)' if gauge else ''}"
-              f"{f', ticks every {interval_s:g} s' if interval_s else ''}", ratios,
-              sum(r[3] for r in on_blocks), sum(r[2] for r in on_blocks))
+              f"{f', ticks every {interval_s:g} s' if interval_s else ''}", ratios, cpu_s, wall_s)
     if clock.ticks:
         per_tick_ms = clock.wall_s / clock.ticks * 1e3
         line(f"{name}: one tick", f"{per_tick_ms:.2f} ms of wall time on the sampler's thread, on average over "
@@ -320,7 +320,7 @@ def blocks_run(name: str, sh: InteractiveShell, block_s: float, pairs: int, gaug
         # 2 s), so the loss is not scaled by ticks: it is set against the CPU share nbmem's threads used, which
         # counts every part whatever its rate. A run at the default interval gives that share there.
         mean, lo, _ = interval95(ratios)
-        share = sum(r[3] for r in on_blocks) / max(1e-9, sum(r[2] for r in on_blocks))
+        share = cpu_s / max(1e-9, wall_s)
         if share > 0:
             line(f"{name}: loss per CPU share", f"the loop lost {1 - mean:.2%} (95 % at most {1 - lo:.2%}) while "
                  f"nbmem's threads used {share:.2%} of a core: {(1 - mean) / share:.2f}x their share (95 % at most "
@@ -351,15 +351,20 @@ def pairs_run(name: str, sh: InteractiveShell, seconds: float, pairs: int, gauge
               sum(w for _, w in cpu))
 
 
+def measure(name: str, sh: InteractiveShell, seconds: float, pairs: int, gauge: bool, design: str,
+            interval_s: float | None) -> None:
+    if design == "blocks":
+        blocks_run(name, sh, seconds, pairs, gauge, interval_s)
+    else:
+        pairs_run(name, sh, seconds, pairs, gauge)
+
+
 def bench_loader(dev: str, seconds: float, pairs: int, gauge: bool, design: str, interval_s: float | None) -> None:
     print("loader: the PyTorch quickstart's loop, DataLoader-bound (1x28x28, batch 64, MLP, SGD)", flush=True)
     sh = new_shell()
     cell(sh, LOADER_SETUP.format(dev=dev))
     cell(sh, f"_seen = train_for({min(seconds, 5.0)!r})")  # warm-up: kernels, allocator, the loader's first epoch
-    if design == "blocks":
-        blocks_run("loader", sh, seconds, pairs, gauge, interval_s)
-    else:
-        pairs_run("loader", sh, seconds, pairs, gauge)
+    measure("loader", sh, seconds, pairs, gauge, design, interval_s)
 
 
 def bench_trainer(dev: str, seconds: float, pairs: int, gauge: bool, design: str, interval_s: float | None) -> None:
@@ -375,10 +380,7 @@ def bench_trainer(dev: str, seconds: float, pairs: int, gauge: bool, design: str
         with Quiet():
             cell(sh, TRAINER_SETUP.format(dev=dev, out=out))
             cell(sh, f"_seen = train_for({min(seconds, 5.0)!r})")  # warm-up
-        if design == "blocks":
-            blocks_run("trainer", sh, seconds, pairs, gauge, interval_s)
-        else:
-            pairs_run("trainer", sh, seconds, pairs, gauge)
+        measure("trainer", sh, seconds, pairs, gauge, design, interval_s)
 
 
 def main() -> int:
@@ -392,7 +394,7 @@ def main() -> int:
                          "started and stopped); runs: whole cells with nbmem loaded and unloaded")
     ap.add_argument("--interval", type=float, default=None,
                     help="blocks only: the sampler's interval in the on blocks (0.05: ten times the ticks of the "
-                         "default 0.5 s, so that a tick's cost shows above the pairs' noise)")
+                         "default 0.5 s, so that nbmem's cost shows above the pairs' noise)")
     a = ap.parse_args()
     only = set(filter(None, a.only.split(",")))
     try:
