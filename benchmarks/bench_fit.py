@@ -86,13 +86,17 @@ def families(torch: Any, dev: str = "cuda") -> dict[str, Family]:
         return nn.Sequential(*layers, nn.Linear(1024, 10)).to(device)
 
 
+    def learn(opt: Any, ns: dict[str, Any]) -> None:
+        """A step's end as a notebook writes it: backward from ns["loss"], the optimizer's step, grads set to None."""
+        ns["loss"].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
     def classify(model: Any, opt: Any, ns: dict[str, Any]) -> None:
         """One training step of a classifier on ns["x"], ns["y"], its tensors kept in ns as a notebook keeps them."""
         ns["out"] = model(ns["x"])
         ns["loss"] = F.cross_entropy(ns["out"], ns["y"])
-        ns["loss"].backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        learn(opt, ns)
 
     def mlp_body(model: Any, opt: Any, ns: dict[str, Any], b: int) -> None:
         ns["x"] = torch.randn(b, 512, device=dev)
@@ -142,9 +146,7 @@ def families(torch: Any, dev: str = "cuda") -> dict[str, Family]:
         with torch.autocast("cuda", dtype=torch.bfloat16):
             ns["out"] = model(ns["x"][:, :-1])
         ns["loss"] = F.cross_entropy(ns["out"].float().reshape(-1, LM_VOCAB), ns["x"][:, 1:].reshape(-1))
-        ns["loss"].backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        learn(opt, ns)
 
     # -- a CNN with BatchNorm ----------------------------------------------------------------------------------
     def cnn(device: Any) -> Any:
@@ -192,9 +194,7 @@ def families(torch: Any, dev: str = "cuda") -> dict[str, Family]:
         ns["y"] = torch.randint(0, 10, (b,), device=dev)
         ns["out"] = model(ns["x"], ns["item"])
         ns["loss"] = F.cross_entropy(ns["out"], ns["y"])
-        ns["loss"].backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        learn(opt, ns)
 
     # -- an embedding bag over 2^20 rows: its backward's buffers follow the distinct rows a batch touches ---------
     class Bag(nn.Module):
@@ -229,9 +229,7 @@ def families(torch: Any, dev: str = "cuda") -> dict[str, Family]:
         with torch.autocast("cuda", dtype=torch.bfloat16):
             ns["out"] = model(ns["x"][:, :-1])
         ns["loss"] = F.cross_entropy(ns["out"].float().reshape(-1, V), ns["x"][:, 1:].reshape(-1))
-        ns["loss"].backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        learn(opt, ns)
 
     # -- issue 27: the training setups a fit must leave as it found them -----------------------------------------
     # The scheduler and scaler of an optimizer, made with it and found by it (the body gets the optimizer).
@@ -301,9 +299,7 @@ def families(torch: Any, dev: str = "cuda") -> dict[str, Family]:
         ns["x"] = torch.randint(0, LM_VOCAB, (b, T + 1), device=dev)
         ns["out"] = model(ns["x"][:, :-1])
         ns["loss"] = F.cross_entropy(ns["out"].reshape(-1, LM_VOCAB), ns["x"][:, 1:].reshape(-1))
-        ns["loss"].backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        learn(opt, ns)
 
     class Encoder(nn.Module):
         """torch's own TransformerEncoder (a ModuleList of TransformerEncoderLayer) and a classifier head."""
@@ -349,9 +345,7 @@ def families(torch: Any, dev: str = "cuda") -> dict[str, Family]:
         got = model(input_ids=ns["x"], labels=ns["x"], use_cache=False)
         ns["out"], ns["loss"] = got.logits, got.loss
         del got
-        ns["loss"].backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        learn(opt, ns)
 
     return {
         "mlp": Family("mlp", "batch", (256, 512, 1024), mlp, mlp_body, adamw, (512,)),
