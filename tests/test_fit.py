@@ -626,7 +626,8 @@ def test_a_run_whose_error_was_lost_under_stacks_runs_again_without_them(monkeyp
         return RunTrace(value, [], counted, 0, 0), ""
 
     monkeypatch.setattr(runner, "_one_run", one_run)
-    monkeypatch.setattr(runner, "_free_cached", lambda src, dev: None)
+    monkeypatch.setattr(runner, "_free_cached", lambda src, dev, **kw: None)
+    monkeypatch.setattr(runner, "_allocated_reserved", lambda src, dev: (0, 0))
     notes: list[str] = []
     body = runner._Body(lambda v: None, None, 0, True, 10, None, "batch", notes)  # type: ignore[arg-type]
     assert body.once(8, True)[0].value == 8 and body.once(16, True)[0].value == 16
@@ -699,3 +700,30 @@ def test_where_allocated_memory_itself_does_not_fit_expandable_segments_is_no_re
     res = analyse(runs, room(20 * GiB), name="batch", want=10**6)
     assert [r.name for r in res.remedies] == ["gradient accumulation"]
     assert any(n.startswith("expandable_segments would not help") for n in res.notes)
+
+
+def test_after_a_run_the_collection_runs_only_where_the_run_left_more_allocated_than_it_started_with(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from nbmem.fitting import runner
+
+    collected: list[int] = []
+    monkeypatch.setattr(runner.gc, "collect", lambda *a: collected.append(1) or 0)
+
+    class Source:
+        allocated = 0
+        emptied = 0
+
+        def read(self, device: int) -> Any:
+            return type("Reading", (), {"allocated_bytes": self.allocated, "reserved_bytes": 0})()
+
+        def empty_cache(self, device: int) -> None:
+            self.emptied += 1
+
+    src = Source()
+    src.allocated = 100
+    runner._free_cached(src, 0, unless_back_to=100)  # type: ignore[arg-type]
+    runner._free_cached(src, 0, unless_back_to=120)  # type: ignore[arg-type]  # the run freed what was there
+    assert not collected and src.emptied == 2
+    runner._free_cached(src, 0, unless_back_to=99)  # type: ignore[arg-type]  # garbage holds the run's tensors
+    runner._free_cached(src, 0)  # type: ignore[arg-type]  # the fit's own last cleanup: always
+    assert len(collected) == 2 and src.emptied == 4

@@ -29,3 +29,7 @@ def test_the_prediction_is_never_above_the_real_boundary_and_within_10_percent_b
     assert res.largest_value <= real, f"above the real boundary: {res.largest_value:,} > {real:,}"
     assert res.largest_value >= 0.9 * real, f"more than 10 % below: {res.largest_value:,} of {real:,}"
     assert res.power_of_two <= res.largest_value < 2 * res.power_of_two
+    # What the runner asks between runs: the same answer, without the curve and lines drawn from it.
+    quick = analyse(runs, Room(**row["room"]), name=row["family"], segments=segments, largest_only=True)
+    assert quick.largest_value == res.largest_value and quick.method == res.method
+    assert res.curve and not quick.curve and not quick.lines

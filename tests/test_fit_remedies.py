@@ -259,7 +259,7 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 
     monkeypatch.setattr(runner, "_torch", lambda: FakeTorch())
     monkeypatch.setattr(runner, "_one_run", one_run)
-    monkeypatch.setattr(runner, "_free_cached", lambda src, dev: None)
+    monkeypatch.setattr(runner, "_free_cached", lambda src, dev, **kw: None)
     return seen
 
 
@@ -422,3 +422,36 @@ def test_on_several_gpus_the_workspaces_stay_and_the_report_says_why() -> None:
     src.present.add("cuBLASLt")
     after, note = runner.give_back_workspaces(src, 0, before)  # type: ignore[arg-type]
     assert after > before and src.present == {"cuBLASLt"} and note is not None and "every GPU" in note
+
+
+def test_a_fit_never_analyses_the_same_runs_twice_and_only_the_last_analysis_is_the_full_one(
+        stand_in: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    # The analyses are most of a fit's time (each aligns every run with the largest and simulates the allocator
+    # some 50 times): between runs only the largest value is asked for, and what was analysed is not again.
+    calls: list[tuple[tuple[int, ...], bool]] = []
+    kept: list[Any] = []  # every run seen, so no id is reused
+    real = runner.analyse
+
+    def counting(runs: Any, room: Any, **kw: Any) -> Any:
+        kept.extend(runs)
+        calls.append((tuple(id(r) for r in runs), bool(kw.get("largest_only"))))
+        return real(runs, room, **kw)
+
+    monkeypatch.setattr(runner, "analyse", counting)
+    net = Net()
+    stand_in["net"].append(net)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+
+    def step(b: int) -> None:
+        net(torch.randn(b, 8)).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    res = runner.fit(step, [8, 16, 32], source=FakeSource(), name="batch", modules=[net], optimizers=[opt],
+                     margin_bytes=0, want=10_000)  # type: ignore[arg-type]
+    assert res.curve and [r.name for r in res.remedies] == ["gradient accumulation", "activation checkpointing"]
+    assert "more runs" in " ".join(res.notes), "the plain runs were refined (the case where analyses repeated)"
+    between, last = calls[:-1], calls[-1]
+    assert all(quick for _, quick in between) and not last[1], calls
+    assert len({ids for ids, _ in between}) == len(between), "a list of runs analysed twice"
+    assert len(between) >= 6, "the plain runs and the remedy's, each analysed as they grew"

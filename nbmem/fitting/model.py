@@ -183,40 +183,59 @@ def _align_sizes(a: Run, b: Run) -> dict[int, int] | None:
     band = abs(n - m) + ALIGN_BAND
     if n * (2 * band + 1) > ALIGN_MAX_CELLS:
         return None
-    unreachable = -1
-    prev: dict[int, int] = {j: 0 for j in range(0, min(m, band) + 1)}
-    moves: list[dict[int, int]] = [{}]
+    va, vb = a.value, b.value
+    # This loop runs n × band times, for each of a fit's analyses: what must agree for a pairing (stream, line,
+    # kept or not) is one small int per allocation, and B's sizes and lifetimes plain lists.
+    keys: dict[tuple[Any, ...], int] = {}
+    key_b = [keys.setdefault((x.stream, x.site, x.died is None), len(keys)) for x in xb]
+    size_b = [x.size for x in xb]
+    life_b = [-1 if x.died is None else x.died - x.born for x in xb]
+    # Row i's scores for the columns lo - 1 .. hi of its band, the first always unreachable (-1); a column past
+    # the row's end is unreachable too. The bands only move right, row by row.
+    prev_lo, prev = 0, [-1] + [0] * (min(m, band) + 1)
+    rows: list[tuple[int, bytearray]] = [(0, bytearray())]
     for i in range(1, n + 1):
         ai = xa[i - 1]
+        ka = keys.get((ai.stream, ai.site, ai.died is None), -1)
+        size_a, life_a = ai.size, -1 if ai.died is None else ai.died - ai.born
         c = i * m // max(1, n)
         lo, hi = max(0, c - band), min(m, c + band)
-        cur: dict[int, int] = {}
-        how: dict[int, int] = {}
-        for j in range(lo, hi + 1):
-            best, move = prev.get(j, unreachable), 1  # A's allocation has no counterpart
-            if j == 0:
-                cur[j], how[j] = max(best, 0), 1
-                continue
-            left = cur.get(j - 1, unreachable)
+        short = hi - prev_lo + 2 - len(prev)
+        if short > 0:
+            prev.extend([-1] * short)
+        cur = [-1] * (hi - lo + 2)
+        how = bytearray(hi - lo + 1)
+        shift = lo - prev_lo  # prev[k + shift + 1] is column lo + k of the row before
+        left = -1
+        start = lo
+        if lo == 0:
+            cur[1] = left = max(prev[shift + 1], 0)
+            how[0] = 1  # A's allocation has no counterpart
+            start = 1
+        for j in range(start, hi + 1):
+            k = j - lo
+            best, move = prev[k + shift + 1], 1  # A's allocation has no counterpart
             if left > best:
                 best, move = left, 2  # B's allocation has no counterpart
-            diag = prev.get(j - 1, unreachable)
-            if diag >= 0:
-                bj = xb[j - 1]
-                # What one run keeps (state, a notebook variable) is never what another frees at once.
-                if ai.stream == bj.stream and ai.site == bj.site and (ai.died is None) == (bj.died is None):
-                    w = _size_score(ai.size, a.value, bj.size, b.value)
-                    if w and ai.died is not None and bj.died is not None and ai.died - ai.born == bj.died - bj.born:
+            # What one run keeps (state, a notebook variable) is never what another frees at once.
+            if key_b[j - 1] == ka:
+                diag = prev[k + shift]
+                if diag >= 0:
+                    w = _size_score(size_a, va, size_b[j - 1], vb)
+                    if w and life_a >= 0 and life_a == life_b[j - 1]:
                         w += 1  # the same lifetime, in events: more likely the same tensor
                     if w and diag + w > best:
                         best, move = diag + w, 0
-            cur[j], how[j] = best, move
-        moves.append(how)
-        prev = cur
+            cur[k + 1] = left = best
+            how[k] = move
+        rows.append((lo, how))
+        prev_lo, prev = lo, cur
     pairs: dict[int, int] = {}
-    i, j = n, max(prev, key=lambda k: (prev[k], k)) if prev else 0
+    i = n
+    j = max(range(len(prev) - 1), key=lambda k: (prev[k + 1], k)) + prev_lo
     while i > 0 and j > 0:
-        move = moves[i].get(j, 1)
+        lo, how = rows[i]
+        move = how[j - lo] if lo <= j < lo + len(how) else 1
         if move == 0:
             pairs[i - 1] = j - 1
             i, j = i - 1, j - 1

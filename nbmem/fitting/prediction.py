@@ -360,7 +360,7 @@ def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segmen
             cell_files: frozenset[str] = frozenset(), sources: Mapping[int, str] | None = None,
             max_value: int | None = None, notes: Sequence[str] = (), skipped: Sequence[int] = (),
             want: int | None = None, expandable: bool = False, measured: Sequence[Remedy] = (),
-            remedy_notes: Sequence[str] = ()) -> FitResult:
+            remedy_notes: Sequence[str] = (), largest_only: bool = False) -> FitResult:
     """The largest value that fits into ``room``, from the runs' traces in the order they ran.
 
     ``segments`` is the allocator's state before the first run (``segments_from_snapshot``); without it
@@ -369,6 +369,8 @@ def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segmen
     ``want``: a value asked about; where it does not fit, ``remedies`` says what would let it run
     (``expandable``: the allocator already uses expandable segments, so that is no remedy); ``measured`` are
     remedies the runner measured with runs of their own, and ``remedy_notes`` says which it left out and why.
+    ``largest_only``: the largest value (and the method, or why there is none) without what the report draws
+    from it (lines, the curve, remedies): what the runner asks between runs.
     """
     sources = sources or {}
     site_of = _site_of(cell_files)
@@ -412,6 +414,8 @@ def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segmen
         return replace(timeline, reason=why, notes=tuple(all_notes))
     if max_value is not None and largest >= max_value:
         all_notes.append(f"{name}={max_value:,}, the largest value asked about, fits: larger ones were not searched")
+    if largest_only:
+        return replace(timeline, largest_value=largest, notes=tuple(all_notes))
     at = tl.simulate(largest, capacity)
     small = tl.simulate(values[0], math.inf)
     live = tl.simulate(largest, math.inf, stop_at=_after(at.peak_at, tl)).live or {}

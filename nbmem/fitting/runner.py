@@ -77,9 +77,13 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 
 # -- the fit --------------------------------------------------------------------------------------------------
-def _free_cached(src: TorchSource, device: int) -> None:
-    """What the last run left in the cache, given back (the user asked for the fit: this is its cleanup)."""
-    gc.collect()
+def _free_cached(src: TorchSource, device: int, *, unless_back_to: int | None = None) -> None:
+    """What the last run left in the cache, given back (the user asked for the fit: this is its cleanup).
+    ``unless_back_to``: what was allocated when the run started; where no more is allocated now, no garbage
+    holds the run's tensors and the collection is left out (a tenth of a second with a notebook's imports, for
+    each of a fit's 6 to 30 runs)."""
+    if unless_back_to is None or _allocated_reserved(src, device)[0] > unless_back_to:
+        gc.collect()
     src.empty_cache(device)
 
 
@@ -194,10 +198,12 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
     before: int | None = None
     try:
         room, segments, before = _room(src, dev, margin_bytes)
+        refined = None
         if not _runs(body, vals, warmup, runs, skipped, room, segments, cell_files):
-            _refine(body, runs, room, segments, cell_files)
+            refined = _refine(body, runs, room, segments, cell_files)
         if want is not None and (candidates or left_out):
-            plain = analyse(runs, room, name=name, segments=segments, max_value=max_value)
+            plain = (refined if refined is not None and max_value is None else
+                     analyse(runs, room, name=name, segments=segments, max_value=max_value, largest_only=True))
             ran_ok = [r.value for r in runs if r.counted and not r.oom]
             if plain.largest_value is not None and want > plain.largest_value and ran_ok:
                 remedy_notes += left_out
@@ -366,9 +372,11 @@ def _measure_remedies(body: _Body, candidates: Sequence[remedies.Candidate], val
         try:
             with c.applied():
                 room, segments, _ = _room(body.src, body.dev, margin_bytes)
+                refined = None
                 if not _runs(sub, vals, warmup, runs, [], room, segments, frozenset()):
-                    _refine(sub, runs, room, segments, frozenset())
-                res = analyse(runs, room, name=name, segments=segments, max_value=max_value)
+                    refined = _refine(sub, runs, room, segments, frozenset())
+                res = (refined if refined is not None and max_value is None else
+                       analyse(runs, room, name=name, segments=segments, max_value=max_value, largest_only=True))
                 step_s = _timed_step(sub, timed) if res.largest_value is not None else None
         except Exception as e:
             why = (str(e).strip().splitlines() or [""])[0][:120]
@@ -408,6 +416,7 @@ def _timed_step(body: _Body, value: int, repeats: int = 2) -> float | None:
 def _timed_once(body: _Body, value: int) -> float | None:
     t = _torch()
     body.ran += 1
+    start = _allocated_reserved(body.src, body.dev)[0]
     try:
         t.cuda.synchronize(body.dev)
         started = time.perf_counter()
@@ -422,7 +431,7 @@ def _timed_once(body: _Body, value: int) -> float | None:
     finally:
         if body.clean is not None:
             body.clean()
-        _free_cached(body.src, body.dev)
+        _free_cached(body.src, body.dev, unless_back_to=start)
 
 
 #: A prediction this far beyond the largest value run is checked by another run, halfway to it ...
@@ -433,16 +442,20 @@ REFINE_RUNS = 3
 REFINE_SECONDS = 30.0
 
 
-def _refine(body: _Body, runs: list[RunTrace], room: Room, segments: Any, cell_files: frozenset[str]) -> None:
+def _refine(body: _Body, runs: list[RunTrace], room: Room, segments: Any,
+            cell_files: frozenset[str]) -> FitResult | None:
     """More counted runs far from the small values while the prediction lies far beyond them: kernels change
     their buffers with size (chunked products, buffers sized by the data), and a point near the answer shows
     it. Each run is halfway from the largest value run to the prediction, so it is predicted to fit with room
-    to spare; an out-of-memory there is caught, and the prediction stays below it."""
+    to spare; an out-of-memory there is caught, and the prediction stays below it. The analysis (largest value
+    only) of the runs as they stand at the end, so the caller need not make it again; None after an
+    out-of-memory run."""
     name, notes, durations = body.name, body.notes, body.durations
     made = executed = 0
     first: int | None = None
-    while executed < REFINE_RUNS:
-        res = analyse(runs, room, name=name, segments=segments, cell_files=cell_files)
+    res: FitResult | None = analyse(runs, room, name=name, segments=segments, cell_files=cell_files,
+                                    largest_only=True)
+    while res is not None and executed < REFINE_RUNS:
         ok = [r.value for r in runs if r.counted and not r.oom]
         top = max(ok)
         if res.largest_value is None or res.largest_value < REFINE_FACTOR * top:
@@ -460,19 +473,23 @@ def _refine(body: _Body, runs: list[RunTrace], room: Room, segments: Any, cell_f
         executed += 1
         if oom:
             notes.append(f"the run at {name}={value:,} ran out of memory ({oom}): the prediction stays below it")
+            res = None
             break
-        if analyse(runs, room, name=name, segments=segments, cell_files=cell_files).method != "timeline":
+        checked = analyse(runs, room, name=name, segments=segments, cell_files=cell_files, largest_only=True)
+        if checked.method != "timeline":
             # Its allocations do not line up with the others' (another algorithm at this size): the model of the
-            # runs that do line up stands, rather than a peak scaled from one run.
+            # runs that do line up stands (``res``, of the runs before it), rather than a peak scaled from one run.
             runs.pop()
             made -= 1
             notes.append(f"a run at {name}={value:,} allocated differently from the others (another algorithm at "
                          "that size) and was left out of the model")
             break
+        res = checked
     if made:
-        checked = ", ".join(f"{r.value:,}" for r in runs[-made:])
-        notes.append(f"the small runs predicted {first:,}: {made} more run{'s' if made > 1 else ''} ({name}={checked}) "
+        at = ", ".join(f"{r.value:,}" for r in runs[-made:])
+        notes.append(f"the small runs predicted {first:,}: {made} more run{'s' if made > 1 else ''} ({name}={at}) "
                      "checked the growth nearer the answer")
+    return res
 
 
 def _expandable_on() -> bool:
@@ -538,13 +555,14 @@ class _Body:
     def _timed(self, value: int, counted: bool) -> tuple[RunTrace, str]:
         started = time.perf_counter()
         self.ran += 1
+        start = _allocated_reserved(self.src, self.dev)[0]
         try:
             return _one_run(self.run, value, counted, self.src, self.dev, self.stacks, self.max_entries)
         finally:
             self.durations[value] = time.perf_counter() - started
             if self.clean is not None:
                 self.clean()
-            _free_cached(self.src, self.dev)
+            _free_cached(self.src, self.dev, unless_back_to=start)
 
 
 def _let_go_of_frames(e: BaseException) -> None:
@@ -596,7 +614,7 @@ def _predicted_not_to_fit(runs: Sequence[RunTrace], value: int, room: Room, segm
     """Whether the runs so far say ``value`` would not fit (never run it then)."""
     done = [r for r in runs if r.counted and not r.oom]
     if len({r.value for r in done}) >= 2:
-        res = analyse(runs, room, name=name, segments=segments, cell_files=cell_files)
+        res = analyse(runs, room, name=name, segments=segments, cell_files=cell_files, largest_only=True)
         return res.largest_value is not None and value > res.largest_value
     last = next((r for r in reversed(runs) if not r.oom), None)
     if last is None:
