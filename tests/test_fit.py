@@ -22,8 +22,9 @@ from nbmem.fitting import allocator as allocmodel
 from nbmem.fitting import model as fitmodel
 from nbmem.fitting import prediction as F
 from nbmem.fitting.allocator import CachingAllocatorModel, SegmentState
-from nbmem.fitting.model import Room, RunTrace, fit_size
+from nbmem.fitting.model import Room, RunTrace
 from nbmem.fitting.prediction import analyse
+from nbmem.fitting.sizes import fit_size
 
 MiB, GiB = 2**20, 2**30
 NAMESPACE = ("x", "out", "loss")
@@ -290,6 +291,20 @@ def test_sizes_are_fitted_linear_quadratic_or_fixed_and_never_below_the_points()
     assert step.kind == "steepest" and step.at(15_000_000) < 40 * 15_000_000
     cube = fit_size([(s, 4 * s**3) for s in (32, 64, 128)])  # a volume in its side length
     assert cube.kind == "power" and cube.at(1024) == pytest.approx(4 * 1024**3, rel=1e-9)
+
+
+def test_a_slope_that_jumped_between_small_values_and_then_held_far_from_them_is_the_slope_that_held() -> None:
+    # A residual CNN's activation, recorded on an H100 under the fit: 1 MiB per sample at 8 and 16, 2 MiB from 32 to
+    # 448 (the runs nearer the answer). The jump's slope (3 MiB per sample from 16 to 32) put it 16 % low.
+    pts = [(8, 8_536_064), (16, 16_924_672), (32, 67_256_320), (287, 602_013_696), (448, 939_655_168)]
+    held = fit_size(pts)
+    assert held.kind == "steady tail" and held.at(448) == 939_655_168
+    assert held.at(775) == pytest.approx(939_655_168 + (775 - 448) * (939_655_168 - 602_013_696) / 161, rel=1e-9)
+    # Held over too short a span (the last three within 4×), or not held: the steepest slope, as before.
+    near = fit_size([(8, 8 * MiB), (16, 16 * MiB), (32, 64 * MiB), (64, 128 * MiB), (100, 200 * MiB)])
+    assert near.kind == "steepest" and near.per_unit_bytes == 3 * MiB
+    loose = fit_size([(8, 8 * MiB), (16, 16 * MiB), (32, 64 * MiB), (287, 574 * MiB), (448, 920 * MiB)])
+    assert loose.kind == "steepest"
 
 
 # -- predictions -----------------------------------------------------------------------------------------------------

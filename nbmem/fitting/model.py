@@ -1,14 +1,12 @@
-"""The fit's model of a body: its runs lined up, each allocation's size as a function of the value, and the
-whole timeline replayed through the allocator model at any value.
+"""The fit's model of a body: its runs lined up, each allocation's size as a function of the value (``sizes``),
+and the whole timeline replayed through the allocator model at any value.
 
 Pure analysis over the runs' allocator trace entries (``fit`` explains the method and says what it finds).
 """
 
 from __future__ import annotations
 
-import itertools
-import math
-from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from difflib import SequenceMatcher
 from typing import Any
@@ -16,6 +14,7 @@ from typing import Any
 from ..formatting import fmt_bytes
 from ..records import block_bytes
 from .allocator import CachingAllocatorModel, SegmentState
+from .sizes import GROWTH_SLACK_BYTES, SizeModel, fit_size
 
 #: The margin kept below the room: kernels CUDA loads for sizes not run yet, cuDNN/cuBLAS handles and other
 #: processes take device memory outside the allocator while the user's run goes on.
@@ -159,8 +158,6 @@ def _tokens(run: Run, exact: bool) -> list[tuple[Any, ...]]:
 #: fills at most this many cells before the runs are lined up by their events' shapes alone.
 ALIGN_BAND = 64
 ALIGN_MAX_CELLS = 4_000_000
-#: Slack for growth that is neither fixed nor in proportion (a padded or rounded size).
-GROWTH_SLACK_BYTES = 64 << 10
 
 
 def _size_score(sa: int, va: int, sb: int, vb: int) -> int:
@@ -269,72 +266,6 @@ def _align(a: Run, b: Run, *, exact: bool) -> tuple[dict[int, int], bool]:
                 if ea[0] == ALLOC:
                     pairs[ea[1]] = eb[1]
     return pairs, False
-
-
-# -- the size of one allocation as a function of the value ---------------------------------------------------------
-@dataclass(frozen=True, slots=True)
-class SizeModel:
-    """Bytes of one aligned allocation at a value: fixed + per-unit × v + per-unit² × v² (+ per-unit^p × v^p)."""
-
-    fixed_bytes: float
-    per_unit_bytes: float
-    per_unit_sq_bytes: float
-    kind: str  # "fixed", "linear", "quadratic", "power", "steepest", "largest seen", "proportional", "unmatched"
-    per_unit_pow_bytes: float = 0.0  # growth faster than quadratic, as value ** power
-    power: float = 0.0
-
-    def at(self, value: float) -> int:
-        v = float(value)
-        grown = self.per_unit_pow_bytes * v**self.power if self.per_unit_pow_bytes else 0.0
-        return max(0, math.ceil(self.fixed_bytes + self.per_unit_bytes * v + self.per_unit_sq_bytes * v * v + grown))
-
-
-#: A slope that grows by more than this between consecutive values, every time, is growth faster than linear.
-QUADRATIC_SLOPE_GAIN = 0.01
-#: Local exponents (log size ratio over log value ratio) this close are one power law, not a step.
-POWER_AGREEMENT = 0.25
-
-
-def fit_size(points: Iterable[tuple[int, int]]) -> SizeModel:
-    """A size model through (value, bytes) points that errs on the large side beyond the largest value.
-
-    One point: proportional to the value (an upper bound for any growth with a non-negative fixed part).
-    Equal sizes: fixed. Sizes that shrink somewhere: the largest seen, fixed. Slopes that grow at every
-    step (three or more values): the quadratic through the last three where its terms are all non-negative
-    (attention scores in the sequence length); growth faster than that at one steady rate (the same local
-    exponent twice: a volume in its side length) a power law; otherwise (a library buffer that jumped from
-    one size to another) a line. Lines go through the largest value's point with the steepest slope seen,
-    exact for linear sizes and above concave ones.
-    """
-    by_value: dict[int, int] = {}
-    for v, s in points:
-        by_value[v] = max(s, by_value.get(v, 0))
-    pts = sorted(by_value.items())
-    vn, sn = pts[-1]
-    if len(pts) == 1:
-        return SizeModel(0.0, sn / vn, 0.0, "proportional") if vn > 0 else SizeModel(sn, 0.0, 0.0, "fixed")
-    sizes = [s for _, s in pts]
-    if min(sizes) == max(sizes):
-        return SizeModel(float(sn), 0.0, 0.0, "fixed")
-    if any(b < a for a, b in itertools.pairwise(sizes)):
-        return SizeModel(float(max(sizes)), 0.0, 0.0, "largest seen")
-    slopes = [(s2 - s1) / (v2 - v1) for (v1, s1), (v2, s2) in itertools.pairwise(pts)]
-    if len(slopes) >= 2 and all(d2 - d1 > max(1.0, QUADRATIC_SLOPE_GAIN * d2) for d1, d2 in itertools.pairwise(slopes)):
-        (v1, s1), (v2, s2), (v3, s3) = pts[-3:]
-        d12, d23 = slopes[-2], slopes[-1]
-        c = (d23 - d12) / (v3 - v1)
-        b = d23 - c * (v2 + v3)
-        a = s3 - b * v3 - c * v3 * v3
-        if b >= -1e-6 * d23 and a >= -GROWTH_SLACK_BYTES:
-            return SizeModel(a, b, c, "quadratic")
-        if s1 > 0 and v1 > 0:
-            p12, p23 = math.log(s2 / s1) / math.log(v2 / v1), math.log(s3 / s2) / math.log(v3 / v2)
-            if abs(p23 - p12) <= POWER_AGREEMENT * p23:
-                p = max(p12, p23)
-                return SizeModel(0.0, 0.0, 0.0, "power", s3 / v3**p, p)
-    b = max(slopes)
-    kind = "linear" if b - min(slopes) <= max(1.0, 0.01 * b) else "steepest"
-    return SizeModel(sn - b * vn, b, 0.0, kind)
 
 
 # -- the timeline ------------------------------------------------------------------------------------------------
@@ -541,6 +472,10 @@ def build_timeline(runs: Sequence[Run], segments: Sequence[SegmentState]) -> Tim
     if power:
         notes.append(f"{len(power):,} allocations grow faster than the value's square (as the value to the power "
                      f"{max(power):.1f} at most); the per-unit figures leave them out")
+    tails = [m for m in sizes if m.kind == "steady tail"]
+    if tails:
+        notes.append(f"{len(tails):,} allocations grew at another rate between the small values than over the larger "
+                     "ones, where the rate held: they take the rate that held")
     irregular = sum(1 for m in sizes if m.kind in ("steepest", "largest seen"))
     if irregular:
         notes.append(f"{irregular:,} allocations change size irregularly between values (another algorithm or "

@@ -48,7 +48,8 @@ from ..formatting import Column, esc, fmt_bytes, fmt_seconds, html_table, prose,
 from ..linetrace import cell_line, deepest_user_frame
 from ..reports import Shown
 from .allocator import CachingAllocatorModel, SegmentState
-from .model import ALLOC, FREE, Room, Run, RunTrace, Sim, Site, Timeline, build_timeline, fit_size
+from .model import ALLOC, FREE, Room, Run, RunTrace, Sim, Site, Timeline, build_timeline
+from .sizes import fit_size
 
 #: Where the search stops when nothing stops it (memory that does not grow with the value).
 SEARCH_CAP = 1 << 40
