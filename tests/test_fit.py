@@ -293,18 +293,19 @@ def test_sizes_are_fitted_linear_quadratic_or_fixed_and_never_below_the_points()
     assert cube.kind == "power" and cube.at(1024) == pytest.approx(4 * 1024**3, rel=1e-9)
 
 
-def test_a_slope_that_jumped_between_small_values_and_then_held_far_from_them_is_the_slope_that_held() -> None:
+def test_a_slope_that_jumped_between_the_smallest_values_is_not_the_growth_near_the_largest() -> None:
     # A residual CNN's activation, recorded on an H100 under the fit: 1 MiB per sample at 8 and 16, 2 MiB from 32 to
-    # 448 (the runs nearer the answer). The jump's slope (3 MiB per sample from 16 to 32) put it 16 % low.
-    pts = [(8, 8_536_064), (16, 16_924_672), (32, 67_256_320), (287, 602_013_696), (448, 939_655_168)]
-    held = fit_size(pts)
-    assert held.kind == "steady tail" and held.at(448) == 939_655_168
-    assert held.at(775) == pytest.approx(939_655_168 + (775 - 448) * (939_655_168 - 602_013_696) / 161, rel=1e-9)
-    # Held over too short a span (the last three within 4×), or not held: the steepest slope, as before.
-    near = fit_size([(8, 8 * MiB), (16, 16 * MiB), (32, 64 * MiB), (64, 128 * MiB), (100, 200 * MiB)])
-    assert near.kind == "steepest" and near.per_unit_bytes == 3 * MiB
-    loose = fit_size([(8, 8 * MiB), (16, 16 * MiB), (32, 64 * MiB), (287, 574 * MiB), (448, 920 * MiB)])
-    assert loose.kind == "steepest"
+    # 587 (the runs made nearer the answer). The jump's slope (3 MiB per sample from 16 to 32) put it 16 % low.
+    pts = [(8, 8 * 1_067_008), (16, 16 * 1_057_792), (32, 32 * 2_101_760), (287, 287 * 2_097_664),
+           (448, 448 * 2_097_459), (587, 587 * 2_097_357)]
+    near = fit_size(pts)
+    assert near.kind == "steepest near" and near.at(587) == pts[-1][1]
+    steepest_near = max((s2 - s1) / (v2 - v1) for (v1, s1), (v2, s2) in itertools.pairwise(pts[3:]))
+    assert near.per_unit_bytes == pytest.approx(steepest_near) and near.per_unit_bytes < 2.01 * MiB
+    # Only three values (all of them are near), or the jump among the last three: the steepest slope, as before.
+    assert fit_size(pts[:3]).kind == "steepest"
+    jump = fit_size([(8, 8 * MiB), (16, 16 * MiB), (100, 200 * MiB), (200, 500 * MiB), (400, 1000 * MiB)])
+    assert jump.kind == "steepest" and jump.per_unit_bytes == 3 * MiB
 
 
 # -- predictions -----------------------------------------------------------------------------------------------------

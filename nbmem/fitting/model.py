@@ -472,10 +472,10 @@ def build_timeline(runs: Sequence[Run], segments: Sequence[SegmentState]) -> Tim
     if power:
         notes.append(f"{len(power):,} allocations grow faster than the value's square (as the value to the power "
                      f"{max(power):.1f} at most); the per-unit figures leave them out")
-    tails = [m for m in sizes if m.kind == "steady tail"]
-    if tails:
-        notes.append(f"{len(tails):,} allocations grew at another rate between the small values than over the larger "
-                     "ones, where the rate held: they take the rate that held")
+    near = sum(1 for m in sizes if m.kind == "steepest near")
+    if near:
+        notes.append(f"{near:,} allocations grew faster between the small values than near the largest: each takes "
+                     "the steepest growth the runs near the largest showed")
     irregular = sum(1 for m in sizes if m.kind in ("steepest", "largest seen"))
     if irregular:
         notes.append(f"{irregular:,} allocations change size irregularly between values (another algorithm or "
