@@ -743,3 +743,9 @@ def test_after_a_run_the_collection_runs_only_where_the_run_left_more_allocated_
     runner._free_cached(src, 0, unless_back_to=99)  # type: ignore[arg-type]  # garbage holds the run's tensors
     runner._free_cached(src, 0)  # type: ignore[arg-type]  # the fit's own last cleanup: always
     assert len(collected) == 2 and src.emptied == 4
+
+
+def test_a_margin_below_one_percent_is_not_shown_as_zero() -> None:
+    room = Room("cuda:0", 16 * GiB, 62 * GiB, 62 * GiB, 328 * MiB, 80 * GiB)
+    said = F.FitResult(name="batch", device="cuda:0", values=(8, 16), points=(), room=room)._room()
+    assert "328 MiB margin (0.4 %)" in said

@@ -231,9 +231,10 @@ class FitResult(Shown):
         pct = 100 * r.margin_bytes / max(1, r.free_bytes + r.reserved_bytes)
         others = "" if r.others_bytes is None else (
             f"; other processes and CUDA contexts take {fmt_bytes(r.others_bytes)} of {fmt_bytes(r.total_bytes)}")
+        share = f"{pct:.0f} %" if pct >= 1 else f"{pct:.1g} %"  # a margin set by hand can be a sliver
         return (f"fits into {fmt_bytes(r.capacity_bytes)}: {fmt_bytes(r.free_bytes)} free + "
                 f"{fmt_bytes(r.reserved_bytes)} this process's allocator holds − {fmt_bytes(r.margin_bytes)} margin "
-                f"({pct:.0f} %); the notebook already holds {fmt_bytes(r.allocated_bytes)}{others}")
+                f"({share}); the notebook already holds {fmt_bytes(r.allocated_bytes)}{others}")
 
     def _model(self) -> str:
         if self.fixed_bytes is None or self.bytes_per_unit is None:
