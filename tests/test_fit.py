@@ -306,6 +306,11 @@ def test_a_slope_that_jumped_between_the_smallest_values_is_not_the_growth_near_
     assert fit_size(pts[:3]).kind == "steepest"
     jump = fit_size([(8, 8 * MiB), (16, 16 * MiB), (100, 200 * MiB), (200, 500 * MiB), (400, 1000 * MiB)])
     assert jump.kind == "steepest" and jump.per_unit_bytes == 3 * MiB
+    # A plateau (sizes in buckets) is no steady growth, and a steady stretch under 2× is too short to tell.
+    plateau = fit_size([(8, 8 * MiB), (16, 16 * MiB), (32, 32 * MiB), (300, 512 * MiB), (400, 512 * MiB),
+                        (500, 512 * MiB)])
+    assert plateau.kind == "steepest" and plateau.at(1000) > 512 * MiB
+    assert fit_size(pts[:3] + [(300, 300 * 2 * MiB), (400, 400 * 2 * MiB), (500, 500 * 2 * MiB)]).kind == "steepest"
 
 
 # -- predictions -----------------------------------------------------------------------------------------------------
@@ -749,3 +754,21 @@ def test_a_margin_below_one_percent_is_not_shown_as_zero() -> None:
     room = Room("cuda:0", 16 * GiB, 62 * GiB, 62 * GiB, 328 * MiB, 80 * GiB)
     said = F.FitResult(name="batch", device="cuda:0", values=(8, 16), points=(), room=room)._room()
     assert "328 MiB margin (0.4 %)" in said
+
+
+@pytest.mark.parametrize(("entries", "collects"), [
+    ([{"action": "alloc", "addr": 1, "size": 512}, {"action": "free_requested", "addr": 1, "size": 512}], False),
+    # the run freed last step's block (addr 9): garbage of its own can hide behind it, so a collection runs
+    ([{"action": "alloc", "addr": 1, "size": 512}, {"action": "free_requested", "addr": 9, "size": 512}], True),
+])
+def test_after_a_traced_run_the_collection_is_skipped_only_where_nothing_older_was_freed(
+        monkeypatch: pytest.MonkeyPatch, entries: list[dict[str, Any]], collects: bool) -> None:
+    from nbmem.fitting import runner
+
+    seen: list[int | None] = []
+    monkeypatch.setattr(runner, "_one_run", lambda *a: (RunTrace(8, entries, True, 0, 0), ""))
+    monkeypatch.setattr(runner, "_free_cached", lambda src, dev, unless_back_to=None: seen.append(unless_back_to))
+    monkeypatch.setattr(runner, "_allocated_reserved", lambda src, dev: (100, 0))
+    body = runner._Body(lambda v: None, None, 0, False, 10, None, "batch", [])  # type: ignore[arg-type]
+    body.once(8, True)
+    assert seen == [None if collects else 100]

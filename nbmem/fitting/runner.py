@@ -202,8 +202,10 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
         if not _runs(body, vals, warmup, runs, skipped, room, segments, cell_files):
             refined = _refine(body, runs, room, segments, cell_files)
         if want is not None and (candidates or left_out):
+            # with the cell's lines as the sites, as refine's analyses and the final one have them
             plain = (refined if refined is not None and max_value is None else
-                     analyse(runs, room, name=name, segments=segments, max_value=max_value, largest_only=True))
+                     analyse(runs, room, name=name, segments=segments, cell_files=cell_files, max_value=max_value,
+                             largest_only=True))
             ran_ok = [r.value for r in runs if r.counted and not r.oom]
             if plain.largest_value is not None and want > plain.largest_value and ran_ok:
                 remedy_notes += left_out
@@ -556,13 +558,29 @@ class _Body:
         started = time.perf_counter()
         self.ran += 1
         start = _allocated_reserved(self.src, self.dev)[0]
+        freed_older = True  # until the run's trace says otherwise
         try:
-            return _one_run(self.run, value, counted, self.src, self.dev, self.stacks, self.max_entries)
+            trace, oom = _one_run(self.run, value, counted, self.src, self.dev, self.stacks, self.max_entries)
+            freed_older = _frees_older_blocks(trace.entries)
+            return trace, oom
         finally:
             self.durations[value] = time.perf_counter() - started
             if self.clean is not None:
                 self.clean()
-            _free_cached(self.src, self.dev, unless_back_to=start)
+            # A run that freed blocks older than itself can hide garbage of its own behind them: collect then.
+            _free_cached(self.src, self.dev, unless_back_to=None if freed_older else start)
+
+
+def _frees_older_blocks(entries: Sequence[Mapping[str, Any]]) -> bool:
+    """Whether a run's trace frees a block the run did not allocate (last step's gradients, a rebound name)."""
+    made: set[Any] = set()
+    for e in entries:
+        action = e.get("action")
+        if action == "alloc":
+            made.add(e.get("addr"))
+        elif action == "free_requested" and e.get("addr") not in made:
+            return True
+    return False
 
 
 def _let_go_of_frames(e: BaseException) -> None:

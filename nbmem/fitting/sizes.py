@@ -34,6 +34,8 @@ class SizeModel:
 QUADRATIC_SLOPE_GAIN = 0.01
 #: Local exponents (log size ratio over log value ratio) this close are one power law, not a step.
 POWER_AGREEMENT = 0.25
+#: The last three values' steady growth is the growth beyond them only where they span this factor or more.
+NEAR_SPAN = 2.0
 
 
 def fit_size(points: Iterable[tuple[int, int]]) -> SizeModel:
@@ -45,8 +47,8 @@ def fit_size(points: Iterable[tuple[int, int]]) -> SizeModel:
     (attention scores in the sequence length); growth faster than that at one steady rate (the same local
     exponent twice: a volume in its side length) a power law; otherwise (a library buffer that jumped from
     one size to another) a line. Lines go through the largest value's point with the steepest slope seen,
-    exact for linear sizes and above concave ones; with four values or more, the steepest among the last three
-    (the runs made nearer the answer), where it is less steep.
+    exact for linear sizes and above concave ones; with four values or more, the slope of the last three (the
+    runs made nearer the answer) where it is steady over them, less steep, and they span ``NEAR_SPAN``× or more.
     """
     by_value: dict[int, int] = {}
     for v, s in points:
@@ -79,11 +81,14 @@ def fit_size(points: Iterable[tuple[int, int]]) -> SizeModel:
         return SizeModel(sn - b * vn, b, 0.0, "linear")
     # A jump between the smallest values (another algorithm there) is not the growth near the answer, where the
     # fit's later runs looked (a CNN's 1 MiB per sample at 8 and 16, 2 from 32 to 587: the jump's 3 MiB per sample
-    # put it 16 % below its real boundary). Replayed over 42 recorded rows, none went above.
-    near = pts[-3:]
+    # put it 16 % below its real boundary). Replayed over 48 recorded rows, none went above.
+    # Only steady growth there: the two slopes within 1 % (not a plateau of bucketed sizes, nor a switch between
+    # them), over a stretch where the largest value is twice the smallest or more.
     if len(pts) >= 4:
-        b_near = max((s2 - s1) / (v2 - v1) for (v1, s1), (v2, s2) in itertools.pairwise(near))
-        if b_near < b:
+        d1, d2 = slopes[-2:]
+        b_near = max(d1, d2)
+        steady = 0 < b_near < b and b_near - min(d1, d2) <= 0.01 * b_near
+        if steady and vn >= NEAR_SPAN * pts[-3][0]:
             return SizeModel(sn - b_near * vn, b_near, 0.0, "steepest near")
     return SizeModel(sn - b * vn, b, 0.0, "steepest")
 
