@@ -704,7 +704,7 @@ def measure(torch: Any, fitting: Any, fam: Family, state: str, row: Row, competi
 
     fitting.analyse = capture
     try:
-        row.alloc_before = torch.cuda.memory_allocated()
+        row.alloc_before = before = torch.cuda.memory_allocated()
         t = time.perf_counter()
         res = fitting.fit(run, fam.values, name=fam.var, clean=clean, modules=[model], optimizers=[opt],
                           others=others, stacks=True)
@@ -744,6 +744,9 @@ def measure(torch: Any, fitting: Any, fam: Family, state: str, row: Row, competi
         ok = True
         gc.collect()
         torch.cuda.empty_cache()
+        # Each try starts as a fit leaves the user, as in the remedies' tries: a workspace the last try made would
+        # pin the segment it was made in (6.8 GiB of ckpt's, seen after a try that ran out of memory).
+        fitting.give_back_workspaces(source, torch.cuda.current_device(), before)
         free, _ = torch.cuda.mem_get_info()
         reserved = torch.cuda.memory_reserved()
         trace = source.start_trace(stacks=False, max_entries=1_000_000) if keep_traces else None
