@@ -2,6 +2,7 @@
 # Run on the GPU machine (the `device` tool), from the repository root, with .whl/ carried (scripts/gpu_wheels.sh):
 #   bash scripts/gpu_check.sh tests        # tests/gpu, the leak zoo on CUDA, the fine-tuning stack's reports
 #   bash scripts/gpu_check.sh fit          # benchmarks/bench_fit.py (about 4 minutes on an H100)
+#   bash scripts/gpu_check.sh fit27        # issue 27's rows: remedies in a 16 GiB room, training setups (~3.5 min)
 # Everything it prints also goes to $OUT (when set) as one file per part.
 set -u
 OUT=${OUT:-/tmp/nbmem-gpu}
@@ -19,5 +20,11 @@ case "${1:-tests}" in
   fit)
     python3 benchmarks/bench_fit.py --out "$OUT/fit" 2>&1 | tee "$OUT/bench_fit.txt" | tail -40
     ;;
-  *) echo "usage: bash scripts/gpu_check.sh tests|fit"; exit 2 ;;
+  fit27)
+    python3 benchmarks/bench_fit.py --only remedies --room-gib 16 --budget-s 400 --out "$OUT/rem" 2>&1 \
+      | tee "$OUT/bench_fit_remedies.txt" | tail -18
+    python3 benchmarks/bench_fit.py --only training --states fresh --no-batch-probe --no-kitsune --no-seq --half '' \
+      --extra '' --budget-s 200 --out "$OUT/train" 2>&1 | tee "$OUT/bench_fit_training.txt" | tail -10
+    ;;
+  *) echo "usage: bash scripts/gpu_check.sh tests|fit|fit27"; exit 2 ;;
 esac
