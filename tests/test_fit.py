@@ -310,7 +310,7 @@ def test_a_slope_that_jumped_between_the_smallest_values_is_not_the_growth_near_
     plateau = fit_size([(8, 8 * MiB), (16, 16 * MiB), (32, 32 * MiB), (300, 512 * MiB), (400, 512 * MiB),
                         (500, 512 * MiB)])
     assert plateau.kind == "steepest" and plateau.at(1000) > 512 * MiB
-    assert fit_size(pts[:3] + [(300, 300 * 2 * MiB), (400, 400 * 2 * MiB), (500, 500 * 2 * MiB)]).kind == "steepest"
+    assert fit_size([*pts[:3], (300, 300 * 2 * MiB), (400, 400 * 2 * MiB), (500, 500 * 2 * MiB)]).kind == "steepest"
 
 
 # -- predictions -----------------------------------------------------------------------------------------------------
