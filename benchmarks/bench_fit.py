@@ -773,6 +773,8 @@ def measure(torch: Any, fitting: Any, fam: Family, state: str, row: Row, competi
     t = time.perf_counter()
     row.real, row.real_hi = boundary(three_in_a_row, row.nbmem or row.line or fam.values[-1])
     row.t_real = time.perf_counter() - t
+    # The last try's workspaces go too: left, one pinned a 6.2 GiB segment of ckpt's for every later row.
+    fitting.give_back_workspaces(source, torch.cuda.current_device(), before)
 
     if "batch-probe" in competitors and not isinstance(competitors["batch-probe"], str):
         t = time.perf_counter()
@@ -984,6 +986,7 @@ def measure_remedies(torch: Any, fitting: Any, fam: Family, rows: list[RemedyRow
 
         t = time.perf_counter()
         row.real, row.real_hi = boundary(three_in_a_row, row.predicted or fam.values[-1])
+        fitting.give_back_workspaces(TorchSource(), torch.cuda.current_device(), before)  # as after the training rows
         if saved is not None and label in by_name:
             runs, room, segments = by_name[label]
             saved.append({"family": f"{fam.name}/{label}", "state": "fresh", "values": list(fam.values),

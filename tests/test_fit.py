@@ -259,6 +259,24 @@ def test_out_of_memory_gives_cached_segments_back_and_retries_but_split_ones_sta
         assert (b.malloc(85 * MiB) is not None) == fits
 
 
+
+@pytest.mark.parametrize("descending", [False, True])
+def test_a_tie_between_free_blocks_of_one_size_goes_to_the_lower_address(descending: bool) -> None:
+    u = 100 * MiB
+    a = CachingAllocatorModel(GiB, descending=descending)
+    x = a.malloc(2 * u)  # segment S1
+    y = a.malloc(u)  # segment S2
+    a.malloc(u)  # segment S3
+    assert x is not None and y is not None
+    a.free(x)
+    first_half = a.malloc(u)  # S1 split: its second half is a free block of u
+    a.free(y)  # S2 whole and free: a block of u too
+    tie = a.malloc(u)
+    # New segments above the others: S1's half (lower) is taken and S2 can be given back; below: S2 is taken.
+    assert (tie == y) == descending and first_half == x
+    a.release_cached()
+    assert a.reserved_bytes == (4 if descending else 3) * u
+
 def test_the_snapshot_state_is_where_the_model_starts() -> None:
     seg = SegmentState(1 << 40, 20 * MiB, 0, False, ((1 << 40, 6 * MiB, True), ((1 << 40) + 6 * MiB, 14 * MiB, False)))
     a = CachingAllocatorModel(GiB, [seg])

@@ -87,20 +87,29 @@ class CachingAllocatorModel:
     a freed block merges with free neighbours in its segment. When no free block fits, a new segment must fit
     under ``capacity_bytes``; if it does not, every whole cached segment is given back and it is tried once
     more (``release_cached_blocks``), and only then is it out of memory.
+
+    Ties between free blocks of one size go to the lowest address, and real addresses are cudaMalloc's: the
+    model places new segments above all others, or with ``descending`` below them, the two ends of what the
+    driver may do.
     """
 
-    def __init__(self, capacity_bytes: float, segments: Sequence[SegmentState] = ()) -> None:
+    def __init__(self, capacity_bytes: float, segments: Sequence[SegmentState] = (), *,
+                 descending: bool = False) -> None:
         self.capacity_bytes = capacity_bytes
+        self.descending = descending
         self.reserved_bytes = 0
         self.allocated_bytes = 0
         self.peak_reserved_bytes = 0
         self.peak_allocated_bytes = 0
         self.segment_allocs = 0
         self.releases = 0
+        # Large requests with more than one free block of the best size: the only choices addresses decide that
+        # matter (in the small pool they decide which 2 MiB segments stay, well inside the margin).
+        self.ties = 0
         self._pools: dict[tuple[bool, int], list[tuple[int, int]]] = {}
         self._free: dict[int, _Block] = {}
         self._live: dict[int, _Block] = {}
-        self._next_addr = 1 << 60  # above any real device address, so snapshot blocks keep theirs
+        self._next_addr = (1 << 62) if descending else (1 << 60)  # above any real device address
         for seg in segments:
             self._adopt(seg)
         self.peak_reserved_bytes = self.reserved_bytes
@@ -133,6 +142,8 @@ class CachingAllocatorModel:
         pool = self._pools.setdefault(key, [])
         i = bisect_left(pool, (need, -1))
         if i < len(pool):
+            if not small and i + 1 < len(pool) and pool[i + 1][0] == pool[i][0]:
+                self.ties += 1
             _, addr = pool.pop(i)
             b = self._free.pop(addr)
         else:
@@ -141,8 +152,11 @@ class CachingAllocatorModel:
                 self.release_cached()
                 if self.reserved_bytes + seg > self.capacity_bytes:
                     return None
+            if self.descending:
+                self._next_addr -= seg + LARGE_ROUND_BYTES
             b = _Block(self._next_addr, seg, key)
-            self._next_addr += seg + LARGE_ROUND_BYTES
+            if not self.descending:
+                self._next_addr += seg + LARGE_ROUND_BYTES
             self.reserved_bytes += seg
             self.segment_allocs += 1
             if self.reserved_bytes > self.peak_reserved_bytes:

@@ -280,6 +280,7 @@ class Sim:
     peak_at: tuple[int, int]  # (phase, op) of the peak of allocated bytes
     failed_at: tuple[int, int] | None = None
     live: dict[Any, int] | None = None
+    ties: int = 0  # requests that had free blocks of one size to choose from: only these depend on addresses
 
 
 class Timeline:
@@ -300,12 +301,12 @@ class Timeline:
         self.one_time_sites: list[Site] = [None] * len(one_time)
 
     def simulate(self, value: int, capacity_bytes: float, *, phases: int = 3,
-                 stop_at: tuple[int, int] | None = None) -> Sim:
+                 stop_at: tuple[int, int] | None = None, descending: bool = False) -> Sim:
         """Run the program at ``value`` through the allocator model; stops at the first failed request."""
         n = len(self.sizes)
         sizes = [m.at(value) for m in self.sizes]
         first = [max(s, self.first_sizes.get(j, 0)) for j, s in enumerate(sizes)]
-        alloc = CachingAllocatorModel(capacity_bytes, self.segments)
+        alloc = CachingAllocatorModel(capacity_bytes, self.segments, descending=descending)
         live: dict[Any, int] = {("i", a): a for a in self.init_bytes}
         peak, peak_at = alloc.allocated_bytes, (0, -1)
         for phase in range(phases):
@@ -313,7 +314,7 @@ class Timeline:
             base, prev = phase * n, (phase - 1) * n
             for k, op in enumerate(ops):
                 if stop_at is not None and (phase, k) == stop_at:
-                    return Sim(True, peak, alloc.peak_reserved_bytes, peak_at, None, dict(live))
+                    return Sim(True, peak, alloc.peak_reserved_bytes, peak_at, None, dict(live), alloc.ties)
                 code = op[0]
                 if code == _A_T or code == _A_O:
                     if code == _A_T:
@@ -323,7 +324,7 @@ class Timeline:
                         key, size = -1 - op[1], self.one_time[op[1]]
                     addr = alloc.malloc(size, op[2])
                     if addr is None:
-                        return Sim(False, peak, alloc.peak_reserved_bytes, peak_at, (phase, k))
+                        return Sim(False, peak, alloc.peak_reserved_bytes, peak_at, (phase, k), ties=alloc.ties)
                     live[key] = addr
                     if alloc.allocated_bytes > peak:
                         peak, peak_at = alloc.allocated_bytes, (phase, k)
@@ -343,7 +344,7 @@ class Timeline:
                     got = live.pop(("i", op[1]), None)
                 if got is not None:
                     alloc.free(got)
-        return Sim(True, peak, alloc.peak_reserved_bytes, peak_at, None, dict(live) if stop_at else None)
+        return Sim(True, peak, alloc.peak_reserved_bytes, peak_at, None, dict(live) if stop_at else None, alloc.ties)
 
     def site_at(self, phase: int, op: int) -> Site:
         ops = self.first_ops if phase == 0 else self.steady_ops

@@ -402,10 +402,24 @@ def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segmen
         all_notes.append("two values show linear growth only: a third value would show growth that speeds up "
                          "(such as attention scores in the sequence length)")
 
-    def fits(v: int) -> bool:
-        return tl.simulate(v, capacity).ok
+    ups: dict[int, Sim] = {}
 
-    largest = largest_fitting(fits, values[-1], cap)
+    def fits_up(v: int) -> bool:
+        if v not in ups:
+            ups[v] = tl.simulate(v, capacity)
+        return ups[v].ok
+
+    def fits(v: int) -> bool:
+        # Among free blocks of one size the allocator takes the lowest address, and where cudaMalloc puts a new
+        # segment is the driver's choice: a value fits only if it fits with new segments above all others and
+        # with them below (where blocks are a sixth of the GPU, that choice alone decided a real OOM). Without
+        # a tie on the way up, the other order makes the same choices.
+        return fits_up(v) and (not ups[v].ties or tl.simulate(v, capacity, descending=True).ok)
+
+    # The search runs with one order and checks the answer, and below it, with both: a quarter of the time.
+    largest = largest_fitting(fits_up, values[-1], cap)
+    if largest is not None and largest < SEARCH_CAP:
+        largest = largest_fitting(fits, largest, largest)
     timeline = replace(base, method="timeline")
     if largest is not None and largest >= SEARCH_CAP:
         return replace(timeline, notes=tuple(all_notes),
@@ -419,6 +433,8 @@ def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segmen
     if largest_only:
         return replace(timeline, largest_value=largest, notes=tuple(all_notes))
     at = tl.simulate(largest, capacity)
+    if at.ties:  # the report's reserved peak is the larger of the two orders'
+        at = max(at, tl.simulate(largest, capacity, descending=True), key=lambda s: s.peak_reserved_bytes)
     small = tl.simulate(values[0], math.inf)
     live = tl.simulate(largest, math.inf, stop_at=_after(at.peak_at, tl)).live or {}
     fixed, per, sq, by_line = tl.decompose(live)
