@@ -324,11 +324,14 @@ def test_a_slope_that_jumped_between_the_smallest_values_is_not_the_growth_near_
     assert fit_size(pts[:3]).kind == "steepest"
     jump = fit_size([(8, 8 * MiB), (16, 16 * MiB), (100, 200 * MiB), (200, 500 * MiB), (400, 1000 * MiB)])
     assert jump.kind == "steepest" and jump.per_unit_bytes == 3 * MiB
-    # A plateau (sizes in buckets) is no steady growth, and a steady stretch under 2× is too short to tell.
+    # A plateau (sizes in buckets) is no steady growth, and a steady stretch under 1.5× is too short to tell.
     plateau = fit_size([(8, 8 * MiB), (16, 16 * MiB), (32, 32 * MiB), (300, 512 * MiB), (400, 512 * MiB),
                         (500, 512 * MiB)])
     assert plateau.kind == "steepest" and plateau.at(1000) > 512 * MiB
-    assert fit_size([*pts[:3], (300, 300 * 2 * MiB), (400, 400 * 2 * MiB), (500, 500 * 2 * MiB)]).kind == "steepest"
+    assert fit_size([*pts[:3], (350, 350 * 2 * MiB), (420, 420 * 2 * MiB), (500, 500 * 2 * MiB)]).kind == "steepest"
+    # The runner's runs near the answer, each 1.25× the last or more, span enough (H100: 286, 447, 571).
+    runner_made = [*pts[:3], (286, 286 * 2_097_664), (447, 447 * 2_097_459), (571, 571 * 2_097_357)]
+    assert fit_size(runner_made).kind == "steepest near"
 
 
 # -- predictions -----------------------------------------------------------------------------------------------------

@@ -1,8 +1,9 @@
 """The fit's analysis over allocator traces recorded on an H100 (benchmarks/bench_fit.py), against the real
 out-of-memory boundary measured there: 13 rows of 2026-11-24 (five model families, the notebook fresh, after a
 step, and holding half the GPU, and the sequence length), 12 of 2026-11-25 (four families plainly and under
-each remedy the fit measured, in a 16 GiB room), and issue 27's five training setups (checkpointing both ways, a
-scaler with accumulation, a scheduler, LoRA in bf16). The analysis is pure, so these run anywhere."""
+each remedy the fit measured, in a 16 GiB room; and the CNN's three again from a run whose runs near the answer
+spanned 1.997×), and issue 27's five training setups (checkpointing both ways, a scaler with accumulation, a
+scheduler, LoRA in bf16). The analysis is pure, so these run anywhere."""
 
 from __future__ import annotations
 
@@ -18,7 +19,8 @@ from nbmem.fitting.prediction import analyse
 
 DATA = Path(__file__).parent / "data"
 ROWS = json.load(gzip.open(DATA / "fit_traces_h100.json.gz", "rt"))
-REMEDY_ROWS = json.load(gzip.open(DATA / "fit_remedy_traces_h100.json.gz", "rt"))
+REMEDY_ROWS = [*json.load(gzip.open(DATA / "fit_remedy_traces_h100.json.gz", "rt")),
+               *json.load(gzip.open(DATA / "fit_remedy_resnet_h100_b.json.gz", "rt"))]
 #: ckpt's blocks are 12.3 GiB: whether one more segment fits decided its real OOM at 25,280, and the model
 #: answered 25,280 until it checked new segments placed both below and above the others (cudaMalloc's choice).
 TRAINING_ROWS = json.load(gzip.open(DATA / "fit_training_traces_h100.json.gz", "rt"))
