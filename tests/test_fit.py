@@ -273,7 +273,7 @@ def test_a_tie_between_free_blocks_of_one_size_goes_to_the_lower_address(descend
     a.free(y)  # S2 whole and free: a block of u too
     tie = a.malloc(u)
     # New segments above the others: S1's half (lower) is taken and S2 can be given back; below: S2 is taken.
-    assert (tie == y) == descending and first_half == x
+    assert (tie == y) == descending and first_half == x and a.ties == 1
     a.release_cached()
     assert a.reserved_bytes == (4 if descending else 3) * u
 
@@ -282,6 +282,8 @@ def test_the_snapshot_state_is_where_the_model_starts() -> None:
     a = CachingAllocatorModel(GiB, [seg])
     assert (a.reserved_bytes, a.allocated_bytes) == (20 * MiB, 6 * MiB)
     assert a.malloc(8 * MiB) == (1 << 40) + 6 * MiB  # inside the snapshot's free block
+    below = CachingAllocatorModel(GiB, [seg], descending=True).malloc(30 * MiB)
+    assert below is not None and below < 1 << 40  # a new segment below the snapshot's, as well as above
     parsed = allocmodel.segments_from_snapshot([{"device": 0, "address": 5, "total_size": 2 * MiB, "stream": 0,
                                         "segment_type": "small", "blocks": [
                                             {"address": 5, "size": 512, "state": "active_allocated"},

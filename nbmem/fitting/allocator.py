@@ -89,8 +89,8 @@ class CachingAllocatorModel:
     more (``release_cached_blocks``), and only then is it out of memory.
 
     Ties between free blocks of one size go to the lowest address, and real addresses are cudaMalloc's: the
-    model places new segments above all others, or with ``descending`` below them, the two ends of what the
-    driver may do.
+    model places new segments above all others (the snapshot's too), or with ``descending`` below them, the two
+    ends of what the driver may do.
     """
 
     def __init__(self, capacity_bytes: float, segments: Sequence[SegmentState] = (), *,
@@ -103,8 +103,9 @@ class CachingAllocatorModel:
         self.peak_allocated_bytes = 0
         self.segment_allocs = 0
         self.releases = 0
-        # Large requests with more than one free block of the best size: the only choices addresses decide that
-        # matter (in the small pool they decide which 2 MiB segments stay, well inside the margin).
+        # Large requests with more than one free block of the best size. Without one, the large pool's choices
+        # are the same in either order; the small pool's ties are not counted (they decide which 2 MiB segments
+        # stay, and through the reserved total, rarely, when the cache is released: well inside the margin).
         self.ties = 0
         self._pools: dict[tuple[bool, int], list[tuple[int, int]]] = {}
         self._free: dict[int, _Block] = {}
@@ -112,6 +113,8 @@ class CachingAllocatorModel:
         self._next_addr = (1 << 62) if descending else (1 << 60)  # above any real device address
         for seg in segments:
             self._adopt(seg)
+        if descending and segments:
+            self._next_addr = min(seg.address for seg in segments)  # real addresses: ~2^47, room below
         self.peak_reserved_bytes = self.reserved_bytes
         self.peak_allocated_bytes = self.allocated_bytes
 

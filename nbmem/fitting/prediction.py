@@ -413,7 +413,7 @@ def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segmen
         # Among free blocks of one size the allocator takes the lowest address, and where cudaMalloc puts a new
         # segment is the driver's choice: a value fits only if it fits with new segments above all others and
         # with them below (where blocks are a sixth of the GPU, that choice alone decided a real OOM). Without
-        # a tie on the way up, the other order makes the same choices.
+        # a tie in the large pool on the way up, the other order makes the same choices there.
         return fits_up(v) and (not ups[v].ties or tl.simulate(v, capacity, descending=True).ok)
 
     # The search runs with one order and checks the answer, and below it, with both: a quarter of the time.
@@ -432,7 +432,7 @@ def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segmen
         all_notes.append(f"{name}={max_value:,}, the largest value asked about, fits: larger ones were not searched")
     if largest_only:
         return replace(timeline, largest_value=largest, notes=tuple(all_notes))
-    at = tl.simulate(largest, capacity)
+    at = ups.get(largest) or tl.simulate(largest, capacity)
     if at.ties:  # the report's reserved peak is the larger of the two orders'
         at = max(at, tl.simulate(largest, capacity, descending=True), key=lambda s: s.peak_reserved_bytes)
     small = tl.simulate(values[0], math.inf)
