@@ -280,7 +280,7 @@ class Sim:
     peak_at: tuple[int, int]  # (phase, op) of the peak of allocated bytes
     failed_at: tuple[int, int] | None = None
     live: dict[Any, int] | None = None
-    ties: int = 0  # requests that had free blocks of one size to choose from: only these depend on addresses
+    ties: int = 0  # large requests that had free blocks of one size to choose from: addresses decide only these
 
 
 class Timeline:
