@@ -518,7 +518,9 @@ class NbmemMagics(Magics):
             return
         try:
             self.gauge = show_gauge(self.session, where, previous=self.gauge, shell=self.shell, explicit=explicit)
-            self.gauge.between_cells = self.between
+            # Outside a kernel (terminal IPython, an embedded shell) there is no gauge to wire up.
+            if self.gauge is not None:
+                self.gauge.between_cells = self.between
         except Exception as e:
             if explicit:
                 raise UsageError(f"%cudamem gauge: the gauge cannot be shown here ({e}).") from None
