@@ -444,7 +444,7 @@ def main() -> int:
 
     from nbmem.fitting import runner as fitting
     from nbmem.formatting import fmt_bytes
-    from nbmem.plotting import plot_fit
+    from nbmem.ui.plotting import plot_fit
 
     if not torch.cuda.is_available():
         try:
@@ -649,7 +649,7 @@ def load_competitors() -> dict[str, Any]:
 
 def _slim(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Trace entries without their stacks (the innermost user frame is kept), for the saved traces."""
-    from nbmem.linetrace import deepest_user_frame
+    from nbmem.trace.linetrace import deepest_user_frame
 
     out = []
     for e in entries:
@@ -667,7 +667,7 @@ def measure(torch: Any, fitting: Any, fam: Family, state: str, row: Row, competi
     """One row: the state, nbmem's fit, the straight line, the real boundary, and the comparisons."""
     from nbmem.fitting import prediction as fitmod
     from nbmem.fitting.state import restore_state, snapshot_state
-    from nbmem.sources import TorchSource
+    from nbmem.measure.sources import TorchSource
 
     model = fam.make("cuda")
     opt = fam.optimizer(model)
@@ -886,7 +886,7 @@ def measure_remedies(torch: Any, fitting: Any, fam: Family, rows: list[RemedyRow
     from nbmem.fitting import remedies
     from nbmem.fitting.model import margin_bytes_for
     from nbmem.fitting.state import restore_state, snapshot_state
-    from nbmem.sources import TorchSource
+    from nbmem.measure.sources import TorchSource
 
     hold: list[Any] = []
     margin = None

@@ -19,9 +19,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harness import line, print_summary  # benchmarks/ is on sys.path when run as a script
 
-from nbmem.flight import WINDOW_S, WRITE_EVERY_S, FlightRecorder
+from nbmem.measure.sources import Probe
+from nbmem.recorder.flight import WINDOW_S, WRITE_EVERY_S, FlightRecorder
 from nbmem.records import Sample, Tick
-from nbmem.sources import Probe
 
 INTERVAL_S = 0.5
 GiB = 2**30

@@ -20,7 +20,7 @@ from collections import defaultdict
 from bench_overhead import MODELS, TRAIN_SETUP, TRAIN_STEP
 from harness import Quiet, cell, line, new_shell, print_summary
 
-import nbmem.sources
+import nbmem.measure.sources
 
 MODES = {
     "plain": ["%cudamem off"],
@@ -45,7 +45,7 @@ def main() -> int:
     step = TRAIN_STEP.format(steps=400)
     cell(sh, step)  # warm-up
     cell(sh, "%load_ext nbmem")
-    clock = nbmem.sources.LineClock
+    clock = nbmem.measure.sources.LineClock
     by_time = clock.__dict__["unsupported"]
     print(f"lines by time on this Python: {clock.unsupported() or 'yes'}")
     times: dict[str, list[float]] = defaultdict(list)

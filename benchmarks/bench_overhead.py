@@ -38,7 +38,7 @@ def nbmem_on(sh: InteractiveShell, gauge: bool, lines: bool = False, trace: bool
         cell(sh, "%config Nbmem.trace = True")
     cell(sh, "%cudamem on" + (" --lines" if lines else ""))
     if gauge:  # no front end here: make the gauge directly; it publishes to a comm all the same
-        cell(sh, "from nbmem.magics import _ACTIVE as _A\nfrom nbmem.widget import Gauge as _G\n"
+        cell(sh, "from nbmem.ipython.magics import _ACTIVE as _A\nfrom nbmem.ui.widget import Gauge as _G\n"
                  "_gauge = _G(_A[get_ipython()].session, shell=get_ipython())")
 
 
@@ -185,7 +185,7 @@ def bench_trace_memory(dev: str) -> None:
         return
     import torch
 
-    from nbmem.sources import HostSource, TorchSource
+    from nbmem.measure.sources import HostSource, TorchSource
 
     torch.cuda.init()
     src, host = TorchSource(), HostSource()
@@ -209,7 +209,7 @@ def bench_trace_memory(dev: str) -> None:
 
 
 def bench_footprint(quick: bool) -> None:
-    from nbmem.magics import _ACTIVE
+    from nbmem.ipython.magics import _ACTIVE
     from nbmem.records import Sample
 
     sh = new_shell()
@@ -256,7 +256,7 @@ def deep_size(roots: list) -> int:
 
 def bench_widget(quick: bool) -> None:
     try:
-        from nbmem import widget  # noqa: F401
+        pass
     except Exception as e:
         line("widget traffic", f"skipped ({e})")
         return
@@ -312,7 +312,6 @@ def main() -> int:
     try:
         import anywidget  # noqa: F401
 
-        from nbmem import widget  # noqa: F401
         have_gauge = True
     except Exception:
         have_gauge = False

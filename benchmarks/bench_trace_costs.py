@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from nbmem.sources import Probe
+from nbmem.measure.sources import Probe
 
 STEPS = 200
 

@@ -49,9 +49,9 @@ def main() -> int:
     cfg.Nbmem.gauge = "none"
     sh = InteractiveShell.instance(config=cfg)
     sh.run_line_magic("load_ext", "nbmem")
-    from nbmem.magics import _ACTIVE
+    from nbmem.ipython.magics import _ACTIVE
     from nbmem.records import Sample, Tick
-    from nbmem.widget import Gauge
+    from nbmem.ui.widget import Gauge
 
     session = _ACTIVE[sh].session
     gauge = Gauge(session)

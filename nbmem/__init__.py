@@ -28,26 +28,26 @@ __all__ = [
 
 
 def load_ipython_extension(shell: Any) -> None:
-    from .magics import load_ipython_extension as load
+    from nbmem.ipython.magics import load_ipython_extension as load
 
     load(shell)
 
 
 def unload_ipython_extension(shell: Any) -> None:
-    from .magics import unload_ipython_extension as unload
+    from nbmem.ipython.magics import unload_ipython_extension as unload
 
     unload(shell)
 
 
 def _jupyter_server_extension_points() -> list[dict[str, Any]]:
     """Where jupyter_server finds nbmem's server extension (only the server imports it)."""
-    from .server import _jupyter_server_extension_points as points
+    from nbmem.server import _jupyter_server_extension_points as points
 
     return points()
 
 
 def _session() -> Any:
-    from .magics import session_of
+    from nbmem.ipython.magics import session_of
 
     return session_of()
 
@@ -103,7 +103,7 @@ def cleanup(names: Any = (), outputs: bool = False, traceback: bool = False, col
     every problem, and nothing is removed. Returns a report with ``freed_allocated_bytes``,
     ``freed_reserved_bytes`` and one line per step.
     """
-    from .cleanup_request import CleanupRequest
+    from nbmem.cleanup.request import CleanupRequest
 
     return _session().cleanup(CleanupRequest.of(names, to_cpu, outputs, traceback, collect, empty_cache, compiled))
 
@@ -131,7 +131,7 @@ def fit(body: Any, name: str, values: Any, *, restore: bool = True, warmup: bool
     ``.to_frame()`` and ``.row()`` for code. ``largest_value`` is None with ``reason`` when there is no
     prediction. A machine without CUDA raises ``RuntimeError`` saying so, and nothing runs.
     """
-    from .fitting.state import FitRefused
+    from nbmem.fitting.state import FitRefused
 
     if not isinstance(name, str) or not name.isidentifier():
         raise TypeError(f"nbmem.fit(name=...) takes a variable name, got {name!r:.40}")
@@ -155,7 +155,7 @@ def fit(body: Any, name: str, values: Any, *, restore: bool = True, warmup: bool
 
 def plot_fit(result: Any = None, ax: Any = None) -> Any:
     """The last fit (or ``result``) drawn: each run's peak, the model over the value, the memory it fits in."""
-    from .plotting import plot_fit as _plot
+    from nbmem.ui.plotting import plot_fit as _plot
 
     result = result if result is not None else _session().last_fit
     if result is None:
@@ -180,7 +180,7 @@ def status() -> Any:
 
 def last_death() -> Any:
     """How this notebook's previous kernel died (told by ``%load_ext nbmem``), or None when it ended cleanly."""
-    from .magics import _magics
+    from nbmem.ipython.magics import _magics
 
     flight = _magics().flight
     return None if flight is None else flight.last_death
@@ -189,9 +189,9 @@ def last_death() -> Any:
 def plot(death: Any = None, **kwargs: Any) -> Any:
     """A matplotlib Figure of memory over time per device, monitored cells shaded with their peaks;
     ``nbmem.plot(nbmem.last_death())`` draws the previous kernel's last samples instead."""
-    from .deaths import Death
-    from .plotting import plot as _plot
-    from .plotting import plot_death
+    from nbmem.recorder.deaths import Death
+    from nbmem.ui.plotting import plot as _plot
+    from nbmem.ui.plotting import plot_death
 
     if death is not None:
         if not isinstance(death, Death):
@@ -202,7 +202,7 @@ def plot(death: Any = None, **kwargs: Any) -> Any:
 
 def __getattr__(name: str) -> Any:
     if name == "Gauge":
-        from .widget import Gauge
+        from nbmem.ui.widget import Gauge
 
         return Gauge
     raise AttributeError(f"module 'nbmem' has no attribute {name!r}")

@@ -12,12 +12,9 @@ import re
 from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from enum import StrEnum
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from .formatting import fmt_bytes
-
-if TYPE_CHECKING:
-    from .limits import MemoryLimit
+from nbmem.formatting import fmt_bytes
 
 
 class HolderKind(StrEnum):
@@ -111,6 +108,49 @@ class GpuDevice:
     nvml_index: int
     uuid: str
     model: str
+
+
+#: The share of the limit at which the gauge warns and a cell's report says what grew.
+WARN_SHARE = 0.9
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryLimit:
+    """The memory limit read for this process; ``limit_bytes`` None and no reason: no limit is set."""
+
+    limit_bytes: int | None
+    usage_bytes: int | None  # what the cgroup charges against it, less file cache it can drop
+    oom_kills: int | None  # the cgroup's OOM-kill count (v2 memory.events, v1 memory.oom_control)
+    source: str  # where the limit comes from, as a person reads it ("cgroup v2 memory.max", "MEM_LIMIT")
+    cgroup_dir: str = ""  # the cgroup directory whose limit binds, where one does
+    reason: str = ""  # why the limit is unknown
+    host_total_bytes: int | None = None
+
+    @property
+    def applies(self) -> bool:
+        """A limit below the host's RAM: the one the kernel dies at."""
+        lim, host = self.limit_bytes, self.host_total_bytes
+        return lim is not None and (host is None or lim < host)
+
+    @property
+    def share(self) -> float | None:
+        """Usage over the limit, where both are known and the limit applies."""
+        if not self.applies or self.usage_bytes is None or not self.limit_bytes:
+            return None
+        return self.usage_bytes / self.limit_bytes
+
+    def text(self) -> str:
+        """One line for ``%cudamem status``."""
+        if self.reason:
+            return f"memory limit unknown: {self.reason}"
+        if self.limit_bytes is None:
+            return "memory limit: none set (the host's RAM applies)"
+        if not self.applies:
+            return (f"memory limit: {fmt_bytes(self.limit_bytes)} ({self.source}), not below the host's RAM "
+                    f"({fmt_bytes(self.host_total_bytes)})")
+        used = f"; {fmt_bytes(self.usage_bytes)} of it in use" if self.usage_bytes is not None else ""
+        kills = f"; OOM kills so far: {self.oom_kills}" if self.oom_kills is not None else ""
+        return f"memory limit: {fmt_bytes(self.limit_bytes)} container limit ({self.source}){used}{kills}"
 
 
 @dataclass(frozen=True, slots=True)

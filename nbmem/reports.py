@@ -12,8 +12,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .formatting import Column, esc, fmt_bytes, fmt_seconds, html_table, is_na, prose, text_table
-from .records import (
+from nbmem.formatting import Column, esc, fmt_bytes, fmt_seconds, html_table, is_na, prose, text_table
+from nbmem.records import (
+    WARN_SHARE,
     CellRecord,
     ChildProcess,
     ChildrenUse,
@@ -22,7 +23,9 @@ from .records import (
     Fault,
     Finding,
     LineRecord,
+    MemoryLimit,
     PoolUse,
+    Sample,
     cleanup_text,
     known_sum,
     merge_cleanups,
@@ -424,7 +427,7 @@ class Status(Shown):
     scan: tuple[str, ...] = field(default=())  # how the last holder scans went (skipped objects, unfinished roots)
     children: tuple[str, ...] = ()  # this notebook's child processes on each GPU, a line each
     pools: tuple[str, ...] = ()  # CUDA-graph pools per device, a line each
-    memory: str = ""  # the memory limit that applies (limits.MemoryLimit.text), or why it is unknown
+    memory: str = ""  # the memory limit that applies (records.MemoryLimit.text), or why it is unknown
 
     def __str__(self) -> str:
         lines = [f"nbmem: sampling every {self.interval_s:g} s ({'running' if self.sampler_running else 'stopped'}); "
@@ -438,3 +441,27 @@ class Status(Shown):
         lines += [f"fault in {f.where} (x{f.count}): {f.error}" for f in self.faults]
         lines.append(f"unattributed memory in reports: {UNATTRIBUTED}")
         return "\n".join(lines)
+
+
+def memory_name(lim: MemoryLimit | None) -> str:
+    """What the CPU row's total is, in the gauge's words: the host's RAM or the container's limit."""
+    return "container memory limit" if lim is not None and lim.applies else "host RAM"
+
+
+def near_limit(lim: MemoryLimit | None, rss_bytes: int | None = None) -> bool | None:
+    """Whether memory is at or above ``WARN_SHARE`` of a limit that applies (None: no limit to be near)."""
+    if lim is None or not lim.applies or not lim.limit_bytes:
+        return None
+    used = lim.usage_bytes if lim.usage_bytes is not None else rss_bytes
+    return None if used is None else used >= WARN_SHARE * lim.limit_bytes
+
+
+def limit_line(tick: Sequence[Sample]) -> str:
+    """``%cudamem status``'s memory line from the latest sample: "RSS 3.1 GiB of a 4.00 GiB container limit"."""
+    cpu = next((s for s in tick if s.device == "cpu"), None)
+    if cpu is None or cpu.memory_limit is None:
+        return ""
+    lim = cpu.memory_limit
+    if not lim.applies:
+        return lim.text()
+    return f"RSS {fmt_bytes(cpu.rss_bytes)} of a {lim.text()[len('memory limit: '):]}"

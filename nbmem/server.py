@@ -39,12 +39,12 @@ from tornado.ioloop import PeriodicCallback
 from traitlets import Unicode
 from traitlets.utils.importstring import import_item
 
-from .deaths import REASONS, cause_of
-from .flight import flight_dir, read_capsule, write_private
-from .limits import oom_kills_of
-from .processes import known_total, lineage_of
-from .records import GpuDevice, GpuProcess
-from .sources import NvmlSource
+from nbmem.measure.limits import oom_kills_of
+from nbmem.measure.processes import known_total, lineage_of
+from nbmem.measure.sources import NvmlSource
+from nbmem.recorder.deaths import REASONS, cause_of
+from nbmem.recorder.flight import flight_dir, read_capsule, write_private
+from nbmem.records import GpuDevice, GpuProcess
 
 #: How long one reading serves every request and scrape: NVML's process list takes the driver's lock
 #: and costs milliseconds, so it is asked at most once per this many seconds.

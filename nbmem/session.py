@@ -19,21 +19,22 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from .advice import RESTART_ADVICE
-from .cellwatch import CellWatch
-from .cleaner import Cleaner
-from .cleanup_request import CleanupRequest
-from .deaths import with_pressure
-from .fitting.prediction import FitResult
-from .fitting.runner import fit_in_notebook
-from .formatting import spans
-from .holdings import REFRESH_BUDGET_S, Holdings
-from .limits import limit_line
-from .options import Settings
-from .owners import Rows
-from .pools import pool_lines
-from .processes import child_lines
-from .records import (
+from nbmem.cells.advice import RESTART_ADVICE
+from nbmem.cells.watch import CellWatch
+from nbmem.cleanup.cleaner import Cleaner
+from nbmem.cleanup.request import CleanupRequest
+from nbmem.fitting.prediction import FitResult
+from nbmem.fitting.runner import fit_in_notebook
+from nbmem.formatting import spans
+from nbmem.holders.holdings import REFRESH_BUDGET_S, Holdings
+from nbmem.holders.owners import Rows
+from nbmem.holders.pools import pool_lines
+from nbmem.holders.scanner import Scan
+from nbmem.measure.processes import child_lines
+from nbmem.measure.sources import Probe
+from nbmem.options import Settings
+from nbmem.recorder.deaths import with_pressure
+from nbmem.records import (
     CELL_COLUMNS,
     FINDING_COLUMNS,
     LINE_COLUMNS,
@@ -45,11 +46,9 @@ from .records import (
     Sample,
     Tick,
 )
-from .reports import CellReport, CleanupReport, Leaks, Lines, Status
-from .sampler import Sampler
-from .scanner import Scan
-from .sources import Probe
-from .store import Store, records_frame, ticks_for
+from nbmem.reports import CellReport, CleanupReport, Leaks, Lines, Status, limit_line
+from nbmem.sampler import Sampler
+from nbmem.store import Store, records_frame, ticks_for
 
 Listener = Callable[[Any], None]
 

@@ -9,7 +9,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import fields
 from typing import Any
 
-from .records import SAMPLE_COLUMNS, CellRecord, Sample
+from nbmem.records import SAMPLE_COLUMNS, CellRecord, Sample
 
 #: Columns that hold bytes or counts: nullable integers in every frame (NA where unknown).
 _INT_SUFFIXES = ("_bytes", "tensors", "events", "cell", "line")

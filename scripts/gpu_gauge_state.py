@@ -65,8 +65,8 @@ def main(out: str) -> None:
 
     cell("%load_ext nbmem")
     cell("%cudamem on")
-    from nbmem.magics import _ACTIVE
-    from nbmem.widget import Gauge
+    from nbmem.ipython.magics import _ACTIVE
+    from nbmem.ui.widget import Gauge
 
     gauge = Gauge(_ACTIVE[sh].session, shell=sh)
     cell("import torch\nmodel = torch.nn.Sequential(*[torch.nn.Linear(8192, 8192) for _ in range(4)]).cuda()\n"

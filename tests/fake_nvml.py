@@ -1,4 +1,4 @@
-"""A fake NVML binding (the part of pynvml that ``nbmem.sources.NvmlSource`` calls), for the server tests.
+"""A fake NVML binding (the part of pynvml that ``nbmem.measure.sources.NvmlSource`` calls), for the server tests.
 
 The server is told to use it with ``c.NbmemServer.nvml_module = "tests.fake_nvml"``; only the binding is
 fake, NvmlSource and the server's mapping run for real. What it reports is read, on every call, from

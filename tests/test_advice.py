@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nbmem import advice
+from nbmem.cells import advice
 from nbmem.formatting import fmt_times
 from nbmem.records import Boundary, CellRecord, GpuReading
 

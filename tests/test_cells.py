@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from nbmem.cells import cell_peak, cell_records
+from nbmem.cells.peaks import cell_peak, cell_records
 from nbmem.records import AllocatorReading, Boundary
 
 MiB = 2**20

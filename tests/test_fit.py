@@ -563,7 +563,7 @@ def test_the_result_reads_as_text_html_a_row_and_a_frame() -> None:
     frame = res.to_frame()
     assert list(frame["kind"]).count("run") == 3 and (frame["kind"] == "model").sum() == len(res.curve)
     assert res.lines[0].where == "a = layer(x)"
-    from nbmem.plotting import plot_fit
+    from nbmem.ui.plotting import plot_fit
 
     fig = plot_fit(res)
     assert fig.axes and fig._repr_png_()[:4] == b"\x89PNG"

@@ -8,9 +8,9 @@ import torch
 from IPython.core.error import UsageError
 
 import nbmem
-from nbmem.magics import session_of
+from nbmem.holders.walk import Root, reachable_state
+from nbmem.ipython.magics import session_of
 from nbmem.records import HolderKind
-from nbmem.walk import Root, reachable_state
 from tests.conftest import HAS_GPU, ok
 
 BODY = "x = torch.randn(batch, 64)\nloss = model(x).sum()\nloss.backward()\nopt.step()\nran = True"

@@ -15,8 +15,10 @@ from pathlib import Path
 import pytest
 
 import nbmem
-from nbmem.deaths import Death, cause_of, explain, pressure_note
-from nbmem.flight import (
+from nbmem.ipython.magics import _magics, session_of
+from nbmem.measure.limits import Cgroup
+from nbmem.recorder.deaths import Death, cause_of, explain, pressure_note
+from nbmem.recorder.flight import (
     FORMAT,
     FlightRecorder,
     error_text,
@@ -26,9 +28,7 @@ from nbmem.flight import (
     take_dead,
     usable_dir,
 )
-from nbmem.limits import Cgroup, MemoryLimit
-from nbmem.magics import _magics, session_of
-from nbmem.records import Finding, HolderKind, Holders, Sample, Tick
+from nbmem.records import Finding, HolderKind, Holders, MemoryLimit, Sample, Tick
 from tests.conftest import ok, run
 from tests.test_limits import v1_layout
 
@@ -308,7 +308,7 @@ def test_a_cell_near_the_limit_says_so_in_its_report(shell, tmp_path: Path) -> N
     ok(shell, "%cudamem on")
     s = session_of(shell)
     s.probe.host.limits = Cgroup(tmp_path, environ={})
-    r = run(shell, "from nbmem.magics import session_of\nxs = [bytes(2**20) for _ in range(3)]\n"
+    r = run(shell, "from nbmem.ipython.magics import session_of\nxs = [bytes(2**20) for _ in range(3)]\n"
                    "session_of().sampler.sample_once()  # a tick while the cell runs")
     assert r.success
     rep = s.last_report

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from nbmem.limits import Cgroup
+from nbmem.measure.limits import Cgroup
 
 pytestmark = pytest.mark.slow
 

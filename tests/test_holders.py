@@ -13,10 +13,10 @@ from unittest import mock
 import pytest
 import torch
 
-from nbmem.findings import current, findings, graph_candidates
+from nbmem.holders.findings import current, findings, graph_candidates
+from nbmem.holders.scanner import Scanner
+from nbmem.holders.walk import Root
 from nbmem.records import HolderKind, root_name
-from nbmem.scanner import Scanner
-from nbmem.walk import Root
 
 MB = 2**20
 NS = HolderKind.NAMESPACE

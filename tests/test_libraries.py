@@ -10,8 +10,10 @@ import types
 import pytest
 import torch
 
-from nbmem import libraries, linetrace, reach
-from nbmem.lineclock import LineClock
+from nbmem.holders import reach
+from nbmem.measure import libraries
+from nbmem.trace import linetrace
+from nbmem.trace.lineclock import LineClock
 
 STDLIB = os.path.join(sysconfig.get_paths()["stdlib"], "json", "decoder.py")
 SITE = os.path.dirname(os.path.dirname(torch.__file__))
@@ -114,9 +116,9 @@ def test_a_library_is_a_package_or_its_submodule_never_a_name_that_starts_the_sa
 
 
 def test_objects_of_a_user_module_named_like_a_library_are_walked(tmp_path, monkeypatch) -> None:
+    from nbmem.holders.scanner import Scanner
+    from nbmem.holders.walk import Root
     from nbmem.records import HolderKind
-    from nbmem.scanner import Scanner
-    from nbmem.walk import Root
 
     (tmp_path / "replay_buffer.py").write_text("class ReplayBuffer:\n    def __init__(self, t):\n        self.t = t\n")
     monkeypatch.syspath_prepend(str(tmp_path))

@@ -8,8 +8,10 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
-from nbmem.limits import V1_UNLIMITED, Cgroup, MemoryLimit, applied, near_limit, oom_kills_of
-from nbmem.sources import HostSource, NvmlSource, Probe
+from nbmem.measure.limits import V1_UNLIMITED, Cgroup, applied, oom_kills_of
+from nbmem.measure.sources import HostSource, NvmlSource, Probe
+from nbmem.records import MemoryLimit
+from nbmem.reports import near_limit
 
 GiB = 2**30
 HOST = 64 * GiB
@@ -212,8 +214,8 @@ def test_this_machine() -> None:
 
 
 def test_status_and_the_gauge_show_the_limit(shell, tmp_path: Path) -> None:
-    from nbmem.magics import session_of
-    from nbmem.widget import snapshot_columns
+    from nbmem.ipython.magics import session_of
+    from nbmem.ui.widget import snapshot_columns
 
     v1_layout(tmp_path, usage=int(3.9 * GiB), inactive=0)
     shell.run_line_magic("load_ext", "nbmem")
@@ -229,8 +231,8 @@ def test_status_and_the_gauge_show_the_limit(shell, tmp_path: Path) -> None:
 
 
 def test_the_gauge_has_no_limit_where_none_applies(shell) -> None:
-    from nbmem.magics import session_of
-    from nbmem.widget import snapshot_columns
+    from nbmem.ipython.magics import session_of
+    from nbmem.ui.widget import snapshot_columns
 
     shell.run_line_magic("load_ext", "nbmem")
     s = session_of(shell)

@@ -10,9 +10,9 @@ import torch
 from IPython.core.error import UsageError
 
 import nbmem
-from nbmem.cells import with_trace
-from nbmem.linetrace import cell_line, line_of_exception, replay
+from nbmem.cells.peaks import with_trace
 from nbmem.records import CellRecord, block_bytes
+from nbmem.trace.linetrace import cell_line, line_of_exception, replay
 from tests.conftest import last_cell, ok, run
 
 MiB = 2**20
@@ -120,7 +120,7 @@ def test_the_line_of_an_exception_in_a_cell():
 def test_lines_on_a_cpu_runs_the_cell_and_says_why_there_are_no_lines(ip):
     r = run(ip, "%%cudamem --lines\nx = torch.ones(1000)")
     assert r.success and ip.user_ns["x"].numel() == 1000
-    report = nbmem.magics.session_of(ip).last_report
+    report = nbmem.ipython.magics.session_of(ip).last_report
     assert report.notes == ("per-line figures need a CUDA device: this cell ran on the CPU only",)
     assert nbmem.lines().empty
     with pytest.raises(UsageError, match="not measured with lines"):
@@ -133,7 +133,7 @@ def test_no_lines_yet_is_a_clear_error(ip):
 
 
 def test_asking_for_a_trace_never_starts_cuda(ip):
-    sess = nbmem.magics.session_of(ip)
+    sess = nbmem.ipython.magics.session_of(ip)
     assert sess.probe.torch.start_trace(stacks=True, max_entries=10) is None
     assert sess.probe.torch.trace_unsupported() == "CUDA is not initialised"
     ok(ip, "%%cudamem --lines\ny = torch.ones(10)")
@@ -179,10 +179,10 @@ def test_the_learnt_cell_frame_is_the_body_and_other_stacks_are_searched():
 def test_a_recording_nbmem_started_stops_when_nbmem_unloads_inside_the_cell(ip, monkeypatch):
     # The trace itself needs CUDA (tests/gpu checks the real one); here, that the session stops what it
     # started for a cell that never ends, and leaves a recording of the user's alone.
-    from nbmem.sources import Trace
+    from nbmem.measure.sources import Trace
 
     for owner, expect in (("nbmem", [("nbmem", False)]), ("user", [])):
-        src = nbmem.magics.session_of(ip).probe.torch
+        src = nbmem.ipython.magics.session_of(ip).probe.torch
         stopped: list = []
         monkeypatch.setattr(src, "start_trace", lambda *, stacks, max_entries, o=owner: Trace(o, 0, stacks, 10))
         monkeypatch.setattr(src, "finish_trace", lambda tr, *, read, s=stopped: s.append((tr.owner, read)))
@@ -205,7 +205,7 @@ def test_events_get_the_user_stack_that_ran_at_their_time():
     # the cell's line 2 calls step() (its line 2 allocates), returns, line 3 only frees, line 4 allocates
     marks = [(10, cell, 2), (20, step, 2), (30, step, -1), (40, cell, 3), (50, cell, 4)]
     events = [alloc(1, 64 * MiB, t=25), alloc(2, MiB, t=35), free(1, 64 * MiB, t=45), alloc(3, 2 * MiB, t=55)]
-    from nbmem.linetrace import with_marked_frames
+    from nbmem.trace.linetrace import with_marked_frames
 
     with_marked_frames(events, marks)
     assert [e["frames"][0]["name"] for e in events] == ["step", "<module>", "<module>", "<module>"]
@@ -219,7 +219,7 @@ def test_events_get_the_user_stack_that_ran_at_their_time():
 
 def test_a_callee_that_left_without_a_mark_is_popped_when_its_caller_runs_again():
     cell, step = _codes()
-    from nbmem.linetrace import with_marked_frames
+    from nbmem.trace.linetrace import with_marked_frames
 
     events = [alloc(1, MiB, t=25)]
     with_marked_frames(events, [(10, cell, 2), (15, step, 1), (20, cell, 3)])
@@ -231,7 +231,7 @@ def test_the_line_clock_marks_the_users_lines_on_the_cells_thread_only():
     import json
     import threading
 
-    from nbmem.lineclock import LineClock
+    from nbmem.trace.lineclock import LineClock
 
     ns: dict = {"json": json, "threading": threading}
     code = compile("def f():\n    return 1\nt = threading.Thread(target=f)\nt.start(); t.join()\n"
@@ -253,7 +253,7 @@ def test_the_line_clock_marks_the_users_lines_on_the_cells_thread_only():
 def test_line_numbers_count_from_the_first_line_ipython_compiles(ip):
     # IPython drops a cell's leading blank lines before compiling it: the source shown beside line N must
     # be the line its code calls N, in %%cudamem bodies and in %cudamem on cells alike.
-    from nbmem.cellwatch import as_compiled
+    from nbmem.cells.watch import as_compiled
 
     assert as_compiled("\n  \nfor x in y:\n\n    z = 1\n") == "for x in y:\n\n    z = 1"
     assert as_compiled("a = 1") == "a = 1" and as_compiled("") == ""
@@ -264,7 +264,7 @@ def test_line_numbers_count_from_the_first_line_ipython_compiles(ip):
 
 def test_events_after_the_marks_ran_out_have_no_line_but_count_toward_the_peak():
     cell, _step = _codes()
-    from nbmem.linetrace import with_marked_frames
+    from nbmem.trace.linetrace import with_marked_frames
 
     events = [alloc(1, MiB, t=15), alloc(2, 8 * MiB, t=30), free(2, 8 * MiB, t=31)]
     with_marked_frames(events, [(10, cell, 2)], until_us=20)
@@ -276,7 +276,7 @@ def test_events_after_the_marks_ran_out_have_no_line_but_count_toward_the_peak()
 def test_recording_that_fails_half_way_leaves_nothing_running(ip, monkeypatch):
     # The clock (sys.monitoring, 3.12+) starts before the trace; when the trace then fails, the clock
     # stops too: a fake clock stands in for it here so that this runs on every Python.
-    import nbmem.recording as recording_mod
+    import nbmem.trace.recording as recording_mod
 
     started, stopped = [], []
 
@@ -300,7 +300,7 @@ def test_recording_that_fails_half_way_leaves_nothing_running(ip, monkeypatch):
     def boom(*, stacks, max_entries):
         raise RuntimeError("the allocator said no")
 
-    sess = nbmem.magics.session_of(ip)
+    sess = nbmem.ipython.magics.session_of(ip)
     monkeypatch.setattr(recording_mod, "LineClock", Clock)
     monkeypatch.setattr(sess.probe.torch, "start_trace", boom)
     ok(ip, "%cudamem on --lines")
@@ -314,7 +314,7 @@ def test_the_line_clock_is_bounded_and_hands_its_tool_id_back_as_it_found_it():
     import json
     import sys
 
-    from nbmem.lineclock import LineClock
+    from nbmem.trace.lineclock import LineClock
 
     mon = sys.monitoring
     code = compile("for i in range(1000):\n    y = i\n", CELL, "exec")
@@ -348,5 +348,5 @@ def test_an_out_of_memory_error_names_its_line_and_the_users_function_it_came_th
     helper = last_cell(ip)
     r = run(ip, "x = 1\nstep()")
     assert not r.success
-    advice = nbmem.magics.session_of(ip).last_report.advice
+    advice = nbmem.ipython.magics.session_of(ip).last_report.advice
     assert advice[0] == f"the allocation that failed was asked for by line 2: step() (in In[{helper}]:4 in step)"

@@ -12,7 +12,7 @@ import torch
 from IPython.core.error import UsageError
 
 import nbmem
-from nbmem.magics import _ACTIVE
+from nbmem.ipython.magics import _ACTIVE
 from tests.conftest import last_cell, nbmem_callbacks, nbmem_threads, ok, run
 
 MB = MiB = 2**20
@@ -286,7 +286,7 @@ import sys
 sys.modules["anywidget"] = None  # as if it were not installed
 from IPython.core.interactiveshell import InteractiveShell
 from traitlets.config import Config
-from nbmem.magics import NbmemMagics
+from nbmem.ipython.magics import NbmemMagics
 c = Config(); c.HistoryManager.hist_file = ":memory:"; c.Nbmem.gauge = "inline"
 sh = InteractiveShell.instance(config=c)
 sh.run_cell("%load_ext nbmem")

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import nbmem
-from nbmem.magics import session_of
+from nbmem.ipython.magics import session_of
 from nbmem.reports import REPORT_ROWS
 from tests.cells import autocast_steps, checkpointed_training
 from tests.conftest import last_cell, ok
@@ -156,7 +156,7 @@ def test_grouping_changes_rows_never_totals(ip):
     owners = sess.holdings.current()
     detail_storage = sum(h.nbytes for h in cur.storages.values())
     assert sum(f.storage_bytes for f in owners.owners) <= detail_storage
-    from nbmem import owners as owners_mod
+    from nbmem.holders import owners as owners_mod
 
     every = owners_mod.group(list(cur.storages.values()), lambda hs: 0, threshold_bytes=0, graphs={},
                              types=cur.root_types)[0]

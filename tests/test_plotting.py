@@ -14,7 +14,7 @@ from matplotlib.collections import PolyCollection
 from matplotlib.colors import to_hex
 
 import nbmem
-from nbmem.plotting import COLORS, CPU_KINDS, GPU_KINDS, TIME_STEPS, binary_step, plot, tick_bytes, time_step
+from nbmem.ui.plotting import COLORS, CPU_KINDS, GPU_KINDS, TIME_STEPS, binary_step, plot, tick_bytes, time_step
 from tests.conftest import ok
 
 MiB, GiB = 2**20, 2**30

@@ -15,11 +15,11 @@ from typing import Any
 import pytest
 
 import nbmem
-from nbmem import pools
-from nbmem.magics import _magics
+from nbmem.holders import pools
+from nbmem.ipython.magics import _magics
+from nbmem.measure.sources import TorchSource
 from nbmem.records import AllocatorReading, PoolUse
 from nbmem.reports import UNATTRIBUTED, UNATTRIBUTED_SHORT, CellReport
-from nbmem.sources import TorchSource
 from tests.conftest import ok
 
 MiB = 2**20
@@ -195,7 +195,7 @@ def test_the_magic_takes_compiled_and_says_so_in_its_help(ip: Any, graphs: Graph
 
 
 def test_without_torch_compile_there_is_nothing_to_reset() -> None:
-    code = ("import sys, torch\nfrom nbmem.sources import TorchSource\n"
+    code = ("import sys, torch\nfrom nbmem.measure.sources import TorchSource\n"
             "print(TorchSource().reset_compiled())\nprint('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.splitlines() == ["torch.compile was not used in this process: nothing to reset", "False"]

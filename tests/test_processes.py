@@ -21,11 +21,11 @@ import psutil
 import pytest
 
 import nbmem
-from nbmem import processes
-from nbmem.magics import _magics
-from nbmem.processes import Split, has_children, lineage_of, split_children
+from nbmem.ipython.magics import _magics
+from nbmem.measure import processes
+from nbmem.measure.processes import Split, has_children, lineage_of, split_children
+from nbmem.measure.sources import NvmlSource
 from nbmem.records import GpuProcess
-from nbmem.sources import NvmlSource
 from tests.conftest import ok
 
 MiB = 2**20

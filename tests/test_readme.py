@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from nbmem.magics import COMMANDS, session_of
+from nbmem.ipython.magics import COMMANDS, session_of
 from nbmem.options import OPTIONS
 from tests.conftest import ok, run
 

@@ -126,7 +126,7 @@ def test_after_unload_the_kernel_answers_between_cells_again(kc: Any) -> None:
 def test_a_kernel_without_the_thread_keeps_its_route_and_status_says_why() -> None:
     from types import SimpleNamespace
 
-    from nbmem.reconnect import reconnect_route
+    from nbmem.ipython.reconnect import reconnect_route
 
     cannot: list[str] = []
     faults: list[Any] = []
@@ -277,7 +277,7 @@ def test_a_click_waiting_for_the_cell_is_dropped_when_nbmem_unloads() -> None:
 
     from tornado.ioloop import IOLoop
 
-    from nbmem.reconnect import BetweenCells
+    from nbmem.ipython.reconnect import BetweenCells
 
     loop = IOLoop(make_current=False)
     ran: list[str] = []

@@ -23,10 +23,10 @@ from typing import Any
 import pytest
 from jupyter_server.auth.authorizer import Authorizer
 
-from nbmem.notebooks import ServerNotebooks, pids_to_notebooks
+from nbmem.measure.notebooks import ServerNotebooks, pids_to_notebooks
+from nbmem.measure.sources import NvmlSource
 from nbmem.records import GpuDevice, GpuProcess
 from nbmem.server import Kernel, Reading, ServerMonitor, attribute, lineage_of, metric_families
-from nbmem.sources import NvmlSource
 from tests import fake_nvml
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -134,7 +134,7 @@ def test_two_notebooks_named_by_kernel_and_child_and_a_closed_one_leaves_the_met
         [*devices, kernel_line(0, t.kernel_a, "a.ipynb", "1.610612736e+09"), *lines_b])
 
     # The kernel side: kernel B asks its server which notebook each GPU process belongs to.
-    asked = t.server.execute(t.kernel_b, "import json\nfrom nbmem.notebooks import notebook_of_pids\n"
+    asked = t.server.execute(t.kernel_b, "import json\nfrom nbmem.measure.notebooks import notebook_of_pids\n"
                                          f"print(json.dumps(notebook_of_pids([{t.pid_a}, {t.child_b}, {t.pid_b}, "
                                          f"{sleeper}])))")
     assert json.loads(asked) == {str(t.pid_a): "a.ipynb", str(t.child_b): "sub/b.ipynb", str(t.pid_b): "sub/b.ipynb"}
@@ -259,7 +259,7 @@ def test_pids_are_named_by_the_notebook_of_their_kernel() -> None:
 # -- packaging ------------------------------------------------------------------------------------------------
 def test_importing_nbmem_loads_no_server_and_no_driver() -> None:
     heavy = ("jupyter_server", "tornado", "prometheus_client", "pynvml", "torch", "psutil")
-    code = ("import sys, nbmem, nbmem.notebooks\n"
+    code = ("import sys, nbmem, nbmem.measure.notebooks\n"
             f"print(sorted(m for m in sys.modules if m.split('.')[0] in {heavy!r}))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

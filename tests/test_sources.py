@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nbmem.sources import HostSource, NvmlSource, Probe, TorchSource, heap_bytes, parse_visible_devices
+from nbmem.measure.sources import HostSource, NvmlSource, Probe, TorchSource, heap_bytes, parse_visible_devices
 
 UUIDS = ["GPU-aaaa-1111", "GPU-bbbb-2222", "GPU-cccc-3333"]
 
@@ -202,7 +202,7 @@ def test_a_device_this_process_does_not_use_is_not_blamed_on_containers():
 
 
 def test_other_processes_are_named_by_notebook_where_the_jupyter_server_knows(monkeypatch):
-    import nbmem.sources as sources
+    import nbmem.measure.sources as sources
 
     monkeypatch.setattr(sources, "notebook_of_pids", lambda pids: {4242: "team/train.ipynb"})
     procs = [SimpleNamespace(pid=pid, usedGpuMemory=b) for pid, b in ((os.getpid(), 100), (4242, 300), (5151, 200))]

@@ -25,14 +25,14 @@ from typing import Any, Iterator
 import pytest
 from IPython.core.error import UsageError
 
-from nbmem import widget
 from nbmem.formatting import fmt_bytes
-from nbmem.magics import _magics
+from nbmem.ipython.magics import _magics
+from nbmem.measure.sources import NvmlSource, Probe, TorchSource
 from nbmem.records import AllocatorReading, CellRecord, CleanupStep, Finding, HolderKind, Sample
 from nbmem.reports import CellReport, CleanupReport
 from nbmem.session import Session
-from nbmem.sources import NvmlSource, Probe, TorchSource
-from nbmem.widget import Gauge, Publisher, history_columns, show_gauge
+from nbmem.ui import widget
+from nbmem.ui.widget import Gauge, Publisher, history_columns, show_gauge
 from tests.conftest import HAS_GPU, cpu_only, ok
 
 GiB = 2**30

@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..records import block_bytes
+from nbmem.records import block_bytes
 
 # -- the caching allocator's constants (c10/cuda/CUDACachingAllocator.cpp, default settings) ----------------
 SMALL_REQUEST_BYTES = 1 << 20  # kSmallSize: blocks up to 1 MiB come from the small pool

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 from difflib import SequenceMatcher
 from typing import Any
 
-from ..formatting import fmt_bytes
-from ..records import block_bytes
-from .allocator import CachingAllocatorModel, SegmentState
-from .sizes import GROWTH_SLACK_BYTES, SizeModel, fit_size
+from nbmem.fitting.allocator import CachingAllocatorModel, SegmentState
+from nbmem.fitting.sizes import GROWTH_SLACK_BYTES, SizeModel, fit_size
+from nbmem.formatting import fmt_bytes
+from nbmem.records import block_bytes
 
 #: The margin kept below the room: kernels CUDA loads for sizes not run yet, cuDNN/cuBLAS handles and other
 #: processes take device memory outside the allocator while the user's run goes on.

@@ -44,12 +44,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-from ..formatting import Column, esc, fmt_bytes, fmt_seconds, html_table, prose, text_table
-from ..linetrace import cell_line, deepest_user_frame
-from ..reports import Shown
-from .allocator import CachingAllocatorModel, SegmentState
-from .model import ALLOC, FREE, Room, Run, RunTrace, Sim, Site, Timeline, build_timeline
-from .sizes import fit_size
+from nbmem.fitting.allocator import CachingAllocatorModel, SegmentState
+from nbmem.fitting.model import ALLOC, FREE, Room, Run, RunTrace, Sim, Site, Timeline, build_timeline
+from nbmem.fitting.sizes import fit_size
+from nbmem.formatting import Column, esc, fmt_bytes, fmt_seconds, html_table, prose, text_table
+from nbmem.reports import Shown
+from nbmem.trace.linetrace import cell_line, deepest_user_frame
 
 #: Where the search stops when nothing stops it (memory that does not grow with the value).
 SEARCH_CAP = 1 << 40

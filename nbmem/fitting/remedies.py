@@ -29,7 +29,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import reach
+from nbmem.holders import reach
 
 CHECKPOINTING = "activation checkpointing"
 BF16 = "bf16 autocast"

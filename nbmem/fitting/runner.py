@@ -28,15 +28,15 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from ..formatting import fmt_bytes
-from ..records import HolderKind
-from ..sources import TorchSource
-from ..walk import Root, TrainingState, reachable_state
-from . import remedies
-from .allocator import segments_from_snapshot
-from .model import Room, RunTrace, margin_bytes_for
-from .prediction import FitResult, Remedy, analyse, proportional_bound
-from .state import FitRefused, restore_state, snapshot_state, training_kinds
+from nbmem.fitting import remedies
+from nbmem.fitting.allocator import segments_from_snapshot
+from nbmem.fitting.model import Room, RunTrace, margin_bytes_for
+from nbmem.fitting.prediction import FitResult, Remedy, analyse, proportional_bound
+from nbmem.fitting.state import FitRefused, restore_state, snapshot_state, training_kinds
+from nbmem.formatting import fmt_bytes
+from nbmem.holders.walk import Root, TrainingState, reachable_state
+from nbmem.measure.sources import TorchSource
+from nbmem.records import HolderKind
 
 #: How many allocator events one run may record; a run that fills it cannot be lined up with the others.
 DEFAULT_MAX_ENTRIES = 1_000_000

@@ -19,8 +19,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from .. import reach
-from ..formatting import fmt_bytes
+from nbmem.formatting import fmt_bytes
+from nbmem.holders import reach
 
 #: Host memory a state copy may take, of what the kernel calls available.
 HOST_FRACTION = 0.9

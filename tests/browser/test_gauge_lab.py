@@ -171,7 +171,7 @@ def _gpu_state() -> dict[str, Any]:
     """What the publisher would send for a CPU and two GPUs, built by the real column builders."""
     from nbmem.records import CellRecord, Finding, HolderKind, Sample
     from nbmem.reports import CellReport
-    from nbmem.widget import cell_spans, history_columns, holder_rows, last_cell_row, snapshot_columns
+    from nbmem.ui.widget import cell_spans, history_columns, holder_rows, last_cell_row, snapshot_columns
 
     now = 1_800_000_000.0
     samples = []
@@ -205,7 +205,7 @@ def _gpu_state() -> dict[str, Any]:
 
 
 def test_gpu_layout_from_fake_samples(page: Any, artifacts: Path) -> None:
-    from nbmem.widget import bundle
+    from nbmem.ui.widget import bundle
 
     files = {"index.html": PAGE, "gauge.js": bundle()}
     page.route("http://nbmem.test/**", lambda route: route.fulfill(

@@ -17,11 +17,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from nbmem import reach  # noqa: E402
 from nbmem.fitting import runner  # noqa: E402
 from nbmem.fitting.state import training_kinds  # noqa: E402
+from nbmem.holders import reach  # noqa: E402
+from nbmem.holders.walk import Root, reachable_state  # noqa: E402
 from nbmem.records import HolderKind  # noqa: E402
-from nbmem.walk import Root, reachable_state  # noqa: E402
 from tests.test_fit_state import same  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

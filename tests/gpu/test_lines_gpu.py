@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 import nbmem
-from nbmem.magics import session_of
+from nbmem.ipython.magics import session_of
 from tests.conftest import last_cell, ok, run
 from tests.gpu.test_gpu import row_of
 
@@ -35,7 +35,7 @@ def test_sub_ms_spikes_below_an_earlier_peak_get_the_exact_peak_and_the_right_li
     assert lines.loc[6, "delta_allocated_bytes"] == 8 * MiB
     assert lines.loc[4, "source"].startswith("c = torch.empty")
     assert gpu.user_ns["torch"].cuda.max_memory_allocated() == counter, "the user's peak counter is untouched"
-    from nbmem.widget import last_cell_row
+    from nbmem.ui.widget import last_cell_row
 
     assert last_cell_row(session_of(gpu).last_report)["rows"][0]["peak_line"].startswith("line 4: c = torch.empty")
 

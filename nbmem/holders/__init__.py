@@ -1,0 +1,11 @@
+"""Who keeps memory alive: the holder scan, pure analysis over objects reached safely.
+
+``reach`` holds the hostile-object rules (no ``__getattr__``, ``__len__``, ``__iter__``, ``__eq__``,
+``__hash__``, ``__repr__`` or property of a user object ever runs); ``walk`` goes from the notebook's roots to
+every live tensor; ``naming`` turns steps into paths a user can type; ``scanner`` and ``graphs`` remember storages
+and the autograd graphs that save them; ``findings`` judges a row per storage and ``owners`` groups them by the
+name the user typed; ``pools`` names CUDA-graph pools; ``holdings`` decides when to scan and keeps each cell's rows.
+
+May import: ``nbmem.measure``, ``nbmem.trace``, ``nbmem.records``, ``nbmem.reports``, ``nbmem.formatting``,
+``nbmem.options``. Add a holder kind here (see docs/architecture.md, "Where to add").
+"""

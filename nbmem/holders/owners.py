@@ -1,0 +1,349 @@
+"""Owners: a report's rows, one per name a user typed, with the tensors under it one call away.
+
+A real model has hundreds of parameters; a list of losses has one tensor per step. A person reads the
+first screen of a report, and it has to say *who* holds the memory. So the storages a cell added (or
+everything held now) are grouped by their owner, the root of each storage's best path: a variable, an
+``Out[n]``, a module's attribute, or the frame of the last exception. Each storage has exactly one
+owner, so grouping changes rows, never totals; a graph several owners keep alive is counted under each
+and marked. Other roots that reach an owner's memory are "also held by", which is what a cleanup needs
+to know (``del model`` frees nothing while ``trainer.model`` is the same object).
+
+Grouping comes before the threshold: 32 new adapter tensors of 64 KiB each under ``model`` are one row
+of 2 MiB. The per-storage rows (``findings``) stay available as each owner's members and as the detail.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
+from functools import cached_property
+from typing import Any
+
+from nbmem.formatting import fmt_bytes, fmt_count
+from nbmem.holders import findings as judge
+from nbmem.holders.graphs import Graph
+from nbmem.holders.graphs import sharing as graph_sharing
+from nbmem.holders.naming import MAX_HOLDERS, container, owner_of
+from nbmem.holders.scanner import Held, Scan
+from nbmem.holders.walk import ROLE_GRAD, ROLE_OPTIM, ROLE_PARAM
+from nbmem.records import Finding, HolderKind, root_name
+
+#: Members listed on an owner row (the rest are counted).
+MEMBERS_SHOWN = 8
+#: Most member paths an owner row's ``holders`` carries.
+HOLDERS_KEPT = 16
+_CONTAINERS = frozenset({"list", "tuple", "dict", "deque", "set", "frozenset", "OrderedDict", "defaultdict",
+                         "ParameterList", "ModuleList", "ParameterDict", "ModuleDict"})
+
+
+@dataclass(frozen=True)
+class Rows:
+    """What a scan says at two levels: a row per owner, and a row per storage (the detail)."""
+
+    owners: tuple[Finding, ...]
+    details: tuple[Finding, ...] | Callable[[], Sequence[Finding]] = ()  # or how to work them out
+    total_bytes: int = 0  # the owners' storages and graphs together, a graph several owners keep counted once
+
+    @cached_property
+    def detail(self) -> tuple[Finding, ...]:
+        """The per-storage rows, worked out when first asked for: most readers want the owner rows only."""
+        d = self.details
+        return tuple(d() if callable(d) else d)
+
+
+def cell_rows(cur: Scan, prev: Scan | None, cell: int, *, threshold_bytes: int, graphs: Mapping[int, Graph],
+              lines: Mapping[int, int]) -> Rows:
+    """What ``cell`` added: its owners over the threshold, and the per-storage rows behind them."""
+    c = judge.changes(cur, prev, threshold_bytes=threshold_bytes, graphs=graphs)
+    before = prev.storages if prev is not None else {}
+    grown = frozenset(h.owner for h in before.values())
+    rows, total = group(c.candidates, lambda _hs: cell, threshold_bytes=threshold_bytes, graphs=graphs,
+                        types=cur.root_types, lost=c.lost, gained=c.gained, lines=lines,
+                        added=lambda o, hs: o in grown and not any(h.sid in before for h in hs))
+    detail = detail_rows(rows, c.candidates, lambda _hs: cell, threshold_bytes=threshold_bytes, graphs=graphs,
+                         lost=c.lost, gained=c.gained)
+    return Rows(rows, tuple(_with_lines(detail, cur, lines)), total)
+
+
+def current_rows(cur: Scan, *, threshold_bytes: int, graphs: Mapping[int, Graph],
+                 cache: dict[int, Any] | None = None) -> Rows:
+    """Everything held now, each owner with the cell its memory first appeared in."""
+    held = list(cur.storages.values())
+    rows, total = group(held, lambda hs: min(h.first_cell for h in hs), threshold_bytes=threshold_bytes,
+                        graphs=graphs, types=cur.root_types)
+    # Worked out only when asked for (``leaks(detail=True)``); what it reads is the scan the session keeps anyway.
+    return Rows(rows, lambda: detail_rows(rows, held, lambda hs: min(h.first_cell for h in hs),
+                                          threshold_bytes=threshold_bytes, graphs=graphs, cache=cache), total)
+
+
+#: An owner with more members than this lists those over the threshold and groups the rest.
+DETAIL_MEMBERS = 20
+
+
+def detail_rows(rows: Sequence[Finding], held: Sequence[Held], cell_of: Callable[[Sequence[Held]], int], *,
+                threshold_bytes: int, graphs: Mapping[int, Graph], lost: Mapping[int, Sequence[str]] | None = None,
+                gained: Mapping[int, Sequence[str]] | None = None, cache: dict[int, Any] | None = None
+                ) -> list[Finding]:
+    """The members of each owner row, in the rows' order: every storage of an owner with few, and for one
+    with many its storages over the threshold, its containers of small ones, and what is left as one row
+    under the owner's name. Together they hold exactly the owner rows' storages: never an empty table
+    beneath a full one."""
+    kept = {(r.owner, r.device): i for i, r in enumerate(rows)}
+    by_row: list[list[Held]] = [[] for _ in rows]
+    for h in held:
+        i = kept.get((h.owner, h.device))
+        if i is not None:
+            by_row[i].append(h)
+    out: list[Finding] = []
+    for row, members in zip(rows, by_row):
+        cut = 0 if len(members) <= DETAIL_MEMBERS else threshold_bytes
+        rest: list[Held] = []
+        found = judge.with_groups(members, cell_of, cut, graphs, lost or {}, cache, gained=gained, left_out=rest)
+        if len(rest) == 1:
+            found.append(judge.finding(rest[0], cell_of(rest), graphs))
+        elif rest:
+            f = judge.group_finding(rest, cell_of(rest), graphs)
+            if len({h.container for h in rest}) > 1:
+                # Small tensors in many places under the owner: one row by the owner's name, whose cleanup
+                # is the owner's.
+                f = replace(f, name=row.owner, holders=(row.owner,), hint=row.hint)
+            found.append(replace(f, id=f"{row.device}:r:{row.owner}"))
+        out += found
+    return out
+
+
+def group(held: Sequence[Held], cell_of: Any, *, threshold_bytes: int, graphs: Mapping[int, Graph],
+          types: Mapping[str, str], lost: Mapping[int, Sequence[str]] | None = None,
+          gained: Mapping[int, Sequence[str]] | None = None, lines: Mapping[int, int] | None = None,
+          added: Callable[[str, Sequence[Held]], bool] | None = None) -> tuple[tuple[Finding, ...], int]:
+    """One row per (owner, device) whose storages and graphs together reach the threshold, largest first,
+    and their bytes together (a graph several rows keep, once). ``added(owner, members)``: whether the
+    members are new under an owner that held memory before (the words then say "new")."""
+    by_owner: dict[tuple[str, str], list[Held]] = {}
+    for h in held:
+        by_owner.setdefault((h.owner, h.device), []).append(h)
+    rows: list[Finding] = []
+    saved_by: dict[int, set[int]] = {}  # row -> the graph storages it keeps
+    for (owner, device), members in by_owner.items():
+        saved: dict[int, int] = {}
+        for h in members:
+            g = graphs.get(h.sid)
+            if g is not None:
+                saved.update(g.saved)
+        storage = sum(h.nbytes for h in members)
+        if storage + sum(saved.values()) < threshold_bytes:
+            continue
+        row = _row(owner, device, members, saved, cell_of(members), graphs, types, lost or {}, gained or {},
+                   lines or {}, added is not None and added(owner, members))
+        saved_by[len(rows)] = set(saved)
+        rows.append(row)
+    _mark_shared(rows, saved_by)
+    every: dict[int, int] = {}
+    for (_o, _d), members in by_owner.items():
+        for h in members:
+            g = graphs.get(h.sid)
+            if g is not None:
+                every.update(g.saved)
+    union = {s for saved in saved_by.values() for s in saved}
+    total = sum(r.storage_bytes for r in rows) + sum(every[s] for s in union)
+    order = sorted(range(len(rows)), key=lambda i: -rows[i].bytes)
+    return tuple(rows[i] for i in order), total
+
+
+def _row(owner: str, device: str, members: list[Held], saved: Mapping[int, int], cell: int,
+         graphs: Mapping[int, Graph], types: Mapping[str, str], lost: Mapping[int, Sequence[str]],
+         gained: Mapping[int, Sequence[str]], lines: Mapping[int, int], added: bool = False) -> Finding:
+    members.sort(key=lambda h: (-h.nbytes, h.sid))
+    first = members[0]
+    kind = first.kind
+    # A finding for the members shown only: a model has thousands, and the rest are counted, not listed.
+    order = sorted(members, key=lambda h: -(h.nbytes + judge.graph_bytes(graphs, h.sid)))
+    rows = [_with_line(judge.finding(h, cell, graphs, lost.get(h.sid, ()), gained.get(h.sid, ())), lines.get(h.sid))
+            for h in order[:MEMBERS_SHOWN]]
+    shown = tuple(rows)
+    also = _also(owner, members)
+    roots = tuple(dict.fromkeys(n for h in members for n in judge.deletable(h)))
+    if kind is HolderKind.NAMESPACE and owner.isidentifier():
+        roots = (owner, *(n for n in roots if n != owner))
+    holders = tuple(dict.fromkeys(p for f in rows for p in f.holders))[:HOLDERS_KEPT]
+    graph_bytes = sum(saved.values())
+    words = describe(owner, kind, members, graph_bytes, types.get(owner, ""), new=added)
+    if len(members) == 1:
+        hint = shown[0].hint
+    else:
+        hint = _hint(owner, kind, members, graph_bytes, also, lost, gained)
+    line = next((lines[h.sid] for h in order if h.sid in lines), None)
+    return Finding(cell, owner, holders, kind, device, sum(h.nbytes for h in members), graph_bytes,
+                   any(h.holds_graph for h in members), len(members),
+                   shown[0].view_bytes if len(members) == 1 else None, (), hint, roots, f"{device}:o:{owner}", line,
+                   owner=owner, description=words, members=shown,
+                   more_bytes=sum(h.nbytes + judge.graph_bytes(graphs, h.sid) for h in order[MEMBERS_SHOWN:]),
+                   also_held_by=tuple(o for o, _k in also))
+
+
+def _with_line(f: Finding, line: int | None) -> Finding:
+    return replace(f, line=line) if line is not None else f
+
+
+def _with_lines(found: Sequence[Finding], cur: Scan, lines: Mapping[int, int]) -> list[Finding]:
+    if not lines:
+        return list(found)
+    out = []
+    for f in found:
+        _dev, _, sid = f.id.partition(":")
+        out.append(_with_line(f, lines.get(int(sid)) if sid.isdigit() else None))
+    return out
+
+
+Also = tuple[tuple[str, HolderKind], ...]
+
+
+def _also(owner: str, members: Sequence[Held]) -> Also:
+    """Other owners reaching some of this memory, with their kinds: variables and module attributes first,
+    then the output history's most lasting name, then the last exception's frames (each frame once)."""
+    seen: dict[str, HolderKind] = {}
+    for h in members:
+        for r, k in zip(h.reached_from, h.reached_kinds):
+            o = owner_of(r)
+            if o != owner and o not in seen:
+                seen[o] = k
+    names = [(o, k) for o, k in seen.items() if k is HolderKind.NAMESPACE or k is HolderKind.MODULE]
+    outputs = [(o, k) for o, k in seen.items() if k is HolderKind.OUTPUT]
+    frames = [(o, k) for o, k in seen.items() if k is HolderKind.TRACEBACK]
+    return tuple([*names, *outputs[:1], *frames])[:MAX_HOLDERS]
+
+
+def _frees_alone(owner: str, members: Sequence[Held]) -> int:
+    """Bytes that deleting the owner alone would free: members no other root reaches."""
+    return sum(h.nbytes for h in members if all(owner_of(r) == owner for r in h.reached_from))
+
+
+def _hint(owner: str, kind: HolderKind, members: Sequence[Held], graph_bytes: int, also: Also,
+          lost: Mapping[int, Sequence[str]], gained: Mapping[int, Sequence[str]]) -> str:
+    """What frees an owner's memory, in one line a user can act on."""
+    gone = list(dict.fromkeys(n for h in members for n in lost.get(h.sid, ())))
+    through = _common_prefix([h.name for h in members])
+    if gone:
+        return (f"{', '.join(f'`{n}`' for n in gone)} was deleted or rebound, but "
+                f"{judge.still_holds(kind, through or owner)}")
+    if kind is not HolderKind.NAMESPACE or all(".<lru_cache>" in h.name for h in members):
+        return judge.hint_for(members[0], graph_bytes, group=len(members))
+    shown = list(dict.fromkeys(n for h in members for n in gained.get(h.sid, ())))
+    if shown:
+        return (f"displayed, so the output history ({', '.join(shown)}) now also holds it: `del {owner}` alone "
+                f"frees nothing; `%cudamem clean {owner}` removes both")
+    alone = _frees_alone(owner, members)
+    total = sum(h.nbytes for h in members)
+    if also and alone < total:
+        frees = "nothing" if alone == 0 else f"{fmt_bytes(alone)} of it"
+        return f"`del {owner}` frees {frees}: {_also_text(also)} → `%cudamem clean {_clean_args(owner, also)}`"
+    if graph_bytes:
+        return (f"{len(members):,} tensors keep their autograd graphs ({fmt_bytes(graph_bytes)}): keep numbers "
+                f"(`.item()`) or `.detach()` instead, or `del {owner}`")
+    if any(ROLE_PARAM in h.roles for h in members):
+        move = f", or `{owner}.cpu()` moves it" if members[0].device.startswith("cuda") else ""
+        grads = "; `opt.zero_grad(set_to_none=True)` frees its gradients" if any(
+            ROLE_GRAD in h.roles for h in members) else ""
+        return f"`del {owner}` frees it{move}{grads}"
+    return f"`del {owner}` frees it" if owner.isidentifier() else ""
+
+
+def _also_text(also: Also) -> str:
+    """"also held by `trainer`, the output history (Out[5]) and the last exception's frames"."""
+    words = [f"`{o}`" for o, k in also if k is HolderKind.NAMESPACE or k is HolderKind.MODULE]
+    words += [f"the output history ({o})" for o, k in also if k is HolderKind.OUTPUT][:1]
+    if any(k is HolderKind.TRACEBACK for _o, k in also):
+        words.append("the last exception's frames")
+    return "also held by " + (", ".join(words[:-1]) + " and " + words[-1] if len(words) > 1 else words[0])
+
+
+def _clean_args(owner: str, also: Also) -> str:
+    """What ``%cudamem clean`` needs to free all of it: the variables, and the hidden holders' flags."""
+    names = [owner, *(o for o, k in also if k is HolderKind.NAMESPACE and o.isidentifier())]
+    flags = [flag for flag, kind in (("--outputs", HolderKind.OUTPUT), ("--traceback", HolderKind.TRACEBACK))
+             if any(k is kind for _o, k in also)]
+    modules = [f"(and set {o} to None)" for o, k in also if k is HolderKind.MODULE]
+    return " ".join([*names, *flags, *modules])
+
+
+def _common_prefix(paths: Sequence[str]) -> str:
+    """The longest path every member path starts with, cut at a step (``trainer.model``)."""
+    if not paths:
+        return ""
+    prefix = paths[0]
+    for p in paths[1:]:
+        while prefix and not (p == prefix or p.startswith(prefix + ".") or p.startswith(prefix + "[")):
+            cut = container(prefix)
+            prefix = "" if cut == prefix else cut
+    return prefix
+
+
+def describe(owner: str, kind: HolderKind, members: Sequence[Held], graph_bytes: int, type_name: str, *,
+             new: bool = False) -> str:
+    """What an owner holds, in words: "Sequential: 42M parameters", "list of 30 tensors + their graphs";
+    ``new``: what a cell added to an owner that was there before ("PeftModel: 524K new parameters")."""
+    fresh = "new " if new else ""
+    graph = f" + their graphs ({fmt_bytes(graph_bytes)})" if graph_bytes and len(members) > 1 else (
+        f" + its graph ({fmt_bytes(graph_bytes)})" if graph_bytes else "")
+    if kind is HolderKind.TRACEBACK:
+        names = sorted({p.split(">.", 1)[1] for h in members for p in h.holders
+                        if owner_of(p) == owner and ">." in p})
+        frame = owner.removeprefix("<traceback ").removesuffix(">")
+        locals_ = f": {', '.join(names[:4])}{' …' if len(names) > 4 else ''}" if names else ""
+        return f"locals of {frame} kept by the last exception{locals_}{graph}"
+    params = [h for h in members if ROLE_PARAM in h.roles]
+    if params:
+        n = sum(h.elements for h in params)
+        trainable = sum(h.elements for h in params if h.trainable)
+        train = f" ({fmt_count(trainable)} trainable)" if 0 < trainable < 0.99 * n else (
+            " (frozen)" if trainable == 0 and n else "")
+        extra = [w for w, role in (("gradients", ROLE_GRAD), ("optimizer state", ROLE_OPTIM))
+                 if any(role in h.roles for h in members)]
+        rest = len(members) - len(params) - sum(1 for h in members if h.roles & {ROLE_GRAD, ROLE_OPTIM}
+                                                and ROLE_PARAM not in h.roles)
+        if rest > 0:
+            extra.append(f"{rest:,} other tensor{'s' if rest > 1 else ''}")
+        head = f"{type_name}: " if type_name else ""
+        return f"{head}{fmt_count(n)} {fresh}parameters{train}" + "".join(f", {e}" for e in extra) + graph
+    optim = sum(1 for h in members if ROLE_OPTIM in h.roles)
+    grads = sum(1 for h in members if ROLE_GRAD in h.roles and ROLE_OPTIM not in h.roles)
+    if (optim or grads) and len(members) > 1:
+        rest = len(members) - optim - grads
+        parts = [f"{what} ({n:,} {fresh}tensor{'s' if n > 1 else ''})"
+                 for what, n in (("optimizer state", optim), ("gradients", grads)) if n]
+        parts += [f"{rest:,} other tensor{'s' if rest > 1 else ''}"] if rest else []
+        return f"{type_name + ': ' if type_name else ''}{', '.join(parts)}{graph}"
+    if type_name == "_lru_cache_wrapper":
+        return f"results cached by {owner}(): {len(members):,} tensor{'s' if len(members) > 1 else ''}{graph}"
+    if len(members) == 1:
+        h = members[0]
+        words = tensor_words(h)
+        path = h.name
+        return (f"`{path}`: {words}" if path != owner and root_name(path) == root_name(owner) else words) + graph
+    noun = fresh + ("scalars" if all(h.elements <= 1 for h in members) else "tensors")
+    if type_name in _CONTAINERS:
+        return f"{type_name} of {len(members):,} {noun}{graph}"
+    if type_name:
+        return f"{type_name} holding {len(members):,} {noun}{graph}"
+    return f"{len(members):,} {noun}{graph}"
+
+
+def tensor_words(h: Held) -> str:
+    """One tensor as a person reads it: ``float32 [4096, 1024]``, or a view of a bigger storage."""
+    if not h.dtype:
+        shape = "tensor"
+    elif not h.shape:
+        shape = f"{h.dtype} scalar"
+    else:
+        shape = f"{h.dtype} [{', '.join(map(str, h.shape))}]"
+    if judge.is_view(h):
+        return f"{shape}: a {fmt_bytes(h.span_bytes)} view of a {fmt_bytes(h.nbytes)} storage"
+    return shape
+
+
+def _mark_shared(rows: list[Finding], saved_by: Mapping[int, set[int]]) -> None:
+    """A graph whose saved tensors several owners keep alive is named under each of them."""
+    shared = graph_sharing(saved_by)
+    for i, others in shared.items():
+        names = tuple(rows[j].name for j in others)[:MAX_HOLDERS]
+        rows[i] = replace(rows[i], graph_shared_with=names)

@@ -1,0 +1,96 @@
+"""Library code or the user's own: the one rule, asked of a file name.
+
+A file is a library's when it lies in this interpreter's standard library or site-packages, in a
+folder on ``sys.path`` that packages were installed into (``pip install --target``, a ``PYTHONPATH``
+library folder: it holds ``*.dist-info``), under any ``site-packages`` or ``dist-packages``, in nbmem
+itself, or is frozen (``<frozen importlib._bootstrap>``). Python code anywhere else is the user's: a
+notebook cell (``<ipython-input-3-…>``, ipykernel's ``/tmp/ipykernel_…/….py``), a script, a module
+beside the notebook. The line clock (measurement), the holder scan and the trace replay (analysis) and
+the IPython glue all ask here, so they agree at the edges.
+
+Only the standard library, and no nbmem module: every layer may import it.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+
+_NBMEM_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")  # the package, not measure/
+#: Folders named so are installed code wherever they are (another interpreter's, a conda env's).
+_INSTALLED_PARTS = ("site-packages", "dist-packages")
+
+
+@functools.cache
+def python_library_dirs() -> tuple[str, ...]:
+    """This interpreter's standard library and site-packages (``sysconfig``), each ending in a separator."""
+    import sysconfig
+
+    paths = sysconfig.get_paths()
+    found = {paths.get(k) for k in ("stdlib", "platstdlib", "purelib", "platlib")}
+    return tuple(sorted(os.path.join(p, "") for p in found if p))
+
+
+_install_dirs: tuple[tuple[str, ...], tuple[str, ...]] = ((), ())
+
+
+def install_dirs() -> tuple[str, ...]:
+    """The ``sys.path`` entries packages were installed into (they hold ``*.dist-info`` folders).
+
+    Looked at again only when ``sys.path`` changes.
+    """
+    global _install_dirs
+    key = tuple(p for p in sys.path if type(p) is str)
+    if _install_dirs[0] != key:
+        found = []
+        for p in key:
+            try:
+                if p and os.path.isdir(p) and any(e.endswith(".dist-info") for e in os.listdir(p)):
+                    found.append(os.path.join(os.path.abspath(p), ""))
+            except OSError:
+                continue
+        _install_dirs = (key, tuple(found))
+        _verdicts.clear()
+    return _install_dirs[1]
+
+
+_verdicts: dict[str, bool] = {}
+_VERDICTS_KEPT = 65_536
+
+
+def is_library_file(filename: str) -> bool:
+    """Whether code from ``filename`` is a library's (or the interpreter's, or nbmem's), not the user's."""
+    dirs = install_dirs()  # first: a changed sys.path clears the verdicts
+    got = _verdicts.get(filename)
+    if got is None:
+        got = (filename.startswith("<frozen") or filename.startswith(_NBMEM_DIR)
+               or filename.startswith(python_library_dirs()) or (bool(dirs) and filename.startswith(dirs))
+               or any(part in filename for part in _INSTALLED_PARTS))
+        if len(_verdicts) >= _VERDICTS_KEPT:
+            _verdicts.clear()
+        _verdicts[filename] = got
+    return got
+
+
+def is_user_file(filename: str) -> bool:
+    """Python code of the user's: a cell or a ``.py`` file outside the libraries.
+
+    Never a C++ frame (``??``, ``…/Module.cpp``) of a recording with C++ stacks, nor code made from a
+    string (``<string>``).
+    """
+    python = filename.endswith(".py") or filename.startswith("<ipython-input")
+    return python and not is_library_file(filename)
+
+
+def package_of(module_name: object) -> str:
+    """The top-level package of a module name (``torch.nn.modules`` → ``torch``), or "" when it has none."""
+    return module_name.partition(".")[0] if type(module_name) is str else ""
+
+
+def library_of(filename: str, module_name: object) -> str:
+    """The library a piece of code belongs to (``torch``), "a library" when its module has no name, or ""
+    when it is the user's."""
+    if not is_library_file(filename):
+        return ""
+    return package_of(module_name) or "a library"

@@ -1,0 +1,7 @@
+"""What a person sees: the live gauge (``widget`` + the ES modules in ``js/``) and matplotlib plots.
+
+Reads records the session publishes; the only message back is a cleanup request through the session.
+
+May import: ``nbmem.records``, ``nbmem.reports``, ``nbmem.formatting``, ``nbmem.options``, ``nbmem.cleanup``
+(the request type), ``nbmem.session`` (type only). Add a gauge segment in ``nbmem.records.SEGMENTS``.
+"""
