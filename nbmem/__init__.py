@@ -103,7 +103,7 @@ def cleanup(names: Any = (), outputs: bool = False, traceback: bool = False, col
     every problem, and nothing is removed. Returns a report with ``freed_allocated_bytes``,
     ``freed_reserved_bytes`` and one line per step.
     """
-    from nbmem.cleanup.request import CleanupRequest
+    from nbmem.clean.request import CleanupRequest
 
     return _session().cleanup(CleanupRequest.of(names, to_cpu, outputs, traceback, collect, empty_cache, compiled))
 

@@ -21,8 +21,8 @@ from typing import Any
 
 from nbmem.cells.advice import RESTART_ADVICE
 from nbmem.cells.watch import CellWatch
-from nbmem.cleanup.cleaner import Cleaner
-from nbmem.cleanup.request import CleanupRequest
+from nbmem.clean.cleaner import Cleaner
+from nbmem.clean.request import CleanupRequest
 from nbmem.fitting.prediction import FitResult
 from nbmem.fitting.runner import fit_in_notebook
 from nbmem.formatting import spans

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from IPython.core.error import UsageError
 
 import nbmem
-from nbmem.cleanup.request import CleanupRefused
+from nbmem.clean.request import CleanupRefused
 from nbmem.ipython.magics import _ACTIVE
 from nbmem.records import is_cache_name
 from tests.conftest import last_cell, ok, run
@@ -340,8 +340,8 @@ class _Moves:
 
 
 def test_a_move_to_the_cpu_counts_what_left_the_gpu_and_says_what_the_host_gained():
-    from nbmem.cleanup.cleaner import Cleaner
-    from nbmem.cleanup.request import CleanupRequest
+    from nbmem.clean.cleaner import Cleaner
+    from nbmem.clean.request import CleanupRequest
 
     state = {"cuda:0": (300, 400), "cpu": (10, None)}
     ns = _Moves(state)

@@ -97,7 +97,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from traitlets import Bool, Enum, Float, Int, TraitType
 from traitlets.config import Configurable
 
-from nbmem.cleanup.request import CleanupRefused, CleanupRequest
+from nbmem.clean.request import CleanupRefused, CleanupRequest
 from nbmem.fitting.state import FitRefused
 from nbmem.ipython.reconnect import BetweenCells, ReconnectRoute, reconnect_route
 from nbmem.ipython.shell import ShellAdapter

@@ -31,7 +31,7 @@ except ImportError as e:  # the magics turn this into "the gauge cannot be shown
     raise ImportError(f"nbmem's gauge needs anywidget: pip install anywidget ({e})") from e
 import traitlets
 
-from nbmem.cleanup.request import CleanupRefused, CleanupRequest
+from nbmem.clean.request import CleanupRefused, CleanupRequest
 from nbmem.records import CellRecord, Finding, HolderKind, Holders, Sample, Tick
 from nbmem.reports import CellReport, CleanupReport, memory_name, near_limit
 

@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from functools import partial
 from typing import Protocol
 
-from nbmem.cleanup.request import CleanupRequest
+from nbmem.clean.request import CleanupRequest
 from nbmem.formatting import fmt_bytes
 from nbmem.records import CleanupStep
 from nbmem.reports import CleanupReport
