@@ -4,5 +4,6 @@
 computes deltas and peaks from the allocator's counters; ``advice`` explains an out-of-memory error.
 
 May import: ``nbmem.measure``, ``nbmem.trace``, ``nbmem.holders``, ``nbmem.recorder``, ``nbmem.records``,
-``nbmem.reports``, ``nbmem.formatting``, ``nbmem.options``. Add a report step here.
+``nbmem.reports``, ``nbmem.formatting``, ``nbmem.options``, ``nbmem.store`` (a cell's records go there).
+Add a report step here.
 """

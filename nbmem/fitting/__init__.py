@@ -5,4 +5,8 @@ size to the value, ``prediction`` replays that timeline through the allocator mo
 that fits (all three pure analysis); ``state`` copies the training state a body can change and puts it back;
 ``runner`` runs the body under the allocator's trace (the engine part), and again under each remedy
 ``remedies`` can apply (activation checkpointing, bf16 autocast) when a wanted value does not fit.
+
+May import: ``nbmem.measure``, ``nbmem.trace``, ``nbmem.holders``, ``nbmem.records``, ``nbmem.reports``,
+``nbmem.formatting``. Add a fit remedy in ``remedies`` (measured ones are run again under it; modelled ones,
+like gradient accumulation, are replayed through the allocator model).
 """
