@@ -8,7 +8,7 @@
 
 import { fmtBytes, fmtSeconds, isNA } from "./format.js";
 import {
-  CONFIRM_MS, agoLabel, cellSpans, codeParts, holderList, peakPercent, press, rows, scaleOf, scannedLabel, segments,
+  CONFIRM_MS, agoLabel, cellSpans, codeParts, holderList, peakPercent, press, rows, scaleOf, scannedLabel, segmentColour, segments,
   seriesMax, sparkMax, sparkPath, sparkStart, viewKind, widths, limitWarning
 } from "./layout.js";
 import { dismissPanel, hasPanel, initialize, watchPanel } from "./panel.js";
@@ -22,17 +22,6 @@ import { dismissPanel, hasPanel, initialize, watchPanel } from "./panel.js";
  * @property {(msg: object) => void} send
  */
 
-const COLOURS = {
-  allocated: "var(--jp-brand-color1, #1976d2)",
-  cached: "var(--jp-brand-color3, #90caf9)",
-  tensors: "var(--jp-brand-color1, #1976d2)",
-  rest: "var(--jp-brand-color3, #90caf9)",
-  nontorch: "var(--jp-warn-color1, #f57c00)",
-  children: "var(--jp-success-color1, #388e3c)",
-  others: "var(--jp-error-color1, #d32f2f)",
-  unsplit: "repeating-linear-gradient(45deg, var(--jp-border-color1, #9e9e9e) 0 3px, transparent 3px 6px)",
-  free: "var(--jp-layout-color3, #e0e0e0)",
-};
 
 const CSS = `
 .nbmem-gauge { font-family: var(--jp-ui-font-family, sans-serif); font-size: var(--jp-ui-font-size1, 13px);
@@ -197,7 +186,7 @@ function deviceSection(r, procs, kids) {
     const s = h("span", "nbmem-seg");
     s.dataset.seg = g.key;
     s.style.width = `${ws[i]}%`;
-    s.style.background = COLOURS[/** @type {keyof typeof COLOURS} */ (g.key)] || COLOURS.free;
+    s.style.background = segmentColour(g.key);
     s.title = `${g.label}: ${fmtBytes(g.bytes)}`;
     bar.append(s);
   });
@@ -215,7 +204,7 @@ function deviceSection(r, procs, kids) {
     const li = h("li");
     li.dataset.seg = g.key;
     const sw = h("span", "nbmem-swatch");
-    sw.style.background = COLOURS[/** @type {keyof typeof COLOURS} */ (g.key)] || COLOURS.free;
+    sw.style.background = segmentColour(g.key);
     const v = h("span", "nbmem-value", fmtBytes(g.bytes));
     v.dataset.role = "value";
     li.append(sw, h("span", "", g.label), v);
@@ -281,7 +270,7 @@ function sparkline(device, hist, cells, now) {
     rect.append(title);
     svg.append(rect);
   }
-  for (const [series, colour, opacity] of [[aux, COLOURS.cached, "1"], [main, COLOURS.allocated, "1"]]) {
+  for (const [series, colour, opacity] of [[aux, segmentColour("cached"), "1"], [main, segmentColour("allocated"), "1"]]) {
     const d = sparkPath(t, /** @type {(number|null)[]} */ (series), box);
     if (!d) continue;
     const path = document.createElementNS(SVG, "path");

@@ -3,6 +3,7 @@
 // cell spans under it, the two-click confirmation of destructive buttons, and the words of each row
 // of the holder list.
 
+import { SEGMENTS } from "./segments.js";
 import { fmtBytes, isNA } from "./format.js";
 
 /**
@@ -65,37 +66,73 @@ export function diff(a, b) {
 }
 
 /**
- * The bar's segments in drawing order. When some in-use part is unknown (no per-process numbers in a
- * container, say), what NVML counts as used but nothing explains becomes one "not split" segment, so
- * the bar still adds up instead of showing a made-up zero.
+ * @typedef {object} SegmentDef
+ * @property {string} key
+ * @property {string} label
+ * @property {string | [string, "-", string]} [bytes] a row column, or the difference of two (at least 0)
+ * @property {string} color
+ * @property {string} css
+ * @property {string[]} [replaces]
+ */
+/**
+ * @typedef {object} SegmentSpec
+ * @property {SegmentDef[]} gpu
+ * @property {SegmentDef[]} cpu
+ * @property {SegmentDef} cpu_unscanned
+ * @property {SegmentDef} unsplit
+ * @property {SegmentDef} free
+ */
+
+/**
+ * A segment's bytes from the row, as segments.js says: a column, or `a - b` (unknown if either is).
+ * @param {DeviceRow} r
+ * @param {SegmentDef["bytes"]} how
+ * @returns {number|null}
+ */
+function bytesOf(r, how) {
+  const col = (/** @type {string} */ c) => /** @type {number|null} */ (/** @type {Record<string, unknown>} */ (r)[c] ?? null);
+  if (how === undefined) return null;
+  return typeof how === "string" ? col(how) : diff(col(how[0]), col(how[2]));
+}
+
+/**
+ * The bar's segments in drawing order, as segments.js defines them. When some in-use part is unknown (no
+ * per-process numbers in a container, say), what the device counts as used but nothing explains becomes one
+ * "not split" segment, so the bar still adds up instead of showing a made-up zero.
  * @param {DeviceRow} r
  * @returns {Segment[]}
  */
 export function segments(r) {
+  const seg = (/** @type {SegmentDef} */ d) => ({ key: d.key, label: d.label, bytes: bytesOf(r, d.bytes) });
+  const cpu = r.device === "cpu";
   /** @type {Segment[]} */
-  const inUse = r.device === "cpu"
-    ? [
-        { key: "tensors", label: "CPU tensors (last scan)", bytes: r.tensors },
-        { key: "rest", label: "rest of this process", bytes: diff(r.process, r.tensors) },
-        { key: "others", label: "other processes", bytes: diff(r.used, r.process) },
-      ]
-    : [
-        { key: "allocated", label: "torch allocated", bytes: r.allocated },
-        { key: "cached", label: "torch cached", bytes: diff(r.reserved, r.allocated) },
-        { key: "nontorch", label: "non-PyTorch (this process)", bytes: diff(r.process, r.reserved) },
-        { key: "children", label: "child processes (this notebook)", bytes: r.children },
-        { key: "others", label: "other processes", bytes: r.others },
-      ];
-  if (r.device === "cpu" && isNA(r.tensors) && !isNA(r.process)) {
+  let inUse = (cpu ? SEGMENTS.cpu : SEGMENTS.gpu).map(seg);
+  if (cpu && isNA(r.tensors) && !isNA(r.process)) {
     // Without a scan the process is one block: RSS, not split into tensors and the rest.
-    inUse.splice(0, 2, { key: "rest", label: "this process (RSS)", bytes: r.process });
+    const u = SEGMENTS.cpu_unscanned;
+    const at = inUse.findIndex((g) => (u.replaces || []).includes(g.key));
+    inUse = inUse.filter((g) => !(u.replaces || []).includes(g.key));
+    inUse.splice(Math.max(0, at), 0, seg(u));
   }
   const known = inUse.reduce((s, g) => s + (isNA(g.bytes) ? 0 : g.bytes), 0);
   if (inUse.some((g) => isNA(g.bytes)) && !isNA(r.used) && r.used > known) {
-    inUse.push({ key: "unsplit", label: "used, not split", bytes: r.used - known });
+    inUse.push({ key: SEGMENTS.unsplit.key, label: SEGMENTS.unsplit.label, bytes: r.used - known });
   }
-  inUse.push({ key: "free", label: "free", bytes: diff(r.total, r.used) });
+  inUse.push(seg(SEGMENTS.free));
   return inUse;
+}
+
+/**
+ * A segment's colour: the JupyterLab theme's variable, the hex of segments.js where there is none.
+ * @param {string} key
+ * @returns {string}
+ */
+export function segmentColour(key) {
+  const u = SEGMENTS.unsplit;
+  if (key === u.key) return `repeating-linear-gradient(45deg, var(${u.css}, ${u.color}) 0 3px, transparent 3px 6px)`;
+  const d = [...SEGMENTS.gpu, ...SEGMENTS.cpu, SEGMENTS.cpu_unscanned, SEGMENTS.free].find((g) => g.key === key)
+    || SEGMENTS.free;
+  return `var(${d.css}, ${d.color})`;
 }
 
 /**

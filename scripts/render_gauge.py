@@ -23,7 +23,7 @@ FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "-
 def main(state_path: str, png: str) -> None:
     from playwright.sync_api import sync_playwright
 
-    from nbmem.ui.widget import bundle
+    from nbmem.ui.frontend import bundle
 
     state = json.load(open(state_path))
     files = {"index.html": PAGE, "gauge.js": bundle()}

@@ -25,7 +25,7 @@ KNOWN_BUGS: dict[str, str] = {}
 #: Printed by the new environment's Python: where nbmem and torch came from.
 PROBE = """
 import json, nbmem, torch
-from nbmem.ui.widget import bundle, js_dir
+from nbmem.ui.frontend import bundle, js_dir
 print(json.dumps({"nbmem": nbmem.__version__, "file": nbmem.__file__, "torch": torch.__version__,
                   "cuda_build": torch.version.cuda, "js_dir": str(js_dir()), "js_bytes": len(bundle())}))
 """

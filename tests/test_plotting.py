@@ -163,7 +163,7 @@ def test_a_cpu_session_plots_the_four_cpu_kinds(ip):
     # Without the host columns (engine before its refactor) the last two are named as unknown.
     named = [t.removesuffix(": unknown") for t in legend_texts(fig) if t != "this process (RSS)"]
     assert named == list(CPU_KINDS)
-    assert "CPU tensors" in fills(ax)
+    assert "CPU tensors (last scan)" in fills(ax)
     assert len(visible_labels(ax)) >= 1
     assert fig._repr_png_()[:8] == b"\x89PNG\r\n\x1a\n"
 
@@ -202,8 +202,8 @@ def test_a_cpu_panel_with_the_host_columns_names_the_four_kinds():
 
 def test_without_the_host_columns_the_cpu_panel_leaves_others_and_free_out():
     fig = drawn(plot(cpu_session(host=False)))
-    assert legend_texts(fig) == ["CPU tensors", "rest of this process", "other processes: unknown", "free: unknown"]
-    assert set(fills(fig.axes[0])) == {"CPU tensors", "rest of this process"}
+    assert legend_texts(fig) == ["CPU tensors (last scan)", "rest of this process", "other processes: unknown", "free: unknown"]
+    assert set(fills(fig.axes[0])) == {"CPU tensors (last scan)", "rest of this process"}
 
 
 def test_unknown_per_process_numbers_are_not_drawn_as_zero():

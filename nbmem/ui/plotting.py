@@ -25,26 +25,17 @@ from matplotlib.ticker import Formatter, FuncFormatter, Locator
 from matplotlib.transforms import ScaledTranslation, blended_transform_factory
 
 from nbmem.formatting import fmt_bytes
+from nbmem.ui.frontend import ROW_COLUMNS, segment_spec
 
 if TYPE_CHECKING:
     from nbmem.fitting.prediction import FitResult
 
-#: The gauge's colours (js/gauge.js), by the gauge's names.
-COLORS = {
-    "torch allocated": "#1976d2",
-    "torch cached": "#90caf9",
-    "non-PyTorch (this process)": "#f57c00",
-    "child processes (this notebook)": "#388e3c",
-    "other processes": "#d32f2f",
-    "free": "#e0e0e0",
-    "CPU tensors": "#1976d2",
-    "rest of this process": "#90caf9",
-    "this process (RSS)": "#90caf9",
-    "used, not split": "#bdbdbd",
-}
-GPU_KINDS = ("torch allocated", "torch cached", "non-PyTorch (this process)", "child processes (this notebook)",
-             "other processes", "free")
-CPU_KINDS = ("CPU tensors", "rest of this process", "other processes", "free")
+_SPEC = segment_spec()  # js/segments.js: the gauge's split, read here so nbmem.plot() agrees with the gauge
+_ALL = [*_SPEC["gpu"], *_SPEC["cpu"], _SPEC["cpu_unscanned"], _SPEC["unsplit"], _SPEC["free"]]
+#: The gauge's colours, by the gauge's names.
+COLORS = {d["label"]: d["color"] for d in _ALL}
+GPU_KINDS = tuple(d["label"] for d in [*_SPEC["gpu"], _SPEC["free"]])
+CPU_KINDS = tuple(d["label"] for d in [*_SPEC["cpu"], _SPEC["free"]])
 
 #: Tick steps of the time axis, in seconds; past a day, whole days.
 TIME_STEPS = (0.1, 0.2, 0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800,
@@ -228,37 +219,45 @@ def stack(device: str, rows: Any, cpu_tensors: np.ndarray | None = None) -> tupl
     is one "this process (RSS)" block, as in the gauge.
     """
     n = len(rows)
+    kind = "cpu" if device == "cpu" else "gpu"
+    tensors = np.full(n, np.nan) if cpu_tensors is None else np.asarray(cpu_tensors, dtype="float64")
 
     def col(name: str) -> np.ndarray:
-        if name not in rows:
+        if name == "tensors":
+            return tensors
+        sample_col = ROW_COLUMNS[kind].get(name)
+        if sample_col is None or sample_col not in rows:
             return np.full(n, np.nan)
         import pandas as pd
 
-        return pd.to_numeric(rows[name], errors="coerce").astype("float64").to_numpy()
+        return pd.to_numeric(rows[sample_col], errors="coerce").astype("float64").to_numpy()
 
-    if device == "cpu":
-        rss, used, total = col("rss_bytes"), col("host_used_bytes"), col("host_total_bytes")
-        tensors = np.full(n, np.nan) if cpu_tensors is None else np.asarray(cpu_tensors, dtype="float64")
+    def bytes_of(how: Any) -> np.ndarray:
+        return col(how) if isinstance(how, str) else _diff(col(how[0]), col(how[2]))
+
+    in_use = [Band(d["label"], bytes_of(d["bytes"])) for d in _SPEC[kind]]
+    unknown = np.zeros(n, dtype=bool)
+    if kind == "cpu":
+        # Where the last scan's tensors are known the process is split; elsewhere it is one block (RSS).
+        u = _SPEC["cpu_unscanned"]
         split = np.isfinite(tensors)
-        in_use = [Band("CPU tensors", np.where(np.isfinite(rss), tensors, np.nan)),
-                  Band("rest of this process", _diff(rss, tensors)),
-                  Band("this process (RSS)", np.where(split, np.nan, rss), hatch="//"),
-                  Band("other processes", _diff(used, rss))]
-        unknown = ~np.isfinite(rss) | ~np.isfinite(in_use[-1].bytes)
+        replaced = [i for i, d in enumerate(_SPEC[kind]) if d["key"] in u["replaces"]]
+        for i in replaced:
+            in_use[i] = Band(in_use[i].label, np.where(split, in_use[i].bytes, np.nan))
+        block = Band(u["label"], np.where(split, np.nan, bytes_of(u["bytes"])), hatch="//")
+        in_use.insert(replaced[-1] + 1, block)
+        group = np.where(split, sum(in_use[i].bytes for i in replaced), block.bytes)
+        unknown |= ~np.isfinite(group)
+        in_use_checked = [b for i, b in enumerate(in_use) if i not in replaced and b is not block]
     else:
-        alloc, reserved = col("allocated_bytes"), col("reserved_bytes")
-        used, total = col("nvml_used_bytes"), col("nvml_total_bytes")
-        in_use = [Band("torch allocated", alloc),
-                  Band("torch cached", _diff(reserved, alloc)),
-                  Band("non-PyTorch (this process)", _diff(col("process_used_bytes"), reserved)),
-                  Band("child processes (this notebook)", col("children_used_bytes")),
-                  Band("other processes", col("other_processes_bytes"))]
-        unknown = np.zeros(n, dtype=bool)
-        for b in in_use:
-            unknown |= ~np.isfinite(b.bytes)
+        in_use_checked = in_use
+    for b in in_use_checked:
+        unknown |= ~np.isfinite(b.bytes)
+    used, total = col("used"), col("total")
     known = np.nansum(np.vstack([b.bytes for b in in_use]), axis=0) if n else np.zeros(0)
     unsplit = np.where(unknown & (used > known), used - known, np.nan)
-    bands = [*in_use, Band("used, not split", unsplit, hatch="//"), Band("free", _diff(total, used))]
+    free = Band(_SPEC["free"]["label"], bytes_of(_SPEC["free"]["bytes"]))
+    bands = [*in_use, Band(_SPEC["unsplit"]["label"], unsplit, hatch="//"), free]
     finite = total[np.isfinite(total)]
     return bands, float(finite.max()) if finite.size else math.nan
 

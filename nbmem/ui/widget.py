@@ -22,7 +22,6 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 try:
@@ -34,6 +33,7 @@ import traitlets
 from nbmem.clean.request import CleanupRefused, CleanupRequest
 from nbmem.records import CellRecord, Finding, HolderKind, Holders, Sample, Tick
 from nbmem.reports import CellReport, CleanupReport, memory_name, near_limit
+from nbmem.ui.frontend import ROW_COLUMNS, bundle
 
 if TYPE_CHECKING:
     from nbmem.session import Session
@@ -49,33 +49,6 @@ THREAD_NAME = "nbmem-gauge"
 ACTIONS = ("del", "to_cpu", "outputs", "traceback", "gc")
 _REFUSED_KEPT = 100
 
-# -- the front end: one ES module ------------------------------------------------------------------
-# anywidget evaluates a single module from a string, so `import … from "./format.js"` cannot resolve
-# there. The sources stay separate modules (node tests import format.js and layout.js directly), and
-# the widget gets them concatenated in dependency order with those relative imports dropped: the
-# names they import are then simply in scope. No bundler, no build step.
-_MODULES = ("format.js", "layout.js", "panel.js", "gauge.js")
-_LOCAL_IMPORT = re.compile(r"^import\s[^;]*?\sfrom\s+[\"']\./[^\"']+[\"'];[ \t]*\n", re.M)
-
-
-def js_dir() -> Path:
-    """Where the front-end sources are: nbmem/static in a wheel, the repo's js/ in an editable install."""
-    here = Path(__file__).resolve().parents[1]  # the nbmem package folder
-    for d in (here / "static", here.parent / "js"):
-        if (d / "gauge.js").is_file():
-            return d
-    raise FileNotFoundError(f"nbmem's gauge.js is missing from {here / 'static'} (and {here.parent / 'js'}): "
-                            f"reinstall nbmem")
-
-
-def bundle(directory: Path | None = None) -> str:
-    """The gauge's ES module: format.js, layout.js, panel.js and gauge.js as one module."""
-    d = directory or js_dir()
-    parts = [f"// ---- nbmem/{name}\n" + _LOCAL_IMPORT.sub("", (d / name).read_text(encoding="utf-8"))
-             for name in _MODULES]
-    return "\n".join(parts)
-
-
 # -- what the publisher sends: pure functions of the engine's records --------------------------------
 def snapshot_columns(batch: Sequence[Sample], *, models: Mapping[str, str], peaks: Mapping[str, int],
                      cpu_tensors_bytes: int | None) -> dict[str, Any]:
@@ -87,15 +60,11 @@ def snapshot_columns(batch: Sequence[Sample], *, models: Mapping[str, str], peak
         cpu = s.device == "cpu"
         cols["device"].append(s.device)
         cols["model"].append(memory_name(s.memory_limit) if cpu else models.get(s.device, ""))
-        cols["allocated"].append(s.allocated_bytes)
-        cols["reserved"].append(s.reserved_bytes)
-        cols["process"].append(s.rss_bytes if cpu else s.process_used_bytes)
-        cols["others"].append(None if cpu else s.other_processes_bytes)
-        cols["used"].append(s.host_used_bytes if cpu else s.nvml_used_bytes)
-        cols["total"].append(s.host_total_bytes if cpu else s.nvml_total_bytes)
+        source = ROW_COLUMNS["cpu" if cpu else "gpu"]
+        for c in ("allocated", "reserved", "process", "others", "used", "total", "children"):
+            cols[c].append(getattr(s, source[c]) if c in source else None)
         cols["tensors"].append(cpu_tensors_bytes if cpu else None)
         cols["peak"].append(peaks.get(s.device))
-        cols["children"].append(None if cpu else s.children_used_bytes)
         lim = s.memory_limit if cpu and s.memory_limit is not None and s.memory_limit.applies else None
         cols["limit"].append(lim.source if lim else None)  # cpu: `total` is this container limit, not host RAM
         cols["near_limit"].append(near_limit(lim, s.rss_bytes) if lim else None)  # cpu: >= 90 % of it: warn

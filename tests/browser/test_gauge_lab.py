@@ -205,7 +205,7 @@ def _gpu_state() -> dict[str, Any]:
 
 
 def test_gpu_layout_from_fake_samples(page: Any, artifacts: Path) -> None:
-    from nbmem.ui.widget import bundle
+    from nbmem.ui.frontend import bundle
 
     files = {"index.html": PAGE, "gauge.js": bundle()}
     page.route("http://nbmem.test/**", lambda route: route.fulfill(

@@ -1,0 +1,58 @@
+"""The front end's files: where ``js/`` is, the gauge's one ES module, and the segment split both sides read.
+
+``js/segments.js`` holds the split of a device's bar as a JSON object: the gauge (``layout.js``) imports it, and
+``segment_spec()`` parses the same text for ``nbmem.plot()``, so a new segment is written once.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+# -- the front end: one ES module ------------------------------------------------------------------
+# anywidget evaluates a single module from a string, so `import … from "./format.js"` cannot resolve
+# there. The sources stay separate modules (node tests import format.js and layout.js directly), and
+# the widget gets them concatenated in dependency order with those relative imports dropped: the
+# names they import are then simply in scope. No bundler, no build step.
+_MODULES = ("format.js", "segments.js", "layout.js", "panel.js", "gauge.js")
+_LOCAL_IMPORT = re.compile(r"^import\s[^;]*?\sfrom\s+[\"']\./[^\"']+[\"'];[ \t]*\n", re.M)
+
+
+def js_dir() -> Path:
+    """Where the front-end sources are: nbmem/static in a wheel, the repo's js/ in an editable install."""
+    here = Path(__file__).resolve().parents[1]  # the nbmem package folder
+    for d in (here / "static", here.parent / "js"):
+        if (d / "gauge.js").is_file():
+            return d
+    raise FileNotFoundError(f"nbmem's gauge.js is missing from {here / 'static'} (and {here.parent / 'js'}): "
+                            f"reinstall nbmem")
+
+
+def bundle(directory: Path | None = None) -> str:
+    """The gauge's ES module: format.js, layout.js, panel.js and gauge.js as one module."""
+    d = directory or js_dir()
+    parts = [f"// ---- nbmem/{name}\n" + _LOCAL_IMPORT.sub("", (d / name).read_text(encoding="utf-8"))
+             for name in _MODULES]
+    return "\n".join(parts)
+
+
+#: The sample column behind each column of a gauge row (``widget.snapshot_columns`` sends them under these
+#: names), by device kind; ``tensors`` on the CPU is the last scan's, not a sample column.
+ROW_COLUMNS: dict[str, dict[str, str]] = {
+    "gpu": {"allocated": "allocated_bytes", "reserved": "reserved_bytes", "process": "process_used_bytes",
+            "children": "children_used_bytes", "others": "other_processes_bytes", "used": "nvml_used_bytes",
+            "total": "nvml_total_bytes"},
+    "cpu": {"allocated": "allocated_bytes", "reserved": "reserved_bytes", "process": "rss_bytes",
+            "used": "host_used_bytes", "total": "host_total_bytes"},
+}
+
+
+@functools.cache
+def segment_spec() -> dict[str, Any]:
+    """``js/segments.js``'s ``SEGMENTS`` object (strict JSON between its first ``{`` and last ``}``)."""
+    text = (js_dir() / "segments.js").read_text(encoding="utf-8")
+    body = text[text.index("= {") + 2: text.rindex("}") + 1]
+    return dict(json.loads(body))

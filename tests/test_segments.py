@@ -1,0 +1,58 @@
+"""The gauge's split (js/layout.js) and nbmem.plot()'s (ui/plotting.py) read one spec and give the same bars."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import subprocess
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from nbmem.ui.frontend import ROW_COLUMNS, js_dir, segment_spec
+from nbmem.ui.plotting import stack
+
+GiB = 2**30
+LAYOUT = Path(__file__).resolve().parents[1] / "js" / "layout.js"
+ROWS = [  # gauge rows: a GPU with every number, one whose process numbers are unknown, a CPU scanned and not
+    {"device": "cuda:0", "allocated": 2 * GiB, "reserved": 3 * GiB, "process": 4 * GiB, "children": GiB,
+     "others": 2 * GiB, "used": 7 * GiB, "total": 80 * GiB, "tensors": None},
+    {"device": "cuda:1", "allocated": GiB, "reserved": 2 * GiB, "process": None, "children": None,
+     "others": None, "used": 7 * GiB, "total": 80 * GiB, "tensors": None},
+    {"device": "cpu", "allocated": None, "reserved": None, "process": 6 * GiB, "children": None, "others": None,
+     "used": 10 * GiB, "total": 16 * GiB, "tensors": 2 * GiB},
+    {"device": "cpu", "allocated": None, "reserved": None, "process": 6 * GiB, "children": None, "others": None,
+     "used": 10 * GiB, "total": 16 * GiB, "tensors": None},
+]
+
+
+def js_segments(row: dict) -> dict[str, float | None]:
+    script = (f"import {{ segments }} from {json.dumps(LAYOUT.as_uri())};"
+              f"console.log(JSON.stringify(segments({json.dumps(row)})));")
+    out = subprocess.run(["node", "--input-type=module", "-e", script], capture_output=True, text=True, check=True)
+    return {g["label"]: g["bytes"] for g in json.loads(out.stdout) if g["bytes"] is not None}
+
+
+def py_segments(row: dict) -> dict[str, float | None]:
+    kind = "cpu" if row["device"] == "cpu" else "gpu"
+    samples = pd.DataFrame([{col: row[name] for name, col in ROW_COLUMNS[kind].items()}])
+    tensors = [math.nan if row["tensors"] is None else row["tensors"]]
+    bands, _ = stack(row["device"], samples, tensors if kind == "cpu" else None)
+    return {b.label: float(b.bytes[0]) for b in bands if math.isfinite(b.bytes[0])}
+
+
+@pytest.mark.skipif(shutil.which("node") is None, reason="node runs the gauge's layout.js")
+@pytest.mark.parametrize("row", ROWS, ids=["gpu", "gpu-unsplit", "cpu", "cpu-unscanned"])
+def test_the_gauge_and_the_plot_split_a_device_the_same_way(row: dict) -> None:
+    js, py = js_segments(row), py_segments(row)
+    assert js == py
+    assert sum(v for k, v in py.items() if k != "free") + py["free"] == row["total"]
+
+
+def test_the_spec_is_the_file_the_gauge_ships() -> None:
+    spec = segment_spec()
+    assert (js_dir() / "segments.js").is_file()
+    assert [d["key"] for d in spec["gpu"]] == ["allocated", "cached", "nontorch", "children", "others"]
+    assert all(d["color"].startswith("#") and d["css"].startswith("--jp-") for d in [*spec["gpu"], *spec["cpu"]])
