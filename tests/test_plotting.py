@@ -202,7 +202,8 @@ def test_a_cpu_panel_with_the_host_columns_names_the_four_kinds():
 
 def test_without_the_host_columns_the_cpu_panel_leaves_others_and_free_out():
     fig = drawn(plot(cpu_session(host=False)))
-    assert legend_texts(fig) == ["CPU tensors (last scan)", "rest of this process", "other processes: unknown", "free: unknown"]
+    assert legend_texts(fig) == ["CPU tensors (last scan)", "rest of this process", "other processes: unknown",
+                                 "free: unknown"]
     assert set(fills(fig.axes[0])) == {"CPU tensors (last scan)", "rest of this process"}
 
 

@@ -8,7 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from nbmem.measure.sources import HostSource, NvmlSource, Probe, TorchSource, heap_bytes, parse_visible_devices
+from nbmem.measure.host import HostSource, heap_bytes
+from nbmem.measure.sources import NvmlSource, Probe, TorchSource, parse_visible_devices
 
 UUIDS = ["GPU-aaaa-1111", "GPU-bbbb-2222", "GPU-cccc-3333"]
 

@@ -19,7 +19,8 @@ from nbmem.formatting import fmt_bytes
 from nbmem.holders import findings as judge
 from nbmem.holders import owners, pools
 from nbmem.holders.scanner import Scan, Scanner
-from nbmem.measure.sources import Probe, heap_bytes
+from nbmem.measure.host import heap_bytes
+from nbmem.measure.sources import Probe
 from nbmem.options import Settings
 from nbmem.records import Boundary, CellRecord
 from nbmem.trace.linetrace import Replay

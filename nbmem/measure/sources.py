@@ -8,19 +8,18 @@ imported torch there are no tensors to see) and only when ``torch.cuda.is_initia
 
 from __future__ import annotations
 
-import ctypes
 import os
 import sys
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from nbmem.measure import processes as lineage
-from nbmem.measure.limits import Cgroup, applied
+from nbmem.measure.host import HostSource
 from nbmem.measure.notebooks import notebook_of_pids
-from nbmem.records import AllocatorReading, Boundary, GpuDevice, GpuProcess, GpuReading, MemoryLimit, Sample
+from nbmem.records import AllocatorReading, Boundary, GpuDevice, GpuProcess, GpuReading, Sample
 
 #: How often the NVML process list may be asked for: it takes the driver's lock and can cost
 #: milliseconds (MangoHud measured 4.5 ms for the graphics list), so never faster than this.
@@ -440,81 +439,6 @@ class Trace:
     since_us: int  # wall clock, as the trace's time_us
     stacks: bool
     max_entries: int
-
-
-@dataclass
-class HostSource:
-    """This process's resident memory, and the memory it may use: the host's, or its container's limit."""
-
-    _proc: Any = field(default=None, repr=False)
-    limits: Cgroup = field(default_factory=Cgroup, repr=False)
-
-    def rss_bytes(self) -> int | None:
-        try:
-            if self._proc is None:
-                import psutil
-
-                self._proc = psutil.Process()
-            return int(self._proc.memory_info().rss)
-        except Exception:
-            return _statm_rss()
-
-    def memory(self) -> tuple[int | None, int | None, MemoryLimit]:
-        """(total, used) of the memory this process may use, and the limit read: host RAM (used is total
-        minus what the kernel calls available), or the cgroup's limit and its usage where that is lower."""
-        total: int | None = None
-        used: int | None = None
-        try:
-            import psutil
-
-            vm = psutil.virtual_memory()
-            total, used = int(vm.total), int(vm.total - vm.available)
-        except Exception:
-            pass
-        lim = self.limits.read(total)
-        return (*applied(lim, total, used), lim)
-
-    @staticmethod
-    def max_rss_bytes() -> int | None:
-        """The kernel's high-water mark of RSS (exact, unlike polling)."""
-        try:
-            import resource  # Unix only
-
-            kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-        except Exception:
-            return None
-        return int(kb) * (1 if sys.platform == "darwin" else 1024)
-
-
-class _MallInfo2(ctypes.Structure):
-    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
-                                                "fsmblks", "uordblks", "fordblks", "keepcost")]
-
-
-def _mallinfo2() -> Callable[[], int] | None:
-    try:
-        fn = ctypes.CDLL(None).mallinfo2  # glibc >= 2.33
-    except (OSError, AttributeError, TypeError):
-        return None
-    fn.restype = _MallInfo2
-
-    def heap_bytes() -> int:
-        r = fn()
-        return int(r.hblkhd + r.uordblks)
-    return heap_bytes
-
-
-#: Bytes the C heap has handed out (glibc's mallinfo2: ~0.4 µs), or None off glibc. CPU tensors come
-#: from malloc, and torch.empty pages are untouched, so RSS would not see them: this does.
-heap_bytes = _mallinfo2()
-
-
-def _statm_rss() -> int | None:
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except Exception:
-        return None
 
 
 #: How old a process list may be at a cell boundary (cells are user-paced, not a polling loop).
