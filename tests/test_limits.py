@@ -8,8 +8,9 @@ from types import SimpleNamespace
 import psutil
 import pytest
 
+from nbmem.measure.host import HostSource
 from nbmem.measure.limits import V1_UNLIMITED, Cgroup, applied, oom_kills_of
-from nbmem.measure.sources import HostSource, NvmlSource, Probe
+from nbmem.measure.sources import NvmlSource, Probe
 from nbmem.records import MemoryLimit
 from nbmem.reports import near_limit
 
