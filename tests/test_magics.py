@@ -150,7 +150,8 @@ def test_a_report_holds_no_reference_to_user_objects(ip):
     ("clean nosuchname", "no variable named"),
     ("leaks --cell -3", "cell number"),
     ("leaks --cell abc", "invalid int"),
-    ("--no-such-flag", "unrecognized"),
+    ("--no-such-flag", "the command comes first"),
+    ("on --no-such-flag", "does not take --no-such-flag; it takes --lines, --no-scan, --reset-peak"),
     ("gauge --inline --sidebar", "choose one"),
 ])
 def test_bad_line_input_is_a_usage_error_naming_the_fix(ip, line, fix):
