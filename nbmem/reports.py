@@ -119,8 +119,8 @@ class CellTable(Shown):
 
     def _foot(self) -> str:
         earlier = len(self.records) - CELLS_ROWS
-        rows = f"the latest {CELLS_ROWS} rows of {len(self.records):,}; " if earlier > 0 else ""
-        return f"{rows}every row and column (NVML, RSS, before/after, peak notes): `nbmem.report()`, a DataFrame"
+        rows = f"the latest {CELLS_ROWS} of {len(self.records):,} rows; " if earlier > 0 else ""
+        return f"{rows}all rows and columns: `nbmem.report()` (a DataFrame)"
 
     def __str__(self) -> str:
         if not self.records:

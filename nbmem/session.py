@@ -61,7 +61,7 @@ def scan_lines(s: Scan | None) -> tuple[str, ...]:
     out = [f"last holder scan: {plural(s.objects, 'object')} in {s.seconds * 1000:.1f} ms, walked "
            f"{len(s.walked)} of the roots (the others were unchanged)"]
     if s.errors:
-        out.append(f"{plural(s.errors, 'object')} could not be read and were skipped ({', '.join(s.error_types)})")
+        out.append(f"skipped {plural(s.errors, 'object')} that could not be read ({', '.join(s.error_types)})")
     if s.unfinished:
         out.append("not finished within Nbmem.scan_budget: " + ", ".join(s.unfinished[:10]))
     return tuple(out)
