@@ -207,8 +207,8 @@ class NbmemMagics(Magics):
             if raw.lstrip().startswith("%%cudamem"):
                 return  # the cell magic measures this cell itself
             own = own_command(raw)
-            if not raw.strip() or (own is not None and own != "clean"):
-                return  # a blank cell, or nbmem's own command (or its refusal), moves no memory: nothing to report
+            if own is not None and own != "clean":
+                return  # nbmem's own command (or its refusal) moves no memory: nothing to report
             s.begin_cell(self.shell.execution_count - 1, source=raw)
             # A cleanup is measured, so the records add up, but its own table already said what it freed.
             self._quiet = own == "clean"

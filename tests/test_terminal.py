@@ -21,7 +21,7 @@ import nbmem
 from nbmem.magics import session_of
 from nbmem.records import CellRecord
 from nbmem.reports import CPU_CANNOT, CellTable
-from tests.conftest import cpu_only, nbmem_callbacks, ok, run
+from tests.conftest import cpu_only, nbmem_callbacks, ok
 from tests.test_readme import blocks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -139,10 +139,3 @@ def test_the_cell_table_fits_80_columns_and_says_where_the_rest_is(device):
     assert "nbmem.report()" in CellTable(recs)._repr_html_()
     assert "no cell measured yet" in str(CellTable(()))
 
-
-def test_blank_cells_are_not_measured(default_shell):
-    ok(default_shell, "%load_ext nbmem")
-    ok(default_shell, "%cudamem on")
-    before = len(session_of(default_shell).cell_list())
-    run(default_shell, "   \n")
-    assert len(session_of(default_shell).cell_list()) == before
