@@ -48,6 +48,11 @@ def fmt_count(n: int) -> str:
     return str(n)
 
 
+def plural(n: int, noun: str, many: str | None = None) -> str:
+    """A count and its noun, agreeing: "1 output", "2 outputs", "12,345 objects" (``many``: an irregular plural)."""
+    return f"{n:,} {noun if n == 1 else many or noun + 's'}"
+
+
 def fmt_times(x: float) -> str:
     """A ratio as a person reads it: "~2.4×" below ten, "~12×" above."""
     return f"~{x:.1f}×" if round(x, 1) < 10 else f"~{x:.0f}×"

@@ -56,6 +56,85 @@ def summary_cells(r: CellRecord) -> list[str]:
 SUMMARY_COLUMNS = (Column("device"), Column("Δallocated", numeric=True), Column("Δreserved", numeric=True),
                    Column("peak allocated", numeric=True), Column("Δ NVML process", numeric=True),
                    Column("Δ RSS", numeric=True))
+#: The summary's columns a CPU cannot fill (it has no caching allocator and no NVML), and their fields.
+CPU_BLANK = {"Δreserved": "delta_reserved_bytes", "peak allocated": "peak_allocated_bytes",
+             "Δ NVML process": "delta_process_used_bytes"}
+#: Said once a session, under the first report shown whose rows are all the CPU's.
+CPU_CANNOT = ("on a CPU nbmem tells what tensors hold and the process's RSS, not reserved memory, NVML's figures or "
+              "the peak inside a cell (no caching allocator): those columns are left out")
+
+
+def summary_table(records: Sequence[CellRecord]) -> tuple[tuple[Column, ...], list[list[str]]]:
+    """The summary's columns and rows; on a CPU only, without the columns no row can carry a number."""
+    rows = [summary_cells(r) for r in records]
+    if any(r.device != "cpu" for r in records):
+        return SUMMARY_COLUMNS, rows
+    keep = [c.title not in CPU_BLANK or any(not is_na(getattr(r, CPU_BLANK[c.title])) for r in records)
+            for c in SUMMARY_COLUMNS]
+    return (tuple(c for c, k in zip(SUMMARY_COLUMNS, keep) if k),
+            [[v for v, k in zip(row, keep) if k] for row in rows])
+
+
+def cpu_only(records: Sequence[CellRecord]) -> bool:
+    return bool(records) and all(r.device == "cpu" for r in records)
+
+
+#: ``%cudamem report``'s columns, chosen to fit 80 columns of a terminal; ``nbmem.report()`` has them all.
+CELLS_GPU = (Column("cell", numeric=True), Column("device"), Column("time", numeric=True),
+             Column("Δallocated", numeric=True), Column("Δreserved", numeric=True), Column("peak", numeric=True),
+             Column("error"))
+CELLS_CPU = (Column("cell", numeric=True), Column("device"), Column("time", numeric=True),
+             Column("Δallocated", numeric=True), Column("Δ RSS", numeric=True), Column("peak RSS", numeric=True),
+             Column("error"))
+#: Rows ``%cudamem report`` shows, the latest; the DataFrame has every cell.
+CELLS_ROWS = 40
+ERROR_SHOWN = 18
+
+
+def _short_peak(r: CellRecord) -> str:
+    """The peak as a number, or the bound a note gives ("≤ 1.20 GiB"), without the note's explanation."""
+    if not is_na(r.peak_allocated_bytes):
+        return fmt_bytes(r.peak_allocated_bytes)
+    return r.peak_note.split(" (")[0] if r.peak_note[:1] in ("≤", "≈") else "NA"
+
+
+def _cut(text: str, width: int) -> str:
+    return text if len(text) <= width else text[:width - 1] + "…"
+
+
+@dataclass(frozen=True, repr=False)
+class CellTable(Shown):
+    """``%cudamem report``: a row per measured cell and device, in the columns a terminal has room for."""
+
+    records: tuple[CellRecord, ...]
+
+    def _table(self) -> tuple[tuple[Column, ...], list[list[str]]]:
+        shown = self.records[-CELLS_ROWS:]
+        if cpu_only(self.records):
+            return CELLS_CPU, [[str(r.cell), r.device, fmt_seconds(r.duration_s),
+                                fmt_bytes(r.delta_allocated_bytes, signed=True),
+                                fmt_bytes(r.delta_rss_bytes, signed=True), fmt_bytes(r.peak_rss_bytes),
+                                _cut(r.error, ERROR_SHOWN)] for r in shown]
+        return CELLS_GPU, [[str(r.cell), r.device, fmt_seconds(r.duration_s),
+                            fmt_bytes(r.delta_allocated_bytes, signed=True),
+                            fmt_bytes(r.delta_reserved_bytes, signed=True), _short_peak(r),
+                            _cut(r.error, ERROR_SHOWN)] for r in shown]
+
+    def _foot(self) -> str:
+        earlier = len(self.records) - CELLS_ROWS
+        rows = f"the latest {CELLS_ROWS} of {len(self.records):,} rows; " if earlier > 0 else ""
+        return f"{rows}all rows and columns: `nbmem.report()` (a DataFrame)"
+
+    def __str__(self) -> str:
+        if not self.records:
+            return "nbmem: no cell measured yet: `%cudamem on` measures every cell, `%%cudamem` one"
+        return "\n".join([text_table(*self._table()), self._foot()])
+
+    def _repr_html_(self) -> str:
+        if not self.records:
+            return f"<div class='nbmem-report'>{prose(str(self))}</div>"
+        return ("<div class='nbmem-report'>" + html_table(*self._table(), caption="nbmem: measured cells")
+                + f"<div>{prose(self._foot())}</div></div>")
 
 
 FINDING_TABLE = (Column("name", code=True), Column("kind"), Column("device"), Column("bytes", numeric=True),
@@ -295,6 +374,7 @@ class CellReport(Shown):
     children_use: tuple[ChildrenUse, ...] = ()  # what this notebook's child processes held per GPU in the cell
     explain_unattributed: bool = True  # the long explanation of unattributed memory (once a session)
     unattributed_before: tuple[tuple[str, int], ...] = ()  # what earlier cells had left unnamed, per device
+    explain_cpu: bool = False  # say what a CPU cannot tell (once a session: until a report that said it is shown)
 
     @property
     def holders(self) -> HolderTable:
@@ -336,8 +416,12 @@ class CellReport(Shown):
                                before=self.unattributed_before),
                 *child_texts(self.children_use, self.children)]
 
+    @property
+    def says_cpu(self) -> bool:
+        return self.explain_cpu and cpu_only(self.records)
+
     def __str__(self) -> str:
-        parts = [self._head(), text_table(SUMMARY_COLUMNS, [summary_cells(r) for r in self.records])]
+        parts = [self._head(), text_table(*summary_table(self.records)), *([CPU_CANNOT] if self.says_cpu else [])]
         for dev, rows in self._line_tables():
             parts += [f"lines ({dev}):", text_table(LINE_TABLE, rows)]
         if self.findings:
@@ -350,7 +434,8 @@ class CellReport(Shown):
 
     def _repr_html_(self) -> str:
         parts = [f"<div class='nbmem-report'><div style='font-weight:600'>{esc(self._head())}</div>",
-                 html_table(SUMMARY_COLUMNS, [summary_cells(r) for r in self.records])]
+                 html_table(*summary_table(self.records)),
+                 *([f"<div>{prose(CPU_CANNOT)}</div>"] if self.says_cpu else [])]
         for dev, rows in self._line_tables():
             parts.append(html_table(LINE_TABLE, rows, caption=f"lines ({dev})"))
         if self.findings:

@@ -25,7 +25,7 @@ from nbmem.clean.cleaner import Cleaner
 from nbmem.clean.request import CleanupRequest
 from nbmem.fitting.prediction import FitResult
 from nbmem.fitting.runner import fit_in_notebook
-from nbmem.formatting import spans
+from nbmem.formatting import plural, spans
 from nbmem.holders.holdings import REFRESH_BUDGET_S, Holdings
 from nbmem.holders.owners import Rows
 from nbmem.holders.pools import pool_lines
@@ -46,7 +46,7 @@ from nbmem.records import (
     Sample,
     Tick,
 )
-from nbmem.reports import CellReport, CleanupReport, Leaks, Lines, Status, limit_line
+from nbmem.reports import CellReport, CellTable, CleanupReport, Leaks, Lines, Status, limit_line
 from nbmem.sampler import Sampler
 from nbmem.store import Store, records_frame, ticks_for
 
@@ -57,10 +57,10 @@ def scan_lines(s: Scan | None) -> tuple[str, ...]:
     """How the last holder scan went, a line each (``%cudamem status``)."""
     if s is None:
         return ()
-    out = [f"last holder scan: {s.objects:,} objects in {s.seconds * 1000:.1f} ms, walked {len(s.walked)} of the "
-           f"roots (the others were unchanged)"]
+    out = [f"last holder scan: {plural(s.objects, 'object')} in {s.seconds * 1000:.1f} ms, walked "
+           f"{len(s.walked)} of the roots (the others were unchanged)"]
     if s.errors:
-        out.append(f"{s.errors} objects could not be read and were skipped ({', '.join(s.error_types)})")
+        out.append(f"skipped {plural(s.errors, 'object')} that could not be read ({', '.join(s.error_types)})")
     if s.unfinished:
         out.append("not finished within Nbmem.scan_budget: " + ", ".join(s.unfinished[:10]))
     return tuple(out)
@@ -87,6 +87,7 @@ class Session:
         self.cannot: list[str] = []  # what the adapter found this kernel cannot do, for `%cudamem status`
         self.last_report: CellReport | None = None
         self.last_shown_report: CellReport | None = None  # what `--last-report` cleans: what the user saw
+        self.last_cleanup: CleanupReport | None = None
         self.last_fit: FitResult | None = None
         self._listeners: list[Listener] = []
         self._lock = threading.Lock()
@@ -242,6 +243,8 @@ class Session:
     def shown(self, report: CellReport) -> None:
         """The adapter displayed ``report``; `%cudamem clean --last-report` now means this one."""
         self.last_shown_report = report
+        if report.says_cpu:
+            self.cells.cpu_explained = True  # said once: later reports leave the CPU's blank columns out silently
 
     def should_show(self, report: CellReport) -> bool:
         if self.settings.show == "never":
@@ -348,6 +351,7 @@ class Session:
         self.holdings.forget_current()
         self._publish_holders()
         self._publish(rep)
+        self.last_cleanup = rep
         return rep
 
     # -- will it fit? -------------------------------------------------------------------------------------
@@ -370,6 +374,10 @@ class Session:
 
     def report(self) -> Any:
         return records_frame(self.store.cell_list(), columns=CELL_COLUMNS, index="cell")
+
+    def report_table(self) -> CellTable:
+        """``%cudamem report``: the measured cells in the columns a terminal has room for."""
+        return CellTable(tuple(self.store.cell_list()))
 
     def recent_samples(self, seconds: float) -> list[Sample]:
         return self.store.last_samples(seconds, time.time())

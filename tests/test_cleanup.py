@@ -73,7 +73,8 @@ def test_cleaning_two_names_after_the_first_was_displayed(ip):
     # 0.1 crashed half-way here: del_var set last_execution_result to None
     ok(ip, "a = torch.empty(2**20)\nb = torch.empty(2**20)")
     ok(ip, "a")
-    rep = ip.run_line_magic("cudamem", "clean a b a")
+    assert ip.run_line_magic("cudamem", "clean a b a") is None  # shown, not left in Out[]
+    rep = _ACTIVE[ip].session.last_cleanup
     assert "a" not in ip.user_ns and "b" not in ip.user_ns
     assert [s.target for s in rep.steps if s.action == "del"] == ["a", "b"]
     assert rep.freed_allocated_bytes == 8 * MiB
@@ -146,7 +147,8 @@ def test_last_report_removes_exactly_what_the_last_report_listed(ip):
     listed = _ACTIVE[ip].session.last_report
     assert {f.name for f in listed.findings} == {"a", "b"}
     ok(ip, "torch.ones(2**20)")  # a later cell: its report (an output) is now the last one
-    rep = ip.run_line_magic("cudamem", "clean --last-report")
+    ip.run_line_magic("cudamem", "clean --last-report")
+    rep = _ACTIVE[ip].session.last_cleanup
     assert {"model", "data", "small", "a", "b"} <= user_names(ip), "only the output was in the last report"
     assert ip.user_ns["Out"] == {} and rep.freed_allocated_bytes == 4 * MiB
 
@@ -156,7 +158,8 @@ def test_last_report_deletes_the_variables_it_named(ip):
     ok(ip, "a = torch.empty(2**20)\nb = {'k': torch.empty(2**20)}")
     report = _ACTIVE[ip].session.last_report
     assert str(report).splitlines()[-1] == "`%cudamem clean --last-report` would run: a b"
-    rep = ip.run_line_magic("cudamem", "clean --last-report")
+    ip.run_line_magic("cudamem", "clean --last-report")
+    rep = _ACTIVE[ip].session.last_cleanup
     assert "a" not in ip.user_ns and "b" not in ip.user_ns and "keep" in ip.user_ns
     assert rep.freed_allocated_bytes == 8 * MiB
 

@@ -150,7 +150,8 @@ def test_a_report_holds_no_reference_to_user_objects(ip):
     ("clean nosuchname", "no variable named"),
     ("leaks --cell -3", "cell number"),
     ("leaks --cell abc", "invalid int"),
-    ("--no-such-flag", "unrecognized"),
+    ("--no-such-flag", "the command comes first"),
+    ("on --no-such-flag", "it takes --lines, --no-scan, --reset-peak"),
     ("gauge --inline --sidebar", "choose one"),
 ])
 def test_bad_line_input_is_a_usage_error_naming_the_fix(ip, line, fix):
@@ -503,3 +504,56 @@ def test_a_failure_inside_nbmem_never_keeps_a_cudamem_cell_from_running(ip, monk
     monkeypatch.setattr(sess.cells, "_end", broken)
     ok(ip, "%%cudamem\nran = 2")
     assert ip.user_ns["ran"] == 2 and not sess.in_cell
+
+
+# -- a report only where memory changed; nothing of nbmem's own in Out[] ---------------------------------
+def test_a_mistyped_command_is_only_refused_with_the_closest_one_and_the_list(ip, capsys):
+    ok(ip, "x = torch.empty(2**20)")
+    before = len(nbmem.report())
+    capsys.readouterr()
+    r = run(ip, "%cudamem claen x")
+    out = capsys.readouterr()
+    assert not r.success and "did you mean `clean`?" in str(r.error_in_exec)
+    assert "on, off, status, report, leaks, clean, gauge, plot, lines" in str(r.error_in_exec)
+    assert "nbmem [" not in out.out + out.err, "a cell report under a refusal"
+    assert len(nbmem.report()) == before and "x" in ip.user_ns
+
+
+@pytest.mark.parametrize("line,fix", [
+    ("on --bogus", "%cudamem on does not take --bogus; it takes --lines, --no-scan, --reset-peak."),
+    ("on --reset-peek", "does not take --reset-peek (did you mean `--reset-peak`?); it takes --lines, --no-scan"),
+    ("leaks --detial", "%cudamem leaks does not take --detial (did you mean `--detail`?); it takes --cell, --detail"),
+])
+def test_an_unknown_option_is_told_the_options_the_command_takes(ip, line, fix):
+    with pytest.raises(UsageError, match=re.escape(fix)):
+        ip.run_line_magic("cudamem", line)
+
+
+def test_nbmem_commands_leave_nothing_in_out_and_get_no_report(ip, capsys):
+    ok(ip, "x = torch.empty(4 * 2**20)")
+    capsys.readouterr()
+    for line in ("%cudamem status", "%cudamem report", "%cudamem leaks", "%cudamem clean x"):
+        r = ok(ip, line)
+        assert r.result is None, line
+    out = capsys.readouterr().out
+    assert ip.user_ns["Out"] == {} and "nbmem cleanup: freed 16.0 MiB" in out
+    assert "nbmem [" not in out, "a second report after nbmem's own commands"
+    # The cleanup was measured, so the records add up; the Python functions still return values.
+    assert nbmem.report().iloc[-1]["delta_allocated_bytes"] == -16 * MiB
+    assert len(nbmem.leaks()) == 0 and nbmem.status().monitoring
+
+
+def test_one_output_cleared_and_one_object_scanned_read_as_english(ip):
+    from types import SimpleNamespace
+
+    from nbmem.formatting import plural
+    from nbmem.session import scan_lines
+
+    assert (plural(1, "output"), plural(2, "output"), plural(12345, "object")) == \
+        ("1 output", "2 outputs", "12,345 objects")
+    scan = SimpleNamespace(objects=1, seconds=0.0003, walked=("x",), errors=1, error_types=("E",), unfinished=())
+    assert scan_lines(scan)[:2] == ("last holder scan: 1 object in 0.3 ms, walked 1 of the roots (the others were "
+                                    "unchanged)", "skipped 1 object that could not be read (E)")
+    ok(ip, "torch.empty(2**20)")
+    rep = nbmem.cleanup(outputs=True)
+    assert next(s.note for s in rep.steps if s.action == "clear outputs") == "1 output cleared"

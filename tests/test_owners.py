@@ -207,7 +207,7 @@ def test_many_ways_to_a_model_through_a_trainer_do_not_hide_that_the_models_own_
     assert rows().set_index("name").loc["model", "also_held_by"] == ["trainer", "opt"]
 
 
-def test_the_detail_explains_every_owner_row_even_of_many_small_tensors(ip):
+def test_the_detail_explains_every_owner_row_even_of_many_small_tensors(ip, capsys):
     # 1,000 dicts of one 4 KiB tensor each: every tensor far under the threshold, in a container of its own.
     ok(ip, "import torch\nmetrics = []")
     ok(ip, "for i in range(1000):\n    metrics.append({'loss': torch.zeros(1024)})")
@@ -216,7 +216,9 @@ def test_the_detail_explains_every_owner_row_even_of_many_small_tensors(ip):
     assert list(owners["name"]) == ["metrics"]
     assert len(detail) >= 1 and detail["bytes"].sum() == owners["bytes"].sum() == 1000 * 4096
     assert set(detail["owner"]) == {"metrics"} and detail["tensors"].sum() == 1000
-    text = str(ip.run_line_magic("cudamem", f"leaks --cell {cell} --detail"))
+    capsys.readouterr()
+    ip.run_line_magic("cudamem", f"leaks --cell {cell} --detail")
+    text = capsys.readouterr().out
     assert "metrics" in text and "nothing" not in text
     # Held now, with a big tensor beside small ones under one owner: the big one is its own row, the 50
     # small ones in one container are grouped, and the rows add up to the owner's.

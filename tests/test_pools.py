@@ -187,7 +187,8 @@ def test_measuring_never_resets_and_the_compiled_step_frees_the_pool(ip: Any, gr
 
 
 def test_the_magic_takes_compiled_and_says_so_in_its_help(ip: Any, graphs: GraphPoolAllocator) -> None:
-    rep = ip.run_line_magic("cudamem", "clean --compiled --no-collect")
+    ip.run_line_magic("cudamem", "clean --compiled --no-collect")
+    rep = _magics(ip).session.last_cleanup
     assert [s.action for s in rep.steps] == ["reset torch.compile", "empty_cache()"]
     assert "--compiled" in _magics(ip).cudamem.__doc__
     with pytest.raises(ValueError, match="compiled must be True or False"):

@@ -210,7 +210,7 @@ def test_output_cache_names_and_holder_kinds_are_defined_once() -> None:
 def test_the_architecture_note_names_every_folder_and_module_and_stays_true() -> None:
     note = (PKG.parent / "docs" / "architecture.md").read_text()
     missing = [n for n in modules() if not n.endswith("__init__.py") and f"`{n}`" not in note
-               and f"`{Path(n).stem}`" not in note]
+               and f"`{Path(n).stem}`" not in note and f"`{Path(n).name}`" not in note]
     assert not missing, f"docs/architecture.md does not name {missing}"
     assert all(f"`{p}/`" in note for p in subpackages()), "docs/architecture.md does not name every folder"
     js = [p.name for p in (PKG.parent / "js").glob("*.js") if not p.name.endswith(".test.js")]

@@ -63,6 +63,7 @@ class CellWatch:
         self.lines: dict[int, tuple[LineRecord, ...]] = {}
         self.children_seen: frozenset[processes.ChildKey] = frozenset()  # on the GPUs when the last cell ended
         self.unattributed_explained = False  # the long text is said once a session, then a pointer to the status
+        self.cpu_explained = False  # what a CPU cannot tell, said under the first CPU report shown
 
     @property
     def in_cell(self) -> bool:
@@ -161,7 +162,7 @@ class CellWatch:
                             tips, lines=line_records, notes=tuple(notes), held_bytes=found.total_bytes,
                             pools=unnamed.pools, compiled=unnamed.compiled, children=children,
                             children_use=children_use, explain_unattributed=not self.unattributed_explained,
-                            unattributed_before=unnamed.before)
+                            unattributed_before=unnamed.before, explain_cpu=not self.cpu_explained)
         self.unattributed_explained |= report.says_unattributed
         return report, changed, broken
 

@@ -14,7 +14,7 @@ from functools import partial
 from typing import Protocol
 
 from nbmem.clean.request import CleanupRequest
-from nbmem.formatting import fmt_bytes
+from nbmem.formatting import fmt_bytes, plural
 from nbmem.records import CleanupStep
 from nbmem.reports import CleanupReport
 
@@ -94,7 +94,8 @@ class Cleaner:
         for name in req.to_cpu:
             step("to CPU", name, partial(self.ns.to_cpu, name), moves_to_cpu=True)
         if req.outputs:
-            step("clear outputs", "Out, _N, _, last result", lambda: f"{self.ns.clear_outputs()} outputs cleared")
+            step("clear outputs", "Out, _N, _, last result",
+                 lambda: f"{plural(self.ns.clear_outputs(), 'output')} cleared")
         if req.traceback:
             step("clear traceback", "last exception",
                  lambda: "%debug can no longer inspect it" if self.ns.clear_traceback() else "there was no traceback")
@@ -102,7 +103,7 @@ class Cleaner:
             # Before gc and empty_cache: the graphs it drops free their pools, which those then give back.
             step("reset torch.compile", "compiled code, CUDA graphs", self._reset_compiled)
         if req.collect:
-            step("gc.collect()", "", lambda: f"{gc.collect()} objects collected")
+            step("gc.collect()", "", lambda: f"{plural(gc.collect(), 'object')} collected")
         if req.empty_cache:
             step("empty_cache()", "", lambda: None if self._empty_cache() else "CUDA not initialised: nothing cached")
         return CleanupReport(tuple(steps))

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from nbmem.formatting import plural
 from nbmem.records import CleanupOf
 
 #: Problems, and names in one problem, a refusal lists before it counts the rest.
@@ -120,7 +121,7 @@ class CleanupRequest:
                 if why:
                     problems.append(f"{n!r} {why}")
         if problems:
-            raise CleanupRefused(problems[:SHOWN] + ([f"and {len(problems) - SHOWN:,} more problems"]
+            raise CleanupRefused(problems[:SHOWN] + ([f"and {plural(len(problems) - SHOWN, 'more problem')}"]
                                                      if len(problems) > SHOWN else []))
 
 

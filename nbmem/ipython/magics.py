@@ -94,14 +94,14 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-from traitlets import Bool, Enum, Float, Int, TraitType
-from traitlets.config import Configurable
 
 from nbmem.clean.request import CleanupRefused, CleanupRequest
 from nbmem.fitting.state import FitRefused
+from nbmem.ipython.config import Nbmem
 from nbmem.ipython.reconnect import BetweenCells, ReconnectRoute, reconnect_route
 from nbmem.ipython.shell import ShellAdapter
-from nbmem.options import OPTION_BY_NAME, OPTIONS, Option, OptionError, Settings
+from nbmem.ipython.usage import command_refusal, option_refusal, own_command, unknown_options
+from nbmem.options import OPTION_BY_NAME
 from nbmem.recorder.flight import FlightRecorder, open_flight
 from nbmem.session import Session
 
@@ -136,49 +136,6 @@ _FLAG_NAMES = {"names": "NAME", "reset_peak": "--reset-peak", "no_scan": "--no-s
 def _set(value: Any) -> bool:
     """Whether an option was given (0 counts: `--cell 0` is a cell number)."""
     return value is not None and value is not False and value != []
-
-
-# -- options: traitlets glue over nbmem.options ----------------------------------------------------------
-def _trait(o: Option) -> TraitType[Any, Any]:
-    text = f"{o.help} Allowed: {o.allowed()}."
-    if o.choices:
-        return Enum(list(o.choices), o.default, help=text).tag(config=True)
-    if o.kind is bool:
-        return Bool(o.default, help=text).tag(config=True)
-    if o.kind is int:
-        return Int(o.default, help=text).tag(config=True)
-    return Float(o.default, help=text).tag(config=True)
-
-
-class _Options(Configurable):
-    """Checks every value through ``nbmem.options`` and refuses bad ones with one line, keeping the old one."""
-
-    def __init__(self, *, notify: Any = print, **kwargs: Any) -> None:
-        self._notify = notify
-        super().__init__(**kwargs)
-
-    def _load_config(self, cfg: Any, section_names: Any = None, traits: Any = None) -> None:
-        for name, value in self._find_my_config(cfg).items():
-            opt = OPTION_BY_NAME.get(name)
-            if opt is None:
-                self._notify(f"nbmem: Nbmem has no option {name!r}; options: {', '.join(OPTION_BY_NAME)}.")
-                continue
-            if hasattr(value, "get_value"):  # a value from the command line or a lazy container
-                try:
-                    value = value.get_value(self.traits()[name])
-                except Exception:
-                    value = str(value)
-            try:
-                setattr(self, name, opt.check(value))
-            except OptionError as e:
-                self._notify(f"nbmem: {e}; kept {getattr(self, name)!r}.")
-
-    def settings(self) -> Settings:
-        return Settings(**{o.attr: getattr(self, o.name) for o in OPTIONS})
-
-
-Nbmem = type("Nbmem", (_Options,), {"__doc__": "nbmem's options (%config Nbmem lists them).",
-                                    **{o.name: _trait(o) for o in OPTIONS}})
 
 
 # -- the adapter -----------------------------------------------------------------------------------------
@@ -232,6 +189,7 @@ class NbmemMagics(Magics):
         self.options = options
         self.session = session
         self._nested = False
+        self._quiet = False  # the measured cell is a `%cudamem clean`: its own table is its report
         self.gauge: Any = None
         self.flight: FlightRecorder | None = None  # this kernel's capsule on disk, fed by the session
         self.reconnect: ReconnectRoute | None = None  # a page reloaded mid-cell gets its widgets (reconnect.py)
@@ -248,7 +206,12 @@ class NbmemMagics(Magics):
             raw = getattr(info, "raw_cell", "") or ""
             if raw.lstrip().startswith("%%cudamem"):
                 return  # the cell magic measures this cell itself
+            own = own_command(raw)
+            if own is not None and own != "clean":
+                return  # nbmem's own command (or its refusal) moves no memory: nothing to report
             s.begin_cell(self.shell.execution_count - 1, source=raw)
+            # A cleanup is measured, so the records add up, but its own table already said what it freed.
+            self._quiet = own == "clean"
         except Exception as e:
             self.session.fault("pre_run_cell", e)
 
@@ -261,7 +224,8 @@ class NbmemMagics(Magics):
                     self.session.refresh_holders()
                 return
             report = self.session.end_cell(getattr(result, "error_in_exec", None))
-            if report is not None and self.session.should_show(report):
+            quiet, self._quiet = self._quiet, False
+            if report is not None and not quiet and self.session.should_show(report):
                 self._display(report)
                 self.session.shown(report)
         except Exception as e:
@@ -311,7 +275,7 @@ class NbmemMagics(Magics):
     @argument("--inline", action="store_true", help="With `gauge`: show it in the cell output.")
     @argument("--sidebar", action="store_true", help="With `gauge`: show it in JupyterLab's right sidebar.")
     @line_cell_magic
-    def cudamem(self, line: str, cell: str | None = None) -> Any:
+    def cudamem(self, line: str, cell: str | None = None) -> None:
         """Measure GPU memory per cell, find which names hold it, and give it back.
 
         As a cell magic, ``%%cudamem`` on a cell's first line runs the cell and reports wall time,
@@ -340,11 +304,8 @@ class NbmemMagics(Magics):
         """
         try:
             args = parse_argstring(self.cudamem, line)
-        except UsageError:
-            raise
-        except (SystemExit, ValueError) as e:  # argparse's own exit on a bad flag; shlex on an unclosed quote
-            why = f" ({e})" if isinstance(e, ValueError) else ""
-            raise UsageError(f"%cudamem: could not read {line[:80]!r}{why}; `%cudamem?` lists the options.") from None
+        except (UsageError, SystemExit, ValueError) as e:  # argparse's refusal or exit; shlex on an unclosed quote
+            raise UsageError(self._unreadable(line, cell, e)) from None
         if args.all_flagged:
             raise UsageError("%cudamem clean: --all-flagged is now --last-report, which removes exactly the holders "
                              "the last cell report listed (its 'would run' line).")
@@ -360,9 +321,23 @@ class NbmemMagics(Magics):
             raise UsageError("%cudamem needs a command: " + ", ".join(COMMANDS) + ". Example: `%cudamem on`. "
                              "To measure one cell, put `%%cudamem` on its first line.")
         if args.command not in COMMANDS:
-            raise UsageError(f"%cudamem: unknown command {args.command!r}; use one of: {', '.join(COMMANDS)}.")
+            raise UsageError(command_refusal(args.command, COMMANDS))
         self._only(args, COMMANDS[args.command], f"%cudamem {args.command}")
-        return getattr(self, f"_cmd_{args.command}")(args)
+        getattr(self, f"_cmd_{args.command}")(args)
+
+    def _unreadable(self, line: str, cell: str | None, e: BaseException) -> str:
+        """Why ``line`` could not be read: an unknown command or option, with the ones it could have been."""
+        command = own_command("%cudamem " + line) if cell is None else None
+        if command and command not in COMMANDS:
+            return command_refusal(command, COMMANDS)
+        unknown = unknown_options(line, self.cudamem.parser._option_string_actions)
+        if unknown and cell is None and not command:
+            return f"%cudamem: the command comes first, then its options: {', '.join(COMMANDS)}. Nothing was run."
+        if unknown:
+            what, allowed = (f"%cudamem {command}", COMMANDS[command]) if command else ("%%cudamem", CELL_OPTIONS)
+            return option_refusal(what, unknown, [_FLAG_NAMES[k] for k in sorted(allowed) if k != "names"])
+        why = f" ({e})" if str(e) and not isinstance(e, SystemExit) else ""
+        return f"%cudamem: could not read {line[:80]!r}{why}; `%cudamem?` lists the options."
 
     def _only(self, args: Any, allowed: frozenset[str], what: str) -> None:
         given = [k for k in _FLAG_NAMES if _set(getattr(args, k))]
@@ -415,7 +390,7 @@ class NbmemMagics(Magics):
             self.session.fault(where, e)
             return None
 
-    def _fit_cell(self, body: str, args: Any) -> Any:
+    def _fit_cell(self, body: str, args: Any) -> None:
         name, values, want = fit_args(args)
         self._only(args, FIT_OPTIONS, "%%cudamem --fit")
         if name not in self.session.adapter.mentioned(body):
@@ -455,37 +430,40 @@ class NbmemMagics(Magics):
         self.session.monitoring = False
         print("nbmem: no longer measuring cells (the sampler and the gauge keep running). `%cudamem on` resumes.")
 
-    def _cmd_status(self, args: Any) -> Any:
-        return self.session.status()
+    # What a command shows is displayed, never returned: nbmem adds nothing to the output history (Out[n]).
+    def _cmd_status(self, args: Any) -> None:
+        self._display(self.session.status())
 
-    def _cmd_report(self, args: Any) -> Any:
-        return self.session.report()
+    def _cmd_report(self, args: Any) -> None:
+        self._display(self.session.report_table())
 
-    def _cmd_leaks(self, args: Any) -> Any:
+    def _cmd_leaks(self, args: Any) -> None:
         if args.cell is not None and args.cell < 0:
             raise UsageError(f"--cell takes a cell number (the N of In[N]), got {args.cell}.")
         try:
-            return self.session.leaks_table(args.cell, detail=args.detail)
+            table = self.session.leaks_table(args.cell, detail=args.detail)
         except LookupError as e:
             raise UsageError(f"%cudamem leaks: {e}") from None
+        self._display(table)
 
-    def _cmd_lines(self, args: Any) -> Any:
+    def _cmd_lines(self, args: Any) -> None:
         try:
-            return self.session.lines_table(args.cell)
+            lines = self.session.lines_table(args.cell)
         except LookupError as e:
             raise UsageError(f"%cudamem lines: {e}") from None
+        self._display(lines)
 
-    def _cmd_plot(self, args: Any) -> Any:
+    def _cmd_plot(self, args: Any) -> None:
         from nbmem.ui.plotting import plot
 
-        return plot(self.session)
+        self._display(plot(self.session))
 
     def _cmd_gauge(self, args: Any) -> None:
         if args.inline and args.sidebar:
             raise UsageError("%cudamem gauge: choose one of --inline or --sidebar.")
         self.show_gauge("inline" if args.inline else "sidebar" if args.sidebar else "auto", explicit=True)
 
-    def _cmd_clean(self, args: Any) -> Any:
+    def _cmd_clean(self, args: Any) -> None:
         try:
             req = CleanupRequest.of(args.names, args.to_cpu, args.outputs, args.traceback, not args.no_collect,
                                     not args.no_empty_cache, args.compiled)
@@ -501,9 +479,10 @@ class NbmemMagics(Magics):
             if not req and not args.last_report:
                 raise UsageError("%cudamem clean: say what goes: names (`%cudamem clean x`), --outputs, "
                                  "--traceback, --to-cpu NAME, --compiled or --last-report. Nothing was removed.")
-            return self.session.cleanup(req)
+            report = self.session.cleanup(req)
         except CleanupRefused as e:
             raise UsageError(f"%cudamem clean: {e}") from None
+        self._display(report)
 
     # -- gauge -------------------------------------------------------------------------------------
     def show_gauge(self, where: str, *, explicit: bool = False) -> None:

@@ -310,6 +310,11 @@ class Gauge(anywidget.AnyWidget):
             self.close()  # a half-made gauge must not stay subscribed or keep its comm open
             raise
 
+    def __repr__(self) -> str:
+        # What a front end that draws no widgets shows (text/plain, cut at 110 characters): one useful line.
+        return ("nbmem gauge: this front end does not draw widgets; `%cudamem status`, `report`, `leaks` give the "
+                "numbers")
+
     def _seed(self) -> None:
         """Fill the gauge from what the session already has, so it opens with numbers."""
         s = self.session
