@@ -33,7 +33,6 @@ from nbmem.holders.scanner import Scan
 from nbmem.measure.processes import child_lines
 from nbmem.measure.sources import Probe
 from nbmem.options import Settings
-from nbmem.recorder.deaths import with_pressure
 from nbmem.records import (
     CELL_COLUMNS,
     FINDING_COLUMNS,
@@ -232,7 +231,6 @@ class Session:
         if ended is None:
             return None
         report, changed, broken = ended
-        report = with_pressure(report, self.store.last_samples(report.duration_s + 1.0, time.time()))
         self.cuda_broken |= broken
         self.last_report = report
         self._publish(report)

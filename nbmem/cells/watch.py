@@ -2,9 +2,9 @@
 
 ``CellWatch.begin`` reads the allocator, NVML and the host at the cell's start (after the baseline scan,
 so the scan's own allocations are not the cell's) and starts a recording when one is wanted;
-``CellWatch.end`` reads them again and builds the ``CellReport``: per-device records with exact peaks
-(``cells``, then ``recording``), per-line figures, the owners of what the cell added (``holdings``),
-what no name reaches, and advice after an out-of-memory error.
+``CellWatch.end`` reads them again, makes the bare ``CellReport`` (per-device records from the allocator's
+counters, ``peaks``) and hands it through ``steps.REPORT_STEPS``: exact peaks from the trace, per-line figures,
+the owners of what the cell added, child processes, advice, memory pressure.
 """
 
 from __future__ import annotations
@@ -14,13 +14,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from nbmem.cells import advice
-from nbmem.cells.peaks import cell_records, with_trace
+from nbmem.cells.peaks import cell_records
+from nbmem.cells.steps import REPORT_STEPS, Closing
 from nbmem.formatting import spans
-from nbmem.holders import pools
-from nbmem.holders.holdings import Baseline, Holdings, with_cpu_allocated
-from nbmem.holders.owners import Rows
+from nbmem.holders.holdings import Baseline, Holdings
 from nbmem.measure import processes
-from nbmem.measure.sources import Probe, largest_free_block
+from nbmem.measure.sources import Probe
 from nbmem.options import Settings
 from nbmem.records import Boundary, LineRecord
 from nbmem.reports import CellReport
@@ -116,74 +115,25 @@ class CellWatch:
         marks = rec.stop_clock() if rec is not None else None
         after = self.probe.boundary()
         err = type(error).__name__ if error is not None else ""
-        oom = advice.is_oom(error)
         records = cell_records(o.cell, o.before, after, error=err, was_reset=o.reset)
-        replays = rec.replays(cell=o.cell, before=o.before, after=after, records=records, need=o.lines or oom,
-                              marks=marks, source=o.source, cell_files=self.adapter.cell_files(o.cell),
+        replays = rec.replays(cell=o.cell, before=o.before, after=after, records=records,
+                              need=o.lines or advice.is_oom(error), marks=marks, source=o.source,
+                              cell_files=self.adapter.cell_files(o.cell),
                               names=self.adapter.cell_names()) if rec is not None else {}
-        records = with_trace(records, replays)
-        found = Rows((), ())
-        unnamed = pools.Unnamed((), (), ())
-        notes: list[str] = []
-        line_records: tuple[LineRecord, ...] = ()
-        if o.lines:
-            line_records = tuple(r for rp in replays.values() for r in rp.lines)
-            self.lines[o.cell] = line_records
-            notes += self._line_notes(records, replays, rec)
-        changed = False
-        if o.scan:
-            cur, found, changed = self.holdings.close_cell(o.cell, o.base, o.before, after, replays)
-            records = with_cpu_allocated(records, o.base, self.holdings.tensor_bytes(cur))
-            unnamed = self.holdings.unattributed(records, cur)
-            if cur.truncated:
-                budget = self._settings().scan_budget_s
-                notes.append(f"the holder scan stopped at Nbmem.scan_budget ({budget:g} s) before finishing "
-                             f"{', '.join(cur.unfinished[:5])}{' and others' if len(cur.unfinished) > 5 else ''}: "
-                             f"findings may be incomplete; nbmem.leaks() scans everything")
-        # This notebook's child processes: what they held while the cell ran, and those it left running.
-        children = processes.left_running(after, self.children_seen)
-        self.children_seen = processes.on_gpus(after)
-        children_use = processes.children_use(o.before, after,
-                                              self.store.samples_between(o.before.t_wall, after.t_wall),
-                                              threshold_bytes=self._settings().threshold_bytes)
-        for r in records:
+        c = Closing(o.cell, o.before, after, o.base, o.source, o.lines, o.scan, error, rec, replays,
+                    self._settings(), self.probe, self.holdings, self.store, self.adapter, self.children_seen)
+        report = CellReport(o.cell, records[0].duration_s, tuple(records), error=err,
+                            explain_unattributed=not self.unattributed_explained,
+                            explain_cpu=not self.cpu_explained)
+        for step in REPORT_STEPS:
+            report = step(c, report)
+        for r in report.records:
             self.store.add_cell(r)
-        broken = advice.breaks_cuda(error)
-        tips: tuple[str, ...] = ()
-        if broken:
-            tips = (advice.RESTART_ADVICE,)
-        elif oom and error is not None:
-            tips = advice.oom_advice(records, error, source=o.source, lines_recorded=o.lines, replays=replays,
-                                     cell_files=self.adapter.cell_files(o.cell), names=self.adapter.cell_names(),
-                                     largest_free=self._largest_free(records))
-        elif not error:
-            notes += advice.headroom(records, after, self._settings().threshold_bytes)
-        report = CellReport(o.cell, records[0].duration_s, tuple(records), found.owners, unnamed.gaps, err,
-                            tips, lines=line_records, notes=tuple(notes), held_bytes=found.total_bytes,
-                            pools=unnamed.pools, compiled=unnamed.compiled, children=children,
-                            children_use=children_use, explain_unattributed=not self.unattributed_explained,
-                            unattributed_before=unnamed.before, explain_cpu=not self.cpu_explained)
+        if o.lines:
+            self.lines[o.cell] = c.line_records
+        self.children_seen = c.children_now
         self.unattributed_explained |= report.says_unattributed
-        return report, changed, broken
-
-    def _largest_free(self, records: Any) -> dict[str, int]:
-        """Each GPU's largest free cached block, read after an out-of-memory error (the allocator's segments)."""
-        segs = self.probe.torch.segments()
-        if segs is None:
-            return {}
-        return {r.device: largest_free_block(segs, int(r.device.partition(":")[2]))
-                for r in records if r.device.startswith("cuda:")}
-
-    def _line_notes(self, records: Any, replays: Any, rec: Recording | None) -> list[str]:
-        if not any(r.device.startswith("cuda") for r in records):
-            return ["per-line figures need a CUDA device: this cell ran on the CPU only"]
-        if not replays:
-            why = self.probe.torch.trace_unsupported() or "Nbmem.trace_entries is 0"
-            return [f"no per-line figures for this cell: {why}"]
-        if rec is not None and rec.full_at_us is not None:
-            return [f"lines were followed for this cell's first {rec.max_marks:,} lines of Python "
-                    f"(Nbmem.trace_entries): its later allocations count toward its peak, not toward a line"]
-        return []
+        return report, c.holders_changed, c.cuda_broken
 
     def line_list(self, cell: int | None = None) -> tuple[int, tuple[LineRecord, ...]]:
         """A cell's per-line records: cell N, or (None) the last cell measured with lines."""
