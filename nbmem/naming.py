@@ -147,17 +147,24 @@ def stability(path: str) -> int:
     return 2 if path in ROTATING_OUTPUTS or path.startswith("<last result>") else 0
 
 
-Rank = tuple[int, int, bool, bool, bool, int, str]
+Rank = tuple[int, int, bool, bool, bool, bool, int, str]
+
+
+def is_bare(path: str) -> bool:
+    """A variable bound to the tensor itself (``loss``, ``x``), with no step after the name."""
+    return path.isidentifier()
 
 
 def ranker(views: set[str]) -> Callable[[tuple[str, HolderKind]], Rank]:
     """Holder order: kind, stable names, then whole tensors before small views of them (the dataset's
-    ``tensors[0]``, not ``x = dataset[0][0]``), a module's path before an optimizer's, then the shortest."""
+    ``tensors[0]``, not ``x = dataset[0][0]``), a module's path before an optimizer's, then a path through a
+    container before a bare variable (``losses[4]`` before ``loss``, the loop's last-iteration name: the
+    owner a person deletes is the container), then the shortest."""
 
     def rank(item: tuple[str, HolderKind]) -> Rank:
         path, kind = item
         return (KIND_RANK[kind], stability(root_name(path)), path in views, ".keys()[" in path,
-                bool(OPTIMIZER_STEP.search(path)), len(path), path)
+                bool(OPTIMIZER_STEP.search(path)), kind is HolderKind.NAMESPACE and is_bare(path), len(path), path)
 
     return rank
 
