@@ -204,8 +204,9 @@ def holder_rows(findings: Sequence[Finding], limit: int = TOP_HOLDERS) -> list[d
     for f in top:
         d = request_for(f, "del")
         rows.append({"id": f.id, "name": f.name, "kind": f.kind.value, "device": f.device, "bytes": f.bytes,
-                     "what": f.what(), "graph": f.holds_graph, "roots": list(f.roots), "to_cpu": can_move_to_cpu(f), "state": f.state,
-                     "del_label": ("del " + ", ".join(d.names)) if d is not None else "", "hint": f.hint,
+                     "what": f.what(), "graph": f.holds_graph, "roots": list(f.roots), "to_cpu": can_move_to_cpu(f),
+                     "state": f.state, "del_label": ("del " + ", ".join(d.names)) if d is not None else "",
+                     "hint": f.hint,
                      "members": [{"name": m.name, "bytes": m.bytes, "what": m.what()} for m in f.members],
                      "more": f.more, "more_bytes": f.more_bytes, "also": list(f.also_held_by)})
     return rows
