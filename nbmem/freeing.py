@@ -27,6 +27,7 @@ class Needs:
     traceback: bool = False  # the last exception's frames do
     modules: tuple[str, ...] = ()  # module attributes to set to None (no cleanup step removes them)
     saved_by: tuple[tuple[str, str], ...] = ()  # (a member's name, a tensor whose graph saves it)
+    shared: tuple[str, ...] = ()  # other tensors whose graphs keep the same saved tensors as the members'
     alone_bytes: int = 0  # what deleting the owner alone frees
 
 
@@ -47,6 +48,7 @@ class Keepers:
         mine = set(must)
         todo = list(members)
         saved_by: dict[tuple[str, str], None] = {}
+        shared: dict[str, None] = {}
         for h in members:  # a graph another tensor shares keeps its saved storages until both go
             g = self.graphs.get(h.sid)
             for u in g.saved if g is not None else ():
@@ -55,6 +57,7 @@ class Keepers:
                     if kh is not None and k not in must:
                         must[k] = kh
                         todo.append(kh)
+                        shared.setdefault(kh.name)
         names: dict[str, None] = {owner: None} if owner.isidentifier() else {}
         outputs = traceback = False
         modules: dict[str, None] = {}
@@ -80,7 +83,7 @@ class Keepers:
                 if k not in must:
                     must[k] = kh
                     todo.append(kh)
-        return Needs(tuple(names), outputs, traceback, tuple(modules), tuple(saved_by),
+        return Needs(tuple(names), outputs, traceback, tuple(modules), tuple(saved_by), tuple(shared),
                      self.alone(owner, members))
 
     def alone(self, owner: str, members: Sequence[Held]) -> int:

@@ -169,6 +169,36 @@ def ranker(views: set[str]) -> Callable[[tuple[str, HolderKind]], Rank]:
     return rank
 
 
+#: A step that takes an element out of a container: ``[4]``, ``['k']``, a ``Sequential``'s ``.2``.
+ELEMENT_STEP = re.compile(r"\[|\.\d+(?=[.\[]|$)")
+
+
+def container_first(ranked: list[tuple[str, HolderKind]], is_state: Callable[[str], bool] = lambda _r: False
+                    ) -> list[tuple[str, HolderKind]]:
+    """The ranked holders, with a loop's last-iteration name after the container it came from.
+
+    ``for name, m in model.named_children()`` leaves ``m`` bound to ``model[2]``: ``m.weight`` is shorter than
+    ``model.2.weight``, but the owner a person deletes is ``model``. The best path's rest after its root
+    (``.weight``) ending another variable's path after an element step (``model`` ``.2`` ``.weight``) makes
+    that path the best. A bare name (``loss`` for ``losses[4]``) is ranked after such paths already. Memory
+    of the notebook's state (``is_state``: intent.py) never passes to a variable that is not state (a list
+    of models is not the models' owner).
+    """
+    if len(ranked) < 2 or ranked[0][1] is not HolderKind.NAMESPACE:
+        return ranked
+    top = ranked[0][0]
+    root = root_name(top)
+    rest = top[len(root):]
+    for i, (p, k) in enumerate(ranked[1:], 1):
+        if k is not HolderKind.NAMESPACE:
+            break
+        r = root_name(p)
+        if (r != root and p.endswith(rest) and ELEMENT_STEP.search(p[len(r):len(p) - len(rest)])
+                and (is_state(r) or not is_state(root))):
+            return [ranked[i], *ranked[:i], *ranked[i + 1:]]
+    return ranked
+
+
 def container(path: str) -> str:
     """The holder path without its last step: the container that holds it."""
     depth = 0

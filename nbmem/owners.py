@@ -192,6 +192,8 @@ def _row(owner: str, device: str, members: list[Held], saved: Mapping[int, int],
             ".<lru_cache>" in h.name for h in members)
         if plain and not Keepers.owner_alone(owner, needs):
             hint = _needs_hint(owner, needs, also, graph_bytes, len(members))
+        elif plain and graph_bytes and f"`del {owner}` frees it" not in hint:
+            hint = f"{_graph_words(graph_bytes, len(members))}, or `del {owner}` frees it"
     line = next((lines[h.sid] for h in order if h.sid in lines), None)
     return Finding(cell, owner, holders, kind, device, sum(h.nbytes for h in members), graph_bytes,
                    any(h.holds_graph for h in members), len(members),
@@ -271,20 +273,30 @@ def _hint(owner: str, kind: HolderKind, members: Sequence[Held], graph_bytes: in
 def _needs_hint(owner: str, needs: Needs, also: Also, graph_bytes: int, count: int) -> str:
     """What frees a row that deleting its owner alone does not: each other holder named, the graphs that
     saved it included, and the one command that removes them all."""
-    graph = (f"{count:,} tensors keep their autograd graphs ({fmt_bytes(graph_bytes)}): keep numbers (`.item()`) "
-             f"or `.detach()` instead; " if graph_bytes and count > 1 else
-             f"it holds its autograd graph ({fmt_bytes(graph_bytes)}): keep `.item()` or `.detach()` instead; "
-             if graph_bytes else "")
+    graph = f"{_graph_words(graph_bytes, count)}; " if graph_bytes else ""
     frees = "nothing" if needs.alone_bytes == 0 else f"only {fmt_bytes(needs.alone_bytes)} of it"
     why = [_also_text(also)] if also else []
-    if needs.saved_by:
-        member, keeper = needs.saved_by[0]
-        more = f" and {len(needs.saved_by) - 1:,} more" if len(needs.saved_by) > 1 else ""
+    if needs.shared:
+        more = f" and {len(needs.shared) - 1:,} more" if len(needs.shared) > 1 else ""
+        why.append(f"its graph is shared with `{needs.shared[0]}`{more}, so it goes with "
+                   f"`{owner_of(root_name(needs.shared[0]))}`")
+    saved_by = [(m, k) for m, k in needs.saved_by
+                if not any(root_name(k) == root_name(o) for o in needs.shared)]  # said already: "goes with"
+    if saved_by:
+        member, keeper = saved_by[0]
+        more = f" and {len(saved_by) - 1:,} more" if len(saved_by) > 1 else ""
         why.append(f"`{member}` is also saved by the graph of `{keeper}`{more}, so it goes with "
                    f"`{owner_of(root_name(keeper))}`")
     if not why:  # a holder `also` leaves out (a second frame, a later output): the command still names it
         why.append("other holders keep it too")
     return f"{graph}`del {owner}` frees {frees}: {'; '.join(why)} → `%cudamem clean {_needs_args(needs)}`"
+
+
+def _graph_words(graph_bytes: int, count: int) -> str:
+    if count > 1:
+        return (f"{count:,} tensors keep their autograd graphs ({fmt_bytes(graph_bytes)}): keep numbers (`.item()`) "
+                f"or `.detach()` instead")
+    return f"it holds its autograd graph ({fmt_bytes(graph_bytes)}): keep `.item()` or `.detach()` instead"
 
 
 def _needs_args(needs: Needs) -> str:

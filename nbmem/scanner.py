@@ -23,7 +23,7 @@ from typing import Any
 
 from . import intent, reach
 from .graphs import Graph, GraphState, walk_graph
-from .naming import MAX_HOLDERS, PathBuilder, container, owner_of, ranker
+from .naming import MAX_HOLDERS, PathBuilder, container, container_first, owner_of, ranker
 from .records import HolderKind, block_bytes, root_name
 from .walk import ROLE_PARAM, Root, Walk
 
@@ -396,7 +396,8 @@ class Scanner:
                 self._held.pop(sid, None)
                 self._paths.pop(sid, None) if not found else None
                 continue
-            ranked = sorted(((p, k) for p, (k, _r) in found.items()), key=ranker(st.view_paths))
+            ranked = container_first(sorted(((p, k) for p, (k, _r) in found.items()), key=ranker(st.view_paths)),
+                                     self._is_state)
             reached = dict.fromkeys((found[p][1], k) for p, k in ranked)
             roots = list(reached)[:2 * MAX_HOLDERS]
             top = ranked[:MAX_HOLDERS]
@@ -405,6 +406,10 @@ class Scanner:
                                    st.span or st.nbytes, frozenset(st.roles), st.first_cell, st.addr,
                                    container(top[0][0]), tuple(r for r, _k in roots), tuple(k for _r, k in roots),
                                    st.elements, st.trainable, st.shape, st.dtype)
+
+    def _is_state(self, root: str) -> bool:
+        rs = self._roots.get(root)
+        return rs is not None and bool(rs.state)
 
     # -- graphs -----------------------------------------------------------------------------------------
     def graphs(self, sids: Iterable[int], *, exclude: Iterable[int] = (), budget_s: float | None = None
