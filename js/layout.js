@@ -371,7 +371,8 @@ export function scannedLabel(at, now) {
  * @property {boolean} graph
  * @property {string[]} roots top-level names `del` removes
  * @property {boolean} to_cpu whether "to CPU" applies
- * @property {string} del_label what the del button does, e.g. "del model" ("" when it cannot)
+ * @property {string} del_label what the del button does, e.g. "del losses, loss" ("" when it cannot)
+ * @property {string} [state] what the notebook meant to keep ("model", "optimizer"...): no del button
  * @property {string} hint
  * @property {Member[]} [members] the biggest first, at most a handful
  * @property {number} [more] members not listed
@@ -427,6 +428,7 @@ export function moduleOf(name) {
  * @returns {string}
  */
 function whyNoDel(x) {
+  if (x.state) return `the notebook's state (${x.state}): delete it by name, %cudamem clean ${listOf(x.roots).join(" ") || x.name}`;
   if (x.kind === "output") return "held by the output history: use “clear outputs”";
   if (x.kind === "traceback") return "held by the last traceback: use “clear traceback”";
   if (x.kind === "module") return `an attribute of module ${moduleOf(x.name)}: set it to None`;

@@ -247,6 +247,16 @@ test("the kinds that del cannot free say what does, the module kind included", (
   assert.equal(tb.del.disabled, "held by the last traceback: use “clear traceback”");
 });
 
+test("the notebook's state has no del button: it says the command that deletes it by name", () => {
+  const t = holderText(holder({ name: "model", state: "model", del_label: "", roots: ["model", "opt", "sched"] }));
+  assert.deepEqual(t.del, {
+    label: "del", confirm: "del?",
+    disabled: "the notebook's state (model): delete it by name, %cudamem clean model opt sched",
+  });
+  const leak = holderText(holder({ name: "x", del_label: "del x, losses, loss", roots: ["x", "losses", "loss"] }));
+  assert.deepEqual(leak.del, { label: "del x, losses, loss", confirm: "del x, losses, loss?", disabled: "" });
+});
+
 test("an empty holder list shows the kernel's holders_note, or by default that nothing passed the threshold", () => {
   const note = "no holder scan has run yet: `%cudamem leaks` or `%cudamem on` scans the notebook";
   assert.deepEqual(holderList([], note), { rows: [], empty: note });

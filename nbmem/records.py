@@ -283,6 +283,7 @@ class Finding:
     members: tuple[Finding, ...] = ()  # an owner row's biggest members: a row per storage (or small group)
     more_bytes: int = 0  # an owner row's bytes in members not listed
     also_held_by: tuple[str, ...] = ()  # other owners that reach some of its memory
+    state: str = ""  # what the cell meant to keep ("model", "optimizer", ...; intent.py): never offered in one click
 
     @property
     def bytes(self) -> int:
@@ -317,11 +318,12 @@ class Finding:
                 "graph_bytes": self.graph_bytes, "holds_graph": self.holds_graph, "tensors": self.tensors,
                 "view_bytes": self.view_bytes, "line": self.line, "what": self.what(),
                 "also_held_by": list(self.also_held_by), "owner": self.owner, "hint": self.hint,
-                "action": cleanup_text(self)}
+                "action": cleanup_text(self), "state": self.state}
 
 
 FINDING_COLUMNS = ("cell", "name", "holders", "kind", "device", "bytes", "storage_bytes", "graph_bytes",
-                   "holds_graph", "tensors", "view_bytes", "line", "what", "also_held_by", "owner", "hint", "action")
+                   "holds_graph", "tensors", "view_bytes", "line", "what", "also_held_by", "owner", "hint", "action",
+                   "state")
 
 
 @dataclass(frozen=True, slots=True)

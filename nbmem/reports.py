@@ -378,11 +378,31 @@ class CellReport(Shown):
 
     @property
     def holders(self) -> HolderTable:
-        return HolderTable(self.findings, REPORT_ROWS, f"nbmem.leaks(cell={self.cell})")
+        """What the cell kept that it did not mean to (intent.py): the rows one click cleans."""
+        return HolderTable(tuple(f for f in self.findings if not f.state), REPORT_ROWS,
+                           f"nbmem.leaks(cell={self.cell})")
+
+    @property
+    def state(self) -> HolderTable:
+        """What the cell made and meant to keep: its models, optimizers, datasets (deleted only by name)."""
+        return HolderTable(tuple(f for f in self.findings if f.state), REPORT_ROWS, f"nbmem.leaks(cell={self.cell})")
 
     def last_report_cleanup(self) -> CleanupOf:
-        """What ``%cudamem clean --last-report`` removes: exactly the owners the report shows."""
+        """What ``%cudamem clean --last-report`` removes: exactly the owners the report shows, never its state."""
         return merge_cleanups(self.holders.shown)
+
+    def _state_line(self) -> str:
+        """How to delete the state too: by name, never in one click."""
+        shown = self.state.shown
+        if not shown:
+            return ""
+        names = merge_cleanups(shown)
+        first = set(self.last_report_cleanup().names)
+        rest = CleanupOf(tuple(n for n in names.names if n not in first), names.outputs, names.traceback)
+        what = ", ".join(f"`{f.name}` ({f.state})" for f in shown)
+        how = f"`{cleanup_text(rest)}` deletes it" if rest else "nothing more is needed to delete it"
+        after = "after `%cudamem clean --last-report`, " if len(rest.names) < len(names.names) else ""
+        return f"kept as the cell's state, not by `--last-report`: {what}; {after}{how}"
 
     def _peak_line(self, device: str) -> int | None:
         return next((r.peak_line for r in self.records if r.device == device), None)
@@ -424,10 +444,12 @@ class CellReport(Shown):
         parts = [self._head(), text_table(*summary_table(self.records)), *([CPU_CANNOT] if self.says_cpu else [])]
         for dev, rows in self._line_tables():
             parts += [f"lines ({dev}):", text_table(LINE_TABLE, rows)]
-        if self.findings:
+        if self.holders.findings:
             parts += [self._holders_caption() + ":", *self.holders.text()]
             if self._clean_line():
                 parts.append(self._clean_line())
+        if self.state.findings:
+            parts += ["the cell's state:", *self.state.text(), self._state_line()]
         parts += self._unnamed()
         parts += [f"- {a}" for a in (*self.notes, *self.advice)]
         return "\n".join(parts)
@@ -438,10 +460,12 @@ class CellReport(Shown):
                  *([f"<div>{prose(CPU_CANNOT)}</div>"] if self.says_cpu else [])]
         for dev, rows in self._line_tables():
             parts.append(html_table(LINE_TABLE, rows, caption=f"lines ({dev})"))
-        if self.findings:
+        if self.holders.findings:
             parts.append(self.holders.html(self._holders_caption()))
             if self._clean_line():
                 parts.append(f"<div>{prose(self._clean_line())}</div>")
+        if self.state.findings:
+            parts += [self.state.html("the cell's state"), f"<div>{prose(self._state_line())}</div>"]
         parts += [f"<div>{prose(line)}</div>" for line in self._unnamed()]
         items = (*self.notes, *self.advice)
         if items:

@@ -90,9 +90,13 @@ def test_a_storage_is_named_by_a_whole_tensor_before_a_short_name_for_a_small_vi
     sc = Scanner(lambda: torch)
     s = scan({"test_data": data, "x": data[0][0]}, sc)
     assert by_holder(s, "x").holders[:2] == ("test_data.tensors[0]", "x")
-    # the same name, later bound to the whole tensor, is a whole tensor again
+    # the same name, later bound to the whole tensor, is a whole tensor again: no longer a view, it is an alias
+    # of the dataset's tensor, which names it (the container a person deletes, before a bare name)
     s = scan({"test_data": data, "x": data.tensors[0]}, sc)
-    assert by_holder(s, "x").holders[0] == "x"
+    assert by_holder(s, "x").holders[:2] == ("test_data.tensors[0]", "x")
+    # between two bare names, the whole tensor still names it before the view
+    s = scan({"v": data[0][0], "x": data.tensors[0]}, Scanner(lambda: torch))
+    assert by_holder(s, "x").holders[:2] == ("x", "v")
 
 
 def test_closures_defaults_partials_methods_user_classes_and_hook_closures():

@@ -26,6 +26,9 @@ class Graph:
     """
 
     saved: Mapping[int, int]  # storage id -> bytes
+    # Storages it saves that names hold anyway (``x``, a model's weights): they are not its bytes, but they
+    # live as long as it does, so ``del x`` frees nothing while this graph is kept.
+    named: frozenset[int] = frozenset()
 
     @property
     def nbytes(self) -> int:

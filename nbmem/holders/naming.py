@@ -147,19 +147,56 @@ def stability(path: str) -> int:
     return 2 if path in ROTATING_OUTPUTS or path.startswith("<last result>") else 0
 
 
-Rank = tuple[int, int, bool, bool, bool, int, str]
+Rank = tuple[int, int, bool, bool, bool, bool, int, str]
+
+
+def is_bare(path: str) -> bool:
+    """A variable bound to the tensor itself (``loss``, ``x``), with no step after the name."""
+    return path.isidentifier()
 
 
 def ranker(views: set[str]) -> Callable[[tuple[str, HolderKind]], Rank]:
     """Holder order: kind, stable names, then whole tensors before small views of them (the dataset's
-    ``tensors[0]``, not ``x = dataset[0][0]``), a module's path before an optimizer's, then the shortest."""
+    ``tensors[0]``, not ``x = dataset[0][0]``), a module's path before an optimizer's, then a path through a
+    container before a bare variable (``losses[4]`` before ``loss``, the loop's last-iteration name: the
+    owner a person deletes is the container), then the shortest."""
 
     def rank(item: tuple[str, HolderKind]) -> Rank:
         path, kind = item
         return (KIND_RANK[kind], stability(root_name(path)), path in views, ".keys()[" in path,
-                bool(OPTIMIZER_STEP.search(path)), len(path), path)
+                bool(OPTIMIZER_STEP.search(path)), kind is HolderKind.NAMESPACE and is_bare(path), len(path), path)
 
     return rank
+
+
+#: A step that takes an element out of a container: ``[4]``, ``['k']``, a ``Sequential``'s ``.2``.
+ELEMENT_STEP = re.compile(r"\[|\.\d+(?=[.\[]|$)")
+
+
+def container_first(ranked: list[tuple[str, HolderKind]], is_state: Callable[[str], bool] = lambda _r: False
+                    ) -> list[tuple[str, HolderKind]]:
+    """The ranked holders, with a loop's last-iteration name after the container it came from.
+
+    ``for name, m in model.named_children()`` leaves ``m`` bound to ``model[2]``: ``m.weight`` is shorter than
+    ``model.2.weight``, but the owner a person deletes is ``model``. The best path's rest after its root
+    (``.weight``) ending another variable's path after an element step (``model`` ``.2`` ``.weight``) makes
+    that path the best. A bare name (``loss`` for ``losses[4]``) is ranked after such paths already. Memory
+    of the notebook's state (``is_state``: intent.py) never passes to a variable that is not state (a list
+    of models is not the models' owner).
+    """
+    if len(ranked) < 2 or ranked[0][1] is not HolderKind.NAMESPACE:
+        return ranked
+    top = ranked[0][0]
+    root = root_name(top)
+    rest = top[len(root):]
+    for i, (p, k) in enumerate(ranked[1:], 1):
+        if k is not HolderKind.NAMESPACE:
+            break
+        r = root_name(p)
+        if (r != root and p.endswith(rest) and ELEMENT_STEP.search(p[len(r):len(p) - len(rest)])
+                and (is_state(r) or not is_state(root))):
+            return [ranked[i], *ranked[:i], *ranked[i + 1:]]
+    return ranked
 
 
 def container(path: str) -> str:

@@ -21,6 +21,7 @@ from typing import Any
 
 from nbmem.formatting import fmt_bytes, fmt_count
 from nbmem.holders import findings as judge
+from nbmem.holders.freeing import Keepers, Needs
 from nbmem.holders.graphs import Graph
 from nbmem.holders.graphs import sharing as graph_sharing
 from nbmem.holders.naming import MAX_HOLDERS, container, owner_of
@@ -59,7 +60,8 @@ def cell_rows(cur: Scan, prev: Scan | None, cell: int, *, threshold_bytes: int, 
     grown = frozenset(h.owner for h in before.values())
     rows, total = group(c.candidates, lambda _hs: cell, threshold_bytes=threshold_bytes, graphs=graphs,
                         types=cur.root_types, lost=c.lost, gained=c.gained, lines=lines,
-                        added=lambda o, hs: o in grown and not any(h.sid in before for h in hs))
+                        added=lambda o, hs: o in grown and not any(h.sid in before for h in hs),
+                        keepers=Keepers(cur.storages, graphs), states=cur.root_state)
     detail = detail_rows(rows, c.candidates, lambda _hs: cell, threshold_bytes=threshold_bytes, graphs=graphs,
                          lost=c.lost, gained=c.gained)
     return Rows(rows, tuple(_with_lines(detail, cur, lines)), total)
@@ -70,7 +72,8 @@ def current_rows(cur: Scan, *, threshold_bytes: int, graphs: Mapping[int, Graph]
     """Everything held now, each owner with the cell its memory first appeared in."""
     held = list(cur.storages.values())
     rows, total = group(held, lambda hs: min(h.first_cell for h in hs), threshold_bytes=threshold_bytes,
-                        graphs=graphs, types=cur.root_types)
+                        graphs=graphs, types=cur.root_types, keepers=Keepers(cur.storages, graphs),
+                        states=cur.root_state)
     # Worked out only when asked for (``leaks(detail=True)``); what it reads is the scan the session keeps anyway.
     return Rows(rows, lambda: detail_rows(rows, held, lambda hs: min(h.first_cell for h in hs),
                                           threshold_bytes=threshold_bytes, graphs=graphs, cache=cache), total)
@@ -115,10 +118,12 @@ def detail_rows(rows: Sequence[Finding], held: Sequence[Held], cell_of: Callable
 def group(held: Sequence[Held], cell_of: Any, *, threshold_bytes: int, graphs: Mapping[int, Graph],
           types: Mapping[str, str], lost: Mapping[int, Sequence[str]] | None = None,
           gained: Mapping[int, Sequence[str]] | None = None, lines: Mapping[int, int] | None = None,
-          added: Callable[[str, Sequence[Held]], bool] | None = None) -> tuple[tuple[Finding, ...], int]:
+          added: Callable[[str, Sequence[Held]], bool] | None = None, keepers: Keepers | None = None,
+          states: Mapping[str, str] | None = None) -> tuple[tuple[Finding, ...], int]:
     """One row per (owner, device) whose storages and graphs together reach the threshold, largest first,
     and their bytes together (a graph several rows keep, once). ``added(owner, members)``: whether the
-    members are new under an owner that held memory before (the words then say "new")."""
+    members are new under an owner that held memory before (the words then say "new"); ``keepers``: every
+    holder of the scan, so that hints say what else must go; ``states``: the roots that are state."""
     by_owner: dict[tuple[str, str], list[Held]] = {}
     for h in held:
         by_owner.setdefault((h.owner, h.device), []).append(h)
@@ -134,7 +139,14 @@ def group(held: Sequence[Held], cell_of: Any, *, threshold_bytes: int, graphs: M
         if storage + sum(saved.values()) < threshold_bytes:
             continue
         row = _row(owner, device, members, saved, cell_of(members), graphs, types, lost or {}, gained or {},
-                   lines or {}, added is not None and added(owner, members))
+                   lines or {}, added is not None and added(owner, members), keepers)
+        if states and states.get(owner):
+            row = replace(row, state=states[owner])
+        elif states and any(n in states for n in row.roots):
+            # A leak only state also reaches (a hook's closure in a model): one click never deletes the state.
+            kept = [n for n in row.roots if n in states]
+            row = replace(row, roots=tuple(n for n in row.roots if n not in states),
+                          hint=f"{row.hint} (`{'`, `'.join(kept)}`: the cell's state, which `--last-report` keeps)")
         saved_by[len(rows)] = set(saved)
         rows.append(row)
     _mark_shared(rows, saved_by)
@@ -152,7 +164,8 @@ def group(held: Sequence[Held], cell_of: Any, *, threshold_bytes: int, graphs: M
 
 def _row(owner: str, device: str, members: list[Held], saved: Mapping[int, int], cell: int,
          graphs: Mapping[int, Graph], types: Mapping[str, str], lost: Mapping[int, Sequence[str]],
-         gained: Mapping[int, Sequence[str]], lines: Mapping[int, int], added: bool = False) -> Finding:
+         gained: Mapping[int, Sequence[str]], lines: Mapping[int, int], added: bool = False,
+         keepers: Keepers | None = None) -> Finding:
     members.sort(key=lambda h: (-h.nbytes, h.sid))
     first = members[0]
     kind = first.kind
@@ -172,6 +185,15 @@ def _row(owner: str, device: str, members: list[Held], saved: Mapping[int, int],
         hint = shown[0].hint
     else:
         hint = _hint(owner, kind, members, graph_bytes, also, lost, gained)
+    needs = keepers.needs(owner, members) if keepers is not None and kind is HolderKind.NAMESPACE else None
+    if needs is not None and owner.isidentifier():
+        roots = needs.names
+        plain = not any(lost.get(h.sid) or gained.get(h.sid) for h in members) and not any(
+            ".<lru_cache>" in h.name for h in members)
+        if plain and not Keepers.owner_alone(owner, needs):
+            hint = _needs_hint(owner, needs, also, graph_bytes, len(members))
+        elif plain and graph_bytes and f"`del {owner}` frees it" not in hint:
+            hint = f"{_graph_words(graph_bytes, len(members))}, or `del {owner}` frees it"
     line = next((lines[h.sid] for h in order if h.sid in lines), None)
     return Finding(cell, owner, holders, kind, device, sum(h.nbytes for h in members), graph_bytes,
                    any(h.holds_graph for h in members), len(members),
@@ -246,6 +268,41 @@ def _hint(owner: str, kind: HolderKind, members: Sequence[Held], graph_bytes: in
             ROLE_GRAD in h.roles for h in members) else ""
         return f"`del {owner}` frees it{move}{grads}"
     return f"`del {owner}` frees it" if owner.isidentifier() else ""
+
+
+def _needs_hint(owner: str, needs: Needs, also: Also, graph_bytes: int, count: int) -> str:
+    """What frees a row that deleting its owner alone does not: each other holder named, the graphs that
+    saved it included, and the one command that removes them all."""
+    graph = f"{_graph_words(graph_bytes, count)}; " if graph_bytes else ""
+    frees = "nothing" if needs.alone_bytes == 0 else f"only {fmt_bytes(needs.alone_bytes)} of it"
+    why = [_also_text(also)] if also else []
+    if needs.shared:
+        more = f" and {len(needs.shared) - 1:,} more" if len(needs.shared) > 1 else ""
+        why.append(f"its graph is shared with `{needs.shared[0]}`{more}, so it goes with "
+                   f"`{owner_of(root_name(needs.shared[0]))}`")
+    saved_by = [(m, k) for m, k in needs.saved_by
+                if not any(root_name(k) == root_name(o) for o in needs.shared)]  # said already: "goes with"
+    if saved_by:
+        member, keeper = saved_by[0]
+        more = f" and {len(saved_by) - 1:,} more" if len(saved_by) > 1 else ""
+        why.append(f"`{member}` is also saved by the graph of `{keeper}`{more}, so it goes with "
+                   f"`{owner_of(root_name(keeper))}`")
+    if not why:  # a holder `also` leaves out (a second frame, a later output): the command still names it
+        why.append("other holders keep it too")
+    return f"{graph}`del {owner}` frees {frees}: {'; '.join(why)} → `%cudamem clean {_needs_args(needs)}`"
+
+
+def _graph_words(graph_bytes: int, count: int) -> str:
+    if count > 1:
+        return (f"{count:,} tensors keep their autograd graphs ({fmt_bytes(graph_bytes)}): keep numbers (`.item()`) "
+                f"or `.detach()` instead")
+    return f"it holds its autograd graph ({fmt_bytes(graph_bytes)}): keep `.item()` or `.detach()` instead"
+
+
+def _needs_args(needs: Needs) -> str:
+    flags = [flag for flag, on in (("--outputs", needs.outputs), ("--traceback", needs.traceback)) if on]
+    modules = [f"(and set {m} to None)" for m in needs.modules]
+    return " ".join([*needs.names, *flags, *modules])
 
 
 def _also_text(also: Also) -> str:

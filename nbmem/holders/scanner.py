@@ -21,9 +21,9 @@ from dataclasses import dataclass, field
 from itertools import compress
 from typing import Any
 
-from nbmem.holders import reach
+from nbmem.holders import intent, reach
 from nbmem.holders.graphs import Graph, GraphState, walk_graph
-from nbmem.holders.naming import MAX_HOLDERS, PathBuilder, container, owner_of, ranker
+from nbmem.holders.naming import MAX_HOLDERS, PathBuilder, container, container_first, owner_of, ranker
 from nbmem.holders.walk import ROLE_PARAM, Root, Walk
 from nbmem.records import HolderKind, block_bytes, root_name
 
@@ -81,6 +81,7 @@ class Scan:
     errors: int = 0  # objects skipped because reading them failed
     error_types: tuple[str, ...] = ()
     root_types: Mapping[str, str] = field(default_factory=dict)  # root path -> its object's type name
+    root_state: Mapping[str, str] = field(default_factory=dict)  # root path -> what state it is ("model", ...)
 
     @property
     def truncated(self) -> bool:
@@ -92,6 +93,7 @@ class _RootState:
     sig: tuple[int, int, int]
     kind: HolderKind
     type_name: str
+    state: str  # intent.state_of its type: "model", "optimizer", ... or ""
     holds: dict[int, list[str]]  # storage id -> paths from this root
     tensors: list[tuple[weakref.ref[Any], int, int]]  # (tensor, its storage's id, id of its grad storage or 0)
     objects: int
@@ -285,8 +287,9 @@ class Scanner:
         self._walked_this_cell.update(walked)
         kinds = tuple(f"{k} x{n}" for k, n in sorted(w.error_types.items()))
         types_ = {p: rs.type_name for p, rs in self._roots.items() if rs.holds}
+        state = {p: rs.state for p, rs in self._roots.items() if rs.state}
         self.last = Scan(dict(self._held), totals, w.objects, time.perf_counter() - t0, tuple(walked),
-                         tuple(unfinished), w.errors, kinds, types_)
+                         tuple(unfinished), w.errors, kinds, types_, state)
         return self.last
 
     def _todo(self, now: Mapping[str, tuple[Root, tuple[int, int, int]]], walk: str, mentioned: set[str],
@@ -317,7 +320,8 @@ class Scanner:
         for i, (done, n, secs) in per_root.items():
             if done:
                 r = w.roots[i]
-                fresh[i] = _RootState(now[r.path][1], r.kind, reach.type_name(type(r.obj)), {}, [], n, secs, True)
+                fresh[i] = _RootState(now[r.path][1], r.kind, reach.type_name(type(r.obj)),
+                                      intent.state_of(type(r.obj)), {}, [], n, secs, True)
         sid_of_node: dict[int, int] = {}
         partial: set[int] = set()  # nodes of tensors that span less than their storage
         for f in w.found:
@@ -392,7 +396,8 @@ class Scanner:
                 self._held.pop(sid, None)
                 self._paths.pop(sid, None) if not found else None
                 continue
-            ranked = sorted(((p, k) for p, (k, _r) in found.items()), key=ranker(st.view_paths))
+            ranked = container_first(sorted(((p, k) for p, (k, _r) in found.items()), key=ranker(st.view_paths)),
+                                     self._is_state)
             reached = dict.fromkeys((found[p][1], k) for p, k in ranked)
             roots = list(reached)[:2 * MAX_HOLDERS]
             top = ranked[:MAX_HOLDERS]
@@ -401,6 +406,10 @@ class Scanner:
                                    st.span or st.nbytes, frozenset(st.roles), st.first_cell, st.addr,
                                    container(top[0][0]), tuple(r for r, _k in roots), tuple(k for _r, k in roots),
                                    st.elements, st.trainable, st.shape, st.dtype)
+
+    def _is_state(self, root: str) -> bool:
+        rs = self._roots.get(root)
+        return rs is not None and bool(rs.state)
 
     # -- graphs -----------------------------------------------------------------------------------------
     def graphs(self, sids: Iterable[int], *, exclude: Iterable[int] = (), budget_s: float | None = None
@@ -427,7 +436,7 @@ class Scanner:
                         continue
                 saved = {g: n for g, (_d, n) in st.graph.saved.items()
                          if g not in excluded and self.storages.alive(g)}
-                out[sid] = Graph(saved)
+                out[sid] = Graph(saved, frozenset(g for g in st.graph.saved if g in excluded))
         return out
 
     def graph_totals(self, held: Mapping[int, Held]) -> dict[str, int]:

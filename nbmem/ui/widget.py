@@ -153,9 +153,12 @@ def can_move_to_cpu(f: Finding) -> bool:
 
 def request_for(f: Finding, action: str) -> CleanupRequest | None:
     """What a holder's button does, exactly: the same request ``nbmem.cleanup`` would make. *del* deletes
-    the owner name shown and nothing else; the row says who else holds it."""
+    the names that free the row (the owner first, then the aliases and the tensors whose graphs saved it, as
+    its hint says), never the notebook's state (intent.py: a model, an optimizer...), which only a name typed
+    into ``%cudamem clean`` deletes."""
     if action == "del":
-        return CleanupRequest(names=(f.name,)) if f.kind is HolderKind.NAMESPACE and f.name in f.roots else None
+        ok = f.kind is HolderKind.NAMESPACE and f.name in f.roots and not f.state
+        return CleanupRequest(names=f.roots) if ok else None
     if action == "to_cpu":
         return CleanupRequest(to_cpu=(f.name,)) if can_move_to_cpu(f) else None
     return None
@@ -170,7 +173,8 @@ def holder_rows(findings: Sequence[Finding], limit: int = TOP_HOLDERS) -> list[d
         d = request_for(f, "del")
         rows.append({"id": f.id, "name": f.name, "kind": f.kind.value, "device": f.device, "bytes": f.bytes,
                      "what": f.what(), "graph": f.holds_graph, "roots": list(f.roots), "to_cpu": can_move_to_cpu(f),
-                     "del_label": ("del " + ", ".join(d.names)) if d is not None else "", "hint": f.hint,
+                     "state": f.state, "del_label": ("del " + ", ".join(d.names)) if d is not None else "",
+                     "hint": f.hint,
                      "members": [{"name": m.name, "bytes": m.bytes, "what": m.what()} for m in f.members],
                      "more": f.more, "more_bytes": f.more_bytes, "also": list(f.also_held_by)})
     return rows
