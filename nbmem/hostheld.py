@@ -48,6 +48,7 @@ _NUMBERS = (int, float, complex, bool, type(None))
 _NUMBER_IDS = frozenset(map(id, _NUMBERS))
 
 (_SKIP, _BUF, _SEQ, _DICT, _ND, _TENSOR, _FRAME, _EA, _MEMVIEW, _OBJ) = range(10)
+(_NONE, _LEAF, _MORE) = range(3)  # a name's place in the scan's order (``_Sizer.holds``)
 
 
 @dataclass(frozen=True)
@@ -165,23 +166,17 @@ class _Sizer:
             return _SKIP  # functions, frames, C objects, a library's own objects: no data of the notebook's
         return _OBJ
 
-    def order(self, roots: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
-        """Arrays, tensors, frames and buffers first (one read each), then containers and other objects in
-        the notebook's order; names that hold nothing to count (numbers, functions, modules, empty
-        containers) are left out."""
-        leaves: list[tuple[str, Any]] = []
-        others: list[tuple[str, Any]] = []
-        for r in roots:
-            t = type(r[1])
-            k = self.kind(t)
-            if k == _SEQ or k == _DICT:
-                if self.base(t).__len__(r[1]):
-                    others.append(r)
-            elif k == _OBJ:
-                others.append(r)
-            elif k != _SKIP:
-                leaves.append(r)
-        return leaves + others
+    def holds(self, obj: Any) -> int:
+        """What a name's object is for the scan's order: ``_LEAF`` (an array, a tensor, a frame, a buffer:
+        one read), ``_MORE`` (a container or an object to walk) or ``_NONE`` (numbers, functions, modules,
+        empty containers: nothing to count)."""
+        t = type(obj)
+        k = self.kind(t)
+        if k == _SEQ or k == _DICT:
+            return _MORE if self.base(t).__len__(obj) else _NONE
+        if k == _OBJ:
+            return _MORE
+        return _NONE if k == _SKIP else _LEAF
 
     # -- sizes -----------------------------------------------------------------------------------------------
     def first(self, obj: Any) -> bool:
@@ -448,16 +443,38 @@ def scan_host(roots: Iterable[tuple[str, Any]], *, budget_s: float = BUDGET_S, m
     """The biggest holders of host memory among ``roots`` (name, object): memory two names reach is
     counted under the first read. Bounded by ``budget_s`` and ``max_objects``; reads only (``reach``).
 
-    Names are read in rounds (arrays, tensors, frames and buffers first, one read each): a round gives
-    every name not yet read to its end ``FIRST_ROUND`` objects, the next four times as many, so a list of
-    a million numbers does not use up the time the list of twenty bytearrays after it needs."""
+    Arrays, tensors, frames and buffers are read first (one read each), then containers and other objects
+    in the notebook's order, in rounds: the first gives each name ``FIRST_ROUND`` objects, each later one
+    four times as many to the names not read to their end, so a list of a million numbers does not use
+    up the time that the list of twenty bytearrays after it needs."""
     t0 = clock()
     s = _Sizer(t0 + budget_s, max_objects, clock)
+    roots = list(roots)
+    everyone: list[_Root] = []
+    pending: list[_Root] = []  # read in part: the next round goes on
+    unread = 0  # names the budget left before their first read
     try:
-        pending = list(map(_Root, s.order(list(roots))))
-        names_total = len(pending)
-        everyone = list(pending)
-        quota = FIRST_ROUND
+        later: list[tuple[str, Any]] = []
+        for i, root in enumerate(roots):
+            if i & 127 == 127 and s.expired():
+                unread = len(roots) - i
+                break
+            k = s.holds(root[1])
+            if k == _LEAF:
+                r = _Root(root)
+                everyone.append(r)
+                s.run(r, FIRST_ROUND)
+            elif k == _MORE:
+                later.append(root)
+        for j, root in enumerate(later):
+            if s.expired():
+                unread += len(later) - j
+                break
+            r = _Root(root)
+            everyone.append(r)
+            s.run(r, FIRST_ROUND)
+        pending = [r for r in everyone if r.stack]
+        quota = FIRST_ROUND * 4
         while pending and not s.expired():
             for r in pending:
                 s.run(r, quota)
@@ -471,10 +488,11 @@ def scan_host(roots: Iterable[tuple[str, Any]], *, budget_s: float = BUDGET_S, m
     finally:
         s.keep.clear()
     rows.sort(key=lambda h: -h.bytes)
+    left = len(pending) + unread
     reason = ""
-    if pending:
-        reason = (f"the scan's budget ({budget_s * 1000:.0f} ms) ran out with {len(pending):,} of {names_total:,} "
-                  f"names read in part or not at all")
+    if left:
+        reason = (f"the scan's budget ({budget_s * 1000:.0f} ms) ran out with {left:,} of {len(roots):,} names read "
+                  f"in part or not at all")
     if failed:
         reason += ("; " if reason else "") + f"{', '.join(failed[:3])} could not be read (changed while read)"
-    return HostHeld(tuple(rows[:top]), names_total - len(pending), names_total, s.objects, clock() - t0, reason)
+    return HostHeld(tuple(rows[:top]), len(roots) - left, len(roots), s.objects, clock() - t0, reason)
