@@ -43,6 +43,7 @@ from .deaths import Death, explain
 from .hostheld import scan_host
 from .limits import oom_kills_of
 from .records import Holders, Sample, Tick
+from .walk import Root
 
 Listener = Callable[[Any], None]
 
@@ -507,11 +508,12 @@ def _unlink(p: Path) -> None:
 
 
 def open_flight(subscribe: Callable[[Listener], Callable[[], None]], directory: Path | None = None, *,
-                roots: Roots | None = None) -> FlightRecorder:
+                roots: Callable[[], Iterable[Root]] | None = None) -> FlightRecorder:
     """Read the capsule this notebook's dead kernel left (told once: ``last_death``), then start this
     kernel's, fed through ``subscribe`` (``Session.subscribe``: ticks on the sampler thread, which writes);
     ``roots`` gives the notebook's names for the holders of host memory."""
-    rec = FlightRecorder(directory or usable_dir([flight_dir(), cache_flight_dir()]), roots=roots)
+    names = None if roots is None else (lambda: ((r.path, r.obj) for r in roots()))
+    rec = FlightRecorder(directory or usable_dir([flight_dir(), cache_flight_dir()]), roots=names)
     dead = take_dead(rec.directory, notebook=rec.notebook, kernel=rec.kernel, connection=rec.connection,
                      parent=rec.parent)
     if dead is not None:

@@ -22,6 +22,7 @@ import time
 import types
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
+from contextlib import nullcontext
 from dataclasses import dataclass
 from itertools import islice, repeat
 from operator import is_
@@ -78,10 +79,6 @@ class HostHeld:
                              "uncounted": h.uncounted} for h in self.holders],
                 "names": self.names, "names_total": self.names_total, "objects": self.objects,
                 "elapsed_s": round(self.elapsed_s, 4), "reason": self.reason}
-
-
-class _Budget(Exception):
-    """The scan's time or object budget ran out."""
 
 
 def _module_attr(module: str, name: str) -> Any:
@@ -321,7 +318,7 @@ class _Sizer:
         TB = self.TB
         off = self.torch_off
         try:
-            with off() if off is not None else _nothing():
+            with off() if off is not None else nullcontext():
                 if str(TB.device.__get__(t)) != "cpu":
                     return 0
                 st = TB.untyped_storage(t)
@@ -351,73 +348,66 @@ class _Sizer:
                 out.append(f"a {reach.type_name(type(v))} column")
         return values
 
-    # -- what a person reads -----------------------------------------------------------------------------------
-    def what(self, obj: Any) -> str:
-        t = type(obj)
-        name = reach.type_name(t)
-        k = self.kind(t)
-        try:
-            if k == _ND:
-                return f"{name} {self._dtype(obj)} {self._shape(obj, self.ndarray)}".strip()
-            if k == _TENSOR:
-                with self.torch_off() if self.torch_off is not None else _nothing():
-                    dt = str(self.TB.dtype.__get__(obj)).removeprefix("torch.")
-                    shape = list(tuple.__iter__(self.TB.shape.__get__(obj)))
-                return f"{name} {dt} {shape}"
-            if k == _FRAME:
-                return f"{name} {self._frame_shape(obj)}".strip()
-            if k == _SEQ or k == _DICT:
-                base = self.base(t)
-                count = int(base.__len__(obj))
-                items = islice(dict.values(obj).__iter__() if k == _DICT else base.__iter__(obj), 1000)
-                kinds = {id(type(x)): type(x) for x in items}
-                of = f" {reach.type_name(next(iter(kinds.values())))}" if len(kinds) == 1 else ""
-                return f"{name} of {count:,}{of}"
-        except Exception:
-            pass
-        return name
 
-    def _dtype(self, a: Any) -> str:
-        get = reach.c_descriptor(self.ndarray, "dtype")
-        dt = get(a) if get is not None else None
-        return str(self.dtype.__str__(dt)) if dt is not None and reach.derives(type(dt), self.dtype) else ""
+# -- what a person reads -----------------------------------------------------------------------------------
+def what(s: _Sizer, obj: Any) -> str:
+    t = type(obj)
+    name = reach.type_name(t)
+    k = s.kind(t)
+    try:
+        if k == _ND:
+            return f"{name} {_dtype(s, obj)} {_shape(s, obj, s.ndarray)}".strip()
+        if k == _TENSOR:
+            with s.torch_off() if s.torch_off is not None else nullcontext():
+                dt = str(s.TB.dtype.__get__(obj)).removeprefix("torch.")
+                shape = list(tuple.__iter__(s.TB.shape.__get__(obj)))
+            return f"{name} {dt} {shape}"
+        if k == _FRAME:
+            return f"{name} {_frame_shape(s, obj)}".strip()
+        if k == _SEQ or k == _DICT:
+            base = s.base(t)
+            count = int(base.__len__(obj))
+            items = islice(dict.values(obj).__iter__() if k == _DICT else base.__iter__(obj), 1000)
+            kinds = {id(type(x)): type(x) for x in items}
+            of = f" {reach.type_name(next(iter(kinds.values())))}" if len(kinds) == 1 else ""
+            return f"{name} of {count:,}{of}"
+    except Exception:
+        pass
+    return name
 
-    def _shape(self, a: Any, base: type) -> str:
-        get = reach.c_descriptor(base, "shape")
-        shape = get(a) if get is not None else None
-        return str(tuple(tuple.__iter__(shape))) if type(shape) is tuple else ""
+def _dtype(s: _Sizer, a: Any) -> str:
+    get = reach.c_descriptor(s.ndarray, "dtype")
+    dt = get(a) if get is not None else None
+    return str(s.dtype.__str__(dt)) if dt is not None and reach.derives(type(dt), s.dtype) else ""
 
-    def _frame_shape(self, f: Any) -> str:
-        """"1,000,000 × 8" for a DataFrame, "1,000,000 float64" for a Series, from its blocks' arrays."""
-        _, mgr = reach.c_field(f, "_mgr")
-        found, blocks = reach.c_field(mgr, "blocks") if mgr is not None else (False, None)
-        if not found or type(blocks) is not tuple:
+def _shape(s: _Sizer, a: Any, base: type) -> str:
+    get = reach.c_descriptor(base, "shape")
+    shape = get(a) if get is not None else None
+    return str(tuple(tuple.__iter__(shape))) if type(shape) is tuple else ""
+
+def _frame_shape(s: _Sizer, f: Any) -> str:
+    """"1,000,000 × 8" for a DataFrame, "1,000,000 float64" for a Series, from its blocks' arrays."""
+    _, mgr = reach.c_field(f, "_mgr")
+    found, blocks = reach.c_field(mgr, "blocks") if mgr is not None else (False, None)
+    if not found or type(blocks) is not tuple:
+        return ""
+    rows, cols, dtype = None, 0, ""
+    get = reach.c_descriptor(s.ndarray, "shape")
+    for b in tuple.__iter__(blocks):
+        _, v = reach.c_field(b, "values")
+        if v is not None and s.kind(type(v)) == _EA:
+            _, v = reach.c_field(v, "_ndarray")
+        if v is None or get is None or s.kind(type(v)) != _ND:
             return ""
-        rows, cols, dtype = None, 0, ""
-        get = reach.c_descriptor(self.ndarray, "shape")
-        for b in tuple.__iter__(blocks):
-            _, v = reach.c_field(b, "values")
-            if v is not None and self.kind(type(v)) == _EA:
-                _, v = reach.c_field(v, "_ndarray")
-            if v is None or get is None or self.kind(type(v)) != _ND:
-                return ""
-            shape = tuple(tuple.__iter__(get(v)))
-            rows = shape[-1]
-            cols += shape[0] if len(shape) == 2 else 1
-            dtype = self._dtype(v)
-        if rows is None:
-            return ""
-        one_d = reach.type_name(type(f)) == "Series" or not any(
-            reach.derives(type(f), c) for c in [_module_attr("pandas.core.frame", "DataFrame")] if c is not None)
-        return f"{rows:,} {dtype}" if one_d else f"{rows:,} × {cols}"
-
-
-class _nothing:
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
+        shape = tuple(tuple.__iter__(get(v)))
+        rows = shape[-1]
+        cols += shape[0] if len(shape) == 2 else 1
+        dtype = _dtype(s, v)
+    if rows is None:
+        return ""
+    one_d = reach.type_name(type(f)) == "Series" or not any(
+        reach.derives(type(f), c) for c in [_module_attr("pandas.core.frame", "DataFrame")] if c is not None)
+    return f"{rows:,} {dtype}" if one_d else f"{rows:,} × {cols}"
 
 
 class _Root:
@@ -482,7 +472,7 @@ def scan_host(roots: Iterable[tuple[str, Any]], *, budget_s: float = BUDGET_S, m
                     break
             pending = [r for r in pending if r.stack]
             quota *= 4
-        rows = [HostHolder(r.name, s.what(r.obj), r.total, bool(r.stack), ", ".join(dict.fromkeys(r.out)))
+        rows = [HostHolder(r.name, what(s, r.obj), r.total, bool(r.stack), ", ".join(dict.fromkeys(r.out)))
                 for r in everyone if r.total >= min_bytes]
         failed = [r.name for r in everyone if r.error]
     finally:
