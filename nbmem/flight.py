@@ -308,9 +308,12 @@ class FlightRecorder:
         assert self.roots is not None
         with self._lock:
             self._host_due, self._host_t = False, self._clock()
-        held = scan_host(self.roots())
+        try:
+            host = scan_host(self.roots()).to_json()
+        except Exception as e:  # kept as words only: a traceback would keep the notebook's objects alive
+            host = {"holders": [], "reason": f"the notebook's names could not be read ({type(e).__name__})"}
         with self._lock:
-            self._host = {**held.to_json(), "t": self._clock()}
+            self._host = {**host, "t": self._clock()}
 
     # -- the capsule -------------------------------------------------------------------------------------
     def capsule(self, *, thin: int = 1) -> dict[str, Any]:

@@ -69,7 +69,7 @@ class HostHeld:
 
     holders: tuple[HostHolder, ...]
     names: int  # names read
-    names_total: int
+    names_total: int | None  # None: the budget ran out before every name was listed
     objects: int
     elapsed_s: float
     reason: str = ""  # why not every name was read in full; "" when it was
@@ -431,7 +431,8 @@ def scan_host(roots: Iterable[tuple[str, Any]], *, budget_s: float = BUDGET_S, m
               top: int = TOP, min_bytes: int = MIN_BYTES, clock: Callable[[], float] = time.perf_counter
               ) -> HostHeld:
     """The biggest holders of host memory among ``roots`` (name, object): memory two names reach is
-    counted under the first read. Bounded by ``budget_s`` and ``max_objects``; reads only (``reach``).
+    counted under the first read. Bounded by ``budget_s`` and ``max_objects``, listing ``roots`` included;
+    reads only (``reach``).
 
     Arrays, tensors, frames and buffers are read first (one read each), then containers and other objects
     in the notebook's order, in rounds: the first gives each name ``FIRST_ROUND`` objects, each later one
@@ -439,23 +440,30 @@ def scan_host(roots: Iterable[tuple[str, Any]], *, budget_s: float = BUDGET_S, m
     up the time that the list of twenty bytearrays after it needs."""
     t0 = clock()
     s = _Sizer(t0 + budget_s, max_objects, clock)
-    roots = list(roots)
     everyone: list[_Root] = []
     pending: list[_Root] = []  # read in part: the next round goes on
     unread = 0  # names the budget left before their first read
+    listed, listed_all = 0, False  # the names are listed as they are read: listing a namespace costs too
     try:
         later: list[tuple[str, Any]] = []
-        for i, root in enumerate(roots):
-            if i & 127 == 127 and s.expired():
-                unread = len(roots) - i
+        half = t0 + budget_s / 2  # listing stops here, so the containers it put off get the other half
+        for root in roots:
+            listed += 1
+            if listed & 127 == 0 and (s.expired() or clock() > half):
+                unread = 1
                 break
-            k = s.holds(root[1])
+            try:
+                k = s.holds(root[1])
+            except Exception:  # changed while listed: the next scan sees it
+                continue
             if k == _LEAF:
                 r = _Root(root)
                 everyone.append(r)
                 s.run(r, FIRST_ROUND)
             elif k == _MORE:
                 later.append(root)
+        else:
+            listed_all = True
         for j, root in enumerate(later):
             if s.expired():
                 unread += len(later) - j
@@ -480,9 +488,12 @@ def scan_host(roots: Iterable[tuple[str, Any]], *, budget_s: float = BUDGET_S, m
     rows.sort(key=lambda h: -h.bytes)
     left = len(pending) + unread
     reason = ""
-    if left:
-        reason = (f"the scan's budget ({budget_s * 1000:.0f} ms) ran out with {left:,} of {len(roots):,} names read "
+    if not listed_all:
+        reason = (f"the scan's budget ({budget_s * 1000:.0f} ms) ran out with {left:,} of the first {listed:,} names "
+                  f"read in part or not at all, and the rest not listed")
+    elif left:
+        reason = (f"the scan's budget ({budget_s * 1000:.0f} ms) ran out with {left:,} of {listed:,} names read "
                   f"in part or not at all")
     if failed:
         reason += ("; " if reason else "") + f"{', '.join(failed[:3])} could not be read (changed while read)"
-    return HostHeld(tuple(rows[:top]), len(roots) - left, len(roots), s.objects, clock() - t0, reason)
+    return HostHeld(tuple(rows[:top]), listed - left, listed if listed_all else None, s.objects, clock() - t0, reason)

@@ -179,9 +179,12 @@ def test_the_scan_stays_in_its_budget_and_says_what_it_left(capsys: Any) -> None
     r = scan_host(many.items(), budget_s=0.005)
     took = time.perf_counter() - t0
     assert took < 1.0 and r.elapsed_s <= took  # a budget of 5 ms, on a busy two-core machine
-    assert r.names < r.names_total == 20_002 and "ran out with" in r.reason and "of 20,002 names" in r.reason
+    assert r.names < 20_002 and r.reason.startswith("the scan's budget (5 ms) ran out with ")
+    if r.names_total is None:  # the budget ran out while the names were listed
+        assert "and the rest not listed" in r.reason
     full = scan_host(many.items(), budget_s=10.0)
-    assert full.reason == "" and full.names == 20_002 and {"late", "arr"} <= {h.name for h in full.holders}
+    assert full.reason == "" and full.names == full.names_total == 20_002
+    assert {"late", "arr"} <= {h.name for h in full.holders}
     with capsys.disabled():
         print(f"\nhost holders of 20,002 names: {full.elapsed_s * 1000:.0f} ms for {full.objects:,} objects")
 
