@@ -337,6 +337,7 @@ class FlightRecorder:
             "format": FORMAT, "pid": self.pid, "started": self.started, "kernel_id": self.kernel,
             "notebook": self.notebook, "connection_file": self.connection,
             "parent": None if self.parent is None else {"pid": self.parent[0], "started": self.parent[1]},
+            "unclaimable": Identity(self.notebook, self.kernel, self.connection, self.parent).why_unclaimable(),
             "written": self._clock(), "cell": cell, "last_error": error,
             "limit": None if lim is None else {
                 "bytes": lim.limit_bytes, "applies": lim.applies, "source": lim.source, "cgroup_dir": lim.cgroup_dir,

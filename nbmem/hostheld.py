@@ -142,6 +142,8 @@ class _Sizer:
         d = reach.derives
         if any(d(t, b) for b in _BUFS):
             return _BUF
+        if t is memoryview:  # before the atoms, which list it: its buffer is another object's, read through it
+            return _MEMVIEW
         if reach.is_atom_type(t) or d(t, type) or t is types.ModuleType or d(t, types.ModuleType):
             return _SKIP
         if self.TB is not None and d(t, self.TB):
@@ -156,8 +158,6 @@ class _Sizer:
             return _DICT
         if any(d(t, b) for b in _SEQS):
             return _SEQ
-        if t is memoryview:
-            return _MEMVIEW
         mod = reach.type_module(t)
         if not reach.is_heap(t) or reach.is_library_module(mod) or mod.split(".")[0] in ("torch", "numpy"):
             return _SKIP  # functions, frames, C objects, a library's own objects: no data of the notebook's

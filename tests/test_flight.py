@@ -244,6 +244,9 @@ def test_the_story_names_the_holders_of_host_memory_and_how_it_was_matched(tmp_p
     assert len(reads) == 4
     c = json.loads(rec.path.read_bytes())
     assert c["connection_file"] == "/tmp/tmpab12.json" and c["parent"] == {"pid": 77, "started": 5.0}
+    assert c["unclaimable"] == ""
+    nobody = FlightRecorder(tmp_path / "f2", pid=1, started=0.0, notebook="", kernel="", connection="", parent=None)
+    assert nobody.capsule()["unclaimable"].startswith("it had no notebook path, Jupyter kernel id, connection file")
     assert [h["name"] for h in c["host"]["holders"]] == ["big"] and c["host"]["holders"][0]["bytes"] > 40 * MiB
     text = str(explain({**c, "claimed_by": claims(Identity(connection="/tmp/tmpab12.json", parent=(77, 5.0)),
                                                   Identity(connection="/tmp/tmpab12.json", parent=(77, 5.0)))}))

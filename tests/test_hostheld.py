@@ -54,7 +54,8 @@ def test_memory_two_names_reach_is_counted_once_and_views_count_their_base() -> 
 def test_what_is_not_counted_is_said() -> None:
     obj = np.empty(300_000, dtype=object)
     nums = [float(i) for i in range(300_000)]
-    got = held(obj=obj, nums=nums)
+    got = held(obj=obj, nums=nums, mv=memoryview(bytearray(2 * MiB)))
+    assert got["mv"][:2] == ("memoryview", bytearray.__sizeof__(bytearray(2 * MiB)))  # the buffer it keeps
     assert got["obj"][3] == "an object array's elements"
     assert got["nums"][3] == "its numbers' objects" and got["nums"][1] == list.__sizeof__(nums)
 
