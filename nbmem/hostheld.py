@@ -75,8 +75,8 @@ class HostHeld:
     reason: str = ""  # why not every name was read in full; "" when it was
 
     def to_json(self) -> dict[str, Any]:
-        return {"holders": [{"name": h.name, "what": h.what, "bytes": h.bytes, "partial": h.partial,
-                             "uncounted": h.uncounted} for h in self.holders],
+        return {"holders": [{"name": h.name[:120], "what": h.what[:120], "bytes": h.bytes, "partial": h.partial,
+                             "uncounted": h.uncounted[:200]} for h in self.holders],
                 "names": self.names, "names_total": self.names_total, "objects": self.objects,
                 "elapsed_s": round(self.elapsed_s, 4), "reason": self.reason}
 
