@@ -20,11 +20,16 @@ from nbmem.measure.limits import Cgroup
 from nbmem.recorder.deaths import Death, cause_of, explain, pressure_note
 from nbmem.recorder.flight import (
     FORMAT,
+    STALE_S,
     FlightRecorder,
+    Identity,
+    claims,
+    connection_file,
     error_text,
     first_line,
     flight_dir,
     kernel_id,
+    parent_process,
     take_dead,
     usable_dir,
 )
@@ -170,6 +175,90 @@ def test_stale_capsules_nobody_claims_are_removed(tmp_path: Path) -> None:
     d = tmp_path / "flight"
     old = capsule_file(d, pid=dead_pid(), notebook="gone.ipynb", written=time.time() - 30 * 24 * 3600)
     assert take_dead(d, notebook="a.ipynb", kernel="") is None and not old.exists()
+    assert STALE_S == 7 * 24 * 3600  # the README says 7 days
+    now = time.time()
+    week = capsule_file(d, pid=dead_pid(), notebook="", kernel="", written=now - STALE_S + 3600)
+    me = __import__("psutil").Process()
+    live = capsule_file(d, pid=me.pid, notebook="", kernel="", started=me.create_time(), written=now - 100 * 86400)
+    other_format = d / f"kernel-{dead_pid()}-5.json"
+    other_format.write_text(json.dumps({"format": "nbmem-flight/9"}))
+    torn, fresh_tmp = d / ".tmp-x1.json", d / ".tmp-x2.json"
+    torn.write_text("{")
+    fresh_tmp.write_text("{")
+    for p in (other_format, torn):
+        os.utime(p, (now - STALE_S - 60, now - STALE_S - 60))
+    assert take_dead(d, notebook="", kernel="", connection="/tmp/x.json") is None
+    assert week.exists() and live.exists() and fresh_tmp.exists()  # under 7 days, or a live process's
+    assert not other_format.exists() and not torn.exists()
+    assert take_dead(d, notebook="", kernel="", now=now + 2 * 3600) is None
+    assert not week.exists() and live.exists()
+
+
+def test_a_kernel_without_a_server_is_known_by_its_connection_file_and_parent() -> None:
+    argv = ["/usr/bin/python", "-m", "ipykernel_launcher", "-f", "/tmp/tmpab12.json"]
+    assert connection_file(argv) == "/tmp/tmpab12.json" and kernel_id(argv) == ""
+    assert connection_file(["x", "--f=/tmp/a.json"]) == "/tmp/a.json"
+    assert connection_file(["x", "--IPKernelApp.connection_file=/r/kernel-1.json"]) == "/r/kernel-1.json"
+    assert connection_file(["pytest"]) == ""
+    me = parent_process({"JPY_PARENT_PID": str(os.getpid())})
+    assert me is not None and me[0] == os.getpid()
+    assert parent_process({"JPY_PARENT_PID": str(dead_pid())}) is None  # the manager is gone
+    mgr = (4242, 1000.0)
+    kernel = Identity(connection="/tmp/tmpab12.json", parent=mgr)
+    assert "its connection file, /tmp/tmpab12.json" in claims(kernel, kernel)
+    assert claims(kernel, Identity(connection="/tmp/other.json", parent=mgr)) == ""
+    assert claims(kernel, Identity(connection="/tmp/tmpab12.json", parent=(4242, 5000.0))) == ""  # a PID reused
+    assert claims(kernel, Identity(connection="/tmp/tmpab12.json")) != ""  # the parent unknown: the file decides
+    # A notebook path or kernel id, where both know one, decides before the file does.
+    assert claims(Identity("a.ipynb", connection="/f.json"), Identity("b.ipynb", connection="/f.json")) == ""
+    assert claims(Identity(kernel="k1", connection="/f.json"), Identity(kernel="k2", connection="/f.json")) == ""
+    # Known by nothing else (a terminal IPython): the same parent process; with no parent, no one's.
+    bare = Identity(parent=mgr)
+    assert "its parent process (PID 4242)" in claims(bare, bare) and claims(bare, Identity(parent=(1, 2.0))) == ""
+    assert claims(Identity(), Identity()) == "" and Identity().why_unclaimable()
+    assert claims(bare, kernel) == "" and claims(kernel, bare) == ""
+
+
+def test_the_story_names_the_holders_of_host_memory_and_how_it_was_matched(tmp_path: Path) -> None:
+    big = [bytearray(2 * MiB) for _ in range(20)]
+    reads: list[float] = []
+    clock = Clock()
+
+    def roots() -> list[tuple[str, object]]:
+        reads.append(clock.t)
+        return [("big", big), ("n", 3)]
+
+    rec = FlightRecorder(tmp_path / "flight", pid=4242, started=clock.t - 100, notebook="", kernel="",
+                         connection="/tmp/tmpab12.json", parent=(77, 5.0), roots=roots, clock=clock)
+    rec.start()
+    rec.running(4, "big = [bytearray(2 * MiB) for _ in range(20)]")
+    for _ in range(50):  # 25 s of a running cell: read at the first tick, then every 10 s
+        clock.t += 0.5
+        rec.listen(tick(clock.t, GiB))
+    assert [r - reads[0] for r in reads] == [0.0, 10.0, 20.0]
+    rec.running(None)
+    clock.t += 0.5
+    rec.listen(tick(clock.t, GiB))  # the cell ended: read again at the next tick
+    clock.t += 0.5
+    rec.listen(tick(clock.t, GiB))
+    assert len(reads) == 4
+    c = json.loads(rec.path.read_bytes())
+    assert c["connection_file"] == "/tmp/tmpab12.json" and c["parent"] == {"pid": 77, "started": 5.0}
+    assert c["unclaimable"] == ""
+    nobody = FlightRecorder(tmp_path / "f2", pid=1, started=0.0, notebook="", kernel="", connection="", parent=None)
+    assert nobody.capsule()["unclaimable"].startswith("it had no notebook path, Jupyter kernel id, connection file")
+    assert [h["name"] for h in c["host"]["holders"]] == ["big"] and c["host"]["holders"][0]["bytes"] > 40 * MiB
+    text = str(explain({**c, "claimed_by": claims(Identity(connection="/tmp/tmpab12.json", parent=(77, 5.0)),
+                                                  Identity(connection="/tmp/tmpab12.json", parent=(77, 5.0)))}))
+    assert "nbmem: the previous kernel died after" in text
+    assert "It is this notebook's previous kernel by its connection file, /tmp/tmpab12.json, " in text
+    assert "Host memory its names held: big (list of 20 bytearray, 40.0 MiB)." in text
+    cut = {**c, "host": {**c["host"], "holders": [{**c["host"]["holders"][0], "partial": True}],
+                         "reason": "the scan's budget (50 ms) ran out with 1 of 2 names read in part or not at all"}}
+    assert "big (list of 20 bytearray, at least 40.0 MiB). Not every name was read: the scan's budget" in str(
+        explain(cut))
+    assert "previous kernel by" not in str(explain({**c, "claimed_by": "notebook"}))
+    rec.close()
 
 
 # -- the story ------------------------------------------------------------------------------------------------
@@ -260,6 +349,19 @@ def test_pressure_note_says_what_grew() -> None:
 
 # -- in a real shell ------------------------------------------------------------------------------------------
 SENTINEL = math.pi * 1e7
+
+
+def test_the_notebooks_names_are_read_for_host_memory_in_a_real_shell(shell) -> None:
+    ok(shell, "%load_ext nbmem")
+    ok(shell, "import numpy as np\nblob = [bytearray(3_000_000) for _ in range(4)]\narr = np.ones(500_000)")
+    rec = _magics(shell).flight
+    assert rec is not None and rec.roots is not None
+    rec.read_host()
+    rec.write()
+    held = json.loads(rec.path.read_bytes())["host"]
+    assert [(h["name"], h["what"]) for h in held["holders"]] == [("blob", "list of 4 bytearray"),
+                                                                  ("arr", "ndarray float64 (500000,)")]
+    assert held["reason"] == "" and held["names"] == held["names_total"]
 
 
 def test_no_tensor_values_on_disk(shell) -> None:

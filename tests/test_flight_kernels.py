@@ -35,7 +35,7 @@ def kernels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
     monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
     started: list[Kernel] = []
 
-    def start(notebook: str) -> Kernel:
+    def start(notebook: str | None) -> Kernel:
         k = Kernel(tmp_path, notebook)
         started.append(k)
         return k
@@ -45,9 +45,15 @@ def kernels(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
 
 
 class Kernel:
-    def __init__(self, tmp: Path, notebook: str) -> None:
+    """A kernel a ``KernelManager`` starts, as a harness or an editor does without a Jupyter server; with
+    ``notebook`` None nothing names its notebook (its connection file is a temporary file)."""
+
+    def __init__(self, tmp: Path, notebook: str | None) -> None:
         self.flight = tmp / "runtime" / "nbmem-flight"
-        env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp / "runtime"), JPY_SESSION_NAME=notebook)
+        env = dict(os.environ, JUPYTER_RUNTIME_DIR=str(tmp / "runtime"))
+        env.pop("JPY_SESSION_NAME", None)
+        if notebook is not None:
+            env["JPY_SESSION_NAME"] = notebook
         self.km = jupyter_client.KernelManager(kernel_name="nbmem-flight")
         self.km.start_kernel(env=env)
         self.kc = self.km.client()
@@ -194,3 +200,51 @@ def test_a_real_oom_kill_in_a_child_cgroup_is_named(kernels: Any, tmp_path: Path
                 break
             except OSError:
                 time.sleep(0.1)
+
+
+HOLD = """import numpy as np, pandas as pd
+big = [bytearray(10_000_000) for _ in range(12)]
+arr = np.ones((2_000, 1_000))
+df = pd.DataFrame({"a": np.arange(1_000_000.0), "b": np.arange(1_000_000)})"""
+
+
+def test_a_kernel_without_a_server_holding_host_memory_is_told_by_its_connection_file(kernels: Any) -> None:
+    """A plain jupyter_client KernelManager (no server: no notebook path, no kernel id in the connection file's
+    name) restarts its kernel with the same connection file: the story is told, and names what held memory."""
+    k = kernels(None)
+    assert "previous kernel" not in k.run("%load_ext nbmem")
+    assert k.run(HOLD) == ""
+    k.kc.execute("import time\ntime.sleep(60)")
+    seen = k.wait_capsule(lambda c: bool(c["cell"]) and any(h["name"] == "big" for h in (c["host"] or {}).get(
+        "holders", [])))
+    assert seen["notebook"] == "" and seen["kernel_id"] == "" and seen["connection_file"] == k.km.connection_file
+    # Capsules no kernel claims: a dead one written 8 days ago goes, one of 6 days stays, a live one always stays.
+    now = time.time()
+    stray = {**seen, "connection_file": "/tmp/elsewhere.json", "parent": None}
+    old = k.flight / "kernel-999998-1.json"
+    old.write_text(json.dumps({**stray, "pid": 999_998, "started": 1.0, "written": now - 8 * 86400}))
+    recent = k.flight / "kernel-999997-1.json"
+    recent.write_text(json.dumps({**stray, "pid": 999_997, "started": 1.0, "written": now - 6 * 86400}))
+    me = psutil_process()
+    live = k.flight / f"kernel-{me.pid}-{int(me.create_time())}.json"
+    live.write_text(json.dumps({**stray, "pid": me.pid, "started": me.create_time(), "written": now - 30 * 86400}))
+    torn = k.flight / ".tmp-abc.json"
+    torn.write_text("{")
+    os.utime(torn, (now - 8 * 86400, now - 8 * 86400))
+    os.kill(k.pid, signal.SIGKILL)
+    k.restart(now=True)
+    out = k.run("%load_ext nbmem")
+    assert out.startswith("nbmem: the previous kernel died after "), out
+    assert f"It is this notebook's previous kernel by its connection file, {k.km.connection_file}," in out
+    host = next(line for line in out.splitlines() if line.startswith("Host memory its names held: "))
+    assert host.startswith("Host memory its names held: big (list of 12 bytearray, 114 MiB); "), host
+    assert "df (DataFrame 1,000,000 × 2, 15.3 MiB)" in host and "arr (ndarray float64 (2000, 1000), 15.3 MiB)" in host
+    told = k.run("import nbmem; d = nbmem.last_death(); print([h[0] for h in d.host], d.pid)")
+    assert told.split("]")[0] == "['big', 'arr', 'df'" or told.split("]")[0] == "['big', 'df', 'arr'", told
+    assert not old.exists() and not torn.exists() and recent.exists() and live.exists()
+
+
+def psutil_process() -> Any:
+    import psutil
+
+    return psutil.Process()

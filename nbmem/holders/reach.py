@@ -374,3 +374,40 @@ def generator_locals(gen: Any) -> list[Any]:
     ``f_locals``, which before 3.13 stores a snapshot that keeps old values alive."""
     return [x for x in referents(gen) if type(x) is not types.CodeType and type(x) is not types.FrameType
             and type(x) is not str]
+
+
+# -- C-level fields ---------------------------------------------------------------------------------------
+_c_fields = TypeCache()
+
+
+def c_descriptor(t: type, name: str) -> Callable[[Any], Any] | None:
+    """The getter of a field ``name`` defined in C (a getset or member descriptor, which only C code makes,
+    in ``t``'s MRO), or None. A Python subclass's property of that name is passed over: its code never
+    runs, and the C value under it is what the object really holds."""
+    fields = _c_fields.get(t)
+    if fields is None:
+        fields = {}
+        for c in reversed(_mro(t)):  # nearest class last, so it wins
+            for k, d in own_items(c):
+                if type(k) is str and (type(d) is GETSET or type(d) is MEMBER):
+                    fields[k] = d.__get__
+        _c_fields.put(t, fields)
+    return fields.get(name)
+
+
+def c_field(obj: Any, name: str) -> tuple[bool, Any]:
+    """(found, value) of the C-level field ``name`` of ``obj`` (``c_descriptor``), then of the key ``name``
+    in its instance dict read through the C getter (keys compared as exact strings, so no key's ``__eq__``
+    runs). Never a property, ``__getattr__`` or ``__getattribute__``."""
+    get = c_descriptor(type(obj), name)
+    if get is not None:
+        try:
+            return True, get(obj)
+        except Exception:
+            return False, None
+    d = dict_of(obj)
+    if d is not None:
+        for k, v in dict_items(d):
+            if type(k) is str and k == name:
+                return True, v
+    return False, None

@@ -576,7 +576,7 @@ def load_ipython_extension(shell: Any) -> None:
     session = Session(ShellAdapter(shell), options.settings())
     magics = NbmemMagics(shell, options, session)
     try:
-        magics.flight = open_flight(session.subscribe)
+        magics.flight = open_flight(session.subscribe, roots=session.adapter.roots)
         for event, hook in magics.flight.cell_hooks(lambda: shell.execution_count - 1, session.fault).items():
             shell.events.register(event, hook)  # every cell, measured or not: the capsule names it
     except Exception as e:

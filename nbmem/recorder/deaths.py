@@ -3,7 +3,8 @@
 Pure analysis over records and capsules (``flight``). ``pressure_note`` is the line a cell's report gets
 when memory crossed ``records.WARN_SHARE`` of the limit that applies while it ran, saying what grew.
 ``explain`` turns a dead kernel's capsule into a ``Death``: when it died, the cell it was running, memory
-at the end and how fast it grew, the likely cause and the biggest owners it held.
+at the end and how fast it grew, the likely cause, the biggest owners it held and the biggest holders
+of host memory its names reached (``hostheld``).
 """
 
 from __future__ import annotations
@@ -74,6 +75,10 @@ class Death(Shown):
     cause_text: str
     owners: tuple[tuple[str, str, str, int], ...] = ()  # (name, kind, device, bytes), biggest first
     gpus: tuple[tuple[str, int | None, int | None, int | None], ...] = ()  # (device, allocated, reserved, process)
+    #: The biggest holders of host memory its names reached: (name, what, bytes, at least, not counted).
+    host: tuple[tuple[str, str, int, bool, str], ...] = ()
+    host_note: str = ""  # why that list may be short (the scan's budget ran out), or ""
+    matched_by: str = ""  # how it was known to be this notebook's, where the notebook path did not say
     #: The capsule's samples, for ``nbmem.plot(death)``: wall times, then each series over them (None: unknown).
     times: tuple[float, ...] = ()
     series: tuple[tuple[str, str, tuple[int | None, ...]], ...] = ()  # (device, what, values): "cpu" "rss", ...
@@ -105,8 +110,15 @@ class Death(Shown):
             out.append("No cell was running.")
         out.append(f"At the end: {self._memory()}.")
         out.append(f"Likely cause: {self.cause_text}.")
+        if self.matched_by:
+            out.append(f"It is this notebook's previous kernel by {self.matched_by}.")
         if self.owners:
             out.append("It held: " + "; ".join(f"{n} ({k}, {d}) {fmt_bytes(b)}" for n, k, d, b in self.owners) + ".")
+        if self.host:
+            out.append("Host memory its names held: " + "; ".join(
+                f"{n} ({w}, {'at least ' if part else ''}{fmt_bytes(b)}{f'; not counted: {u}' if u else ''})"
+                for n, w, b, part, u in self.host) + "." + (f" Not every name was read: {self.host_note}."
+                                                           if self.host_note else ""))
         gpus = [f"{d} allocated {fmt_bytes(a)}, reserved {fmt_bytes(r)}" for d, a, r, _ in self.gpus
                 if a is not None or r is not None]
         if gpus:
@@ -215,6 +227,9 @@ def explain(capsule: Mapping[str, Any], oom_kills_now: int | None = None) -> Dea
                    for o in (capsule.get("owners") or [])[:TOP_OWNERS])
     gpus = tuple((dev, _last(g.get("allocated") or []), _last(g.get("reserved") or []), _last(g.get("process") or []))
                  for dev, g in sorted((s.get("gpus") or {}).items()))
+    held = capsule.get("host") or {}
+    host = tuple((str(h.get("name", "")), str(h.get("what", "")), int(h.get("bytes", 0)), bool(h.get("partial")),
+                  str(h.get("uncounted") or "")) for h in (held.get("holders") or [])[:TOP_OWNERS])
     series = [("cpu", what, tuple(s.get(what) or ())) for what in ("rss", "used", "total")]
     series += [(dev, what, tuple(g.get(what) or ())) for dev, g in sorted((s.get("gpus") or {}).items())
                for what in ("allocated", "reserved", "process")]
@@ -224,7 +239,9 @@ def explain(capsule: Mapping[str, Any], oom_kills_now: int | None = None) -> Dea
         cell=cell.get("number"), first_line=str(cell.get("first_line", "")), cell_started_wall=cell.get("started"),
         rss_bytes=_last(rss), used_bytes=_last(s.get("used") or []), total_bytes=_last(s.get("total") or []),
         limit_source=str(lim.get("source") or "") if lim.get("applies") else "",
-        growth_bytes=growth, growth_s=span, cause=cause, cause_text=text, owners=owners, gpus=gpus,
+        growth_bytes=growth, growth_s=span, cause=cause, cause_text=text, owners=owners, gpus=gpus, host=host,
+        host_note=str(held.get("reason") or "") if host else "",
+        matched_by="" if capsule.get("claimed_by") in (None, "notebook", "kernel id") else str(capsule["claimed_by"]),
         times=tuple(float(x) for x in t), series=tuple((d, w, v) for d, w, v in series if len(v) == len(t)))
 
 

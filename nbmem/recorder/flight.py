@@ -4,13 +4,23 @@ A kernel killed by the OOM killer (SIGKILL) takes everything nbmem sampled with 
 thread keeps a capsule for this kernel on disk: the last two minutes of samples (RSS, the memory limit,
 each GPU's allocated / reserved / process bytes), the running cell (number, first line, start), the last
 owner rows (names, kinds, bytes), the notebook's path where the server tells it, the PID and start time.
-It holds numbers and names only: never a tensor's values, a cell's output or a whole cell's source.
+It also names the biggest holders of host memory the notebook's names reach (``hostheld``: arrays,
+DataFrames, buffers, CPU tensors, by their own sizes), read on the sampler thread when a cell ended and
+every ``HOST_EVERY_S`` while one runs. It holds numbers and names only: never a tensor's values, a cell's
+output or a whole cell's source.
+
+Which kernel's death the next kernel tells: the same notebook's (where the server names it), else the same
+Jupyter kernel id (a server's kernels), else the same connection file started by the same process (a
+``jupyter_client.KernelManager`` without a server restarts its kernel with the connection file it made),
+else, for a kernel with none of these (a terminal IPython), one started by the same parent process.
 
 Writes are atomic (a temporary file, then ``os.replace``), by the sampler thread: at most every
 ``WRITE_EVERY_S``, and at the next tick when a cell started or ended; bounded to ``MAX_BYTES``;
 owner-only (file 0o600 in a 0o700 directory).
 A clean end (``%unload_ext nbmem``, kernel shutdown, interpreter exit) removes it; one left behind by a
-process that is gone is a death, which the next kernel of the same notebook tells (``deaths``).
+process that is gone is a death, which the next kernel of the same notebook tells (``deaths``). A dead
+kernel's capsule that no kernel claimed is removed ``STALE_S`` (7 days) after its last write by the next
+kernel that loads nbmem; a live process's capsule never is.
 """
 
 from __future__ import annotations
@@ -24,10 +34,13 @@ import tempfile
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from nbmem.holders.hostheld import scan_host
+from nbmem.holders.walk import Root
 from nbmem.measure.limits import oom_kills_of
 from nbmem.recorder.deaths import Death, explain
 from nbmem.records import Holders, Sample, Tick
@@ -41,9 +54,13 @@ MAX_BYTES = 256 * 1024
 TOP_OWNERS = 10
 FIRST_LINE_CHARS = 160
 ERROR_CHARS = 300
-#: Capsules of dead kernels no notebook claimed are removed after this long.
+#: Capsules of dead kernels no notebook claimed are removed this long after their last write (7 days).
 STALE_S = 7 * 24 * 3600.0
+#: How often the holders of host memory are read again while a cell runs (and once when it ends).
+HOST_EVERY_S = 10.0
 _CONNECTION_FILE = re.compile(r"kernel-([0-9A-Za-z-]+)\.json\Z")
+_CAPSULE_NAME = re.compile(r"kernel-(\d+)-(\d+)\.json\Z")
+Roots = Callable[[], Iterable[tuple[str, Any]]]
 _CUDA_ERROR = ("cuda", "cublas", "cudnn", "nccl", "device-side assert", "illegal memory access")
 
 
@@ -84,6 +101,29 @@ def kernel_id(argv: Sequence[str] | None = None) -> str:
         if m:
             return m.group(1)
     return ""
+
+
+def connection_file(argv: Sequence[str] | None = None) -> str:
+    """The connection file the kernel was started with (``-f X``, ``--f=X``, ``--IPKernelApp.connection_file=X``),
+    as an absolute path, or "". Only its path is kept: the file holds the kernel's key."""
+    args = list(sys.argv if argv is None else argv)
+    for i, arg in enumerate(args):
+        for flag in ("-f", "--f", "--IPKernelApp.connection_file"):
+            if arg == flag and i + 1 < len(args):
+                return os.path.abspath(args[i + 1])
+            if arg.startswith(flag + "="):
+                return os.path.abspath(arg[len(flag) + 1:])
+    return ""
+
+
+def parent_process(environ: Mapping[str, str] | None = None) -> tuple[int, float] | None:
+    """(PID, start time) of the process that started this kernel: jupyter_client's ``JPY_PARENT_PID`` (the
+    manager, through any wrapper script), else the parent; None when it is gone or unknown."""
+    env = os.environ if environ is None else environ
+    raw = env.get("JPY_PARENT_PID", "")
+    pid = int(raw) if raw.isdigit() else os.getppid()
+    started = process_started(pid) if pid > 1 else None
+    return None if started is None else (pid, started)
 
 
 def process_started(pid: int) -> float | None:
@@ -137,16 +177,25 @@ def private_dir(path: Path) -> Path:
 
 
 class FlightRecorder:
-    """This kernel's capsule: fed by the session's records (``listen``) and the cell hooks (``running``)."""
+    """This kernel's capsule: fed by the session's records (``listen``) and the cell hooks (``running``).
+
+    ``parent`` is the process that started it (``parent_process``, read when True); ``roots`` gives the
+    notebook's names, whose holders of host memory it reads (``read_host``)."""
 
     def __init__(self, directory: Path, *, pid: int | None = None, started: float | None = None,
-                 notebook: str | None = None, kernel: str | None = None, clock: Callable[[], float] = time.time,
-                 write_every_s: float = WRITE_EVERY_S, window_s: float = WINDOW_S, max_bytes: int = MAX_BYTES) -> None:
+                 notebook: str | None = None, kernel: str | None = None, connection: str | None = None,
+                 parent: tuple[int, float] | bool | None = True, roots: Roots | None = None,
+                 clock: Callable[[], float] = time.time, write_every_s: float = WRITE_EVERY_S,
+                 window_s: float = WINDOW_S, max_bytes: int = MAX_BYTES, host_every_s: float = HOST_EVERY_S) -> None:
         self.directory = directory
         self.pid = os.getpid() if pid is None else pid
         self.started = (process_started(self.pid) or clock()) if started is None else started
         self.notebook = os.environ.get("JPY_SESSION_NAME", "") if notebook is None else notebook
         self.kernel = kernel_id() if kernel is None else kernel
+        self.connection = connection_file() if connection is None else connection
+        self.parent = parent_process() if parent is True else (parent or None)
+        self.roots = roots  # the notebook's names, for the holders of host memory (None: not read)
+        self.host_every_s = host_every_s
         self.name = f"kernel-{self.pid}-{int(self.started)}.json"
         self._clock = clock
         self.write_every_s = write_every_s
@@ -159,6 +208,9 @@ class FlightRecorder:
         self._owners: list[dict[str, Any]] = []
         self._owners_t: float | None = None
         self._written = float("-inf")
+        self._host: dict[str, Any] | None = None
+        self._host_t = float("-inf")
+        self._host_due = True  # at the first tick, and when a cell ends
         self._news = False  # a cell started or ended since the last write: write at the next tick
         self._closed = False
         self.writes = 0
@@ -205,6 +257,7 @@ class FlightRecorder:
                 return
             ended, self._cell = self._cell, None
             self._news |= ended is not None
+            self._host_due |= ended is not None
             text, cuda = error_text(error)
             if text:
                 self._error = {"cell": ended["number"] if ended else None, "error": text, "cuda": cuda, "t": now}
@@ -242,15 +295,33 @@ class FlightRecorder:
             while self._ticks and self._ticks[0][0].t_wall < now - self.window_s:
                 self._ticks.popleft()
             due = self._news or self._clock() - self._written >= self.write_every_s
+            host = self.roots is not None and (self._host_due or (
+                self._cell is not None and self._clock() - self._host_t >= self.host_every_s))
+        if host:
+            self.read_host()
+            due = True
         if due:
             self.write()
+
+    def read_host(self) -> None:
+        """Read the biggest holders of host memory (``hostheld``, bounded in time) for the next write."""
+        assert self.roots is not None
+        with self._lock:
+            self._host_due, self._host_t = False, self._clock()
+        try:
+            host = scan_host(self.roots()).to_json()
+        except Exception as e:  # kept as words only: a traceback would keep the notebook's objects alive
+            host = {"holders": [], "reason": f"the notebook's names could not be read ({type(e).__name__})"}
+        with self._lock:
+            self._host = {**host, "t": self._clock()}
 
     # -- the capsule -------------------------------------------------------------------------------------
     def capsule(self, *, thin: int = 1) -> dict[str, Any]:
         """What is written: numbers and names only (every ``thin``-th sample, to stay under the bound)."""
         with self._lock:
             ticks = list(self._ticks)[::-1][::thin][::-1]
-            cell, error, owners, owners_t = self._cell, self._error, list(self._owners), self._owners_t
+            cell, error, owners, owners_t, host = (self._cell, self._error, list(self._owners), self._owners_t,
+                                                   self._host)
         cpu = [next((s for s in t if s.device == "cpu"), None) for t in ticks]
         gpus: dict[str, dict[str, list[int | None]]] = {}
         for i, t in enumerate(ticks):
@@ -264,7 +335,10 @@ class FlightRecorder:
         lim = next((c.memory_limit for c in reversed(cpu) if c is not None and c.memory_limit is not None), None)
         return {
             "format": FORMAT, "pid": self.pid, "started": self.started, "kernel_id": self.kernel,
-            "notebook": self.notebook, "written": self._clock(), "cell": cell, "last_error": error,
+            "notebook": self.notebook, "connection_file": self.connection,
+            "parent": None if self.parent is None else {"pid": self.parent[0], "started": self.parent[1]},
+            "unclaimable": Identity(self.notebook, self.kernel, self.connection, self.parent).why_unclaimable(),
+            "written": self._clock(), "cell": cell, "last_error": error,
             "limit": None if lim is None else {
                 "bytes": lim.limit_bytes, "applies": lim.applies, "source": lim.source, "cgroup_dir": lim.cgroup_dir,
                 "oom_kills": lim.oom_kills, "host_total": lim.host_total_bytes, "reason": lim.reason},
@@ -276,7 +350,7 @@ class FlightRecorder:
                 "oom_kills": [c.memory_limit.oom_kills if c and c.memory_limit else None for c in cpu],
                 "gpus": gpus,
             },
-            "owners": owners, "owners_t": owners_t,
+            "owners": owners, "owners_t": owners_t, "host": host,
         }
 
     def encode(self) -> bytes:
@@ -317,39 +391,117 @@ def is_alive(capsule: Mapping[str, Any]) -> bool:
     return started is not None and abs(started - float(capsule.get("started", 0.0))) < 2.0
 
 
-def same_notebook(capsule: Mapping[str, Any], *, notebook: str, kernel: str) -> bool:
-    """Whether a capsule is this notebook's: the same notebook path where both know one, else the same
-    kernel id (kept across restarts). Without either, no capsule is anyone's."""
-    theirs = str(capsule.get("notebook") or "")
-    if theirs and notebook:
-        return theirs == notebook
-    return bool(kernel) and capsule.get("kernel_id") == kernel
+@dataclass(frozen=True)
+class Identity:
+    """What a kernel is known by, across a restart: see ``claims``."""
+
+    notebook: str = ""
+    kernel: str = ""
+    connection: str = ""  # the connection file's path
+    parent: tuple[int, float] | None = None  # (PID, start time) of the process that started it
+
+    def why_unclaimable(self) -> str:
+        """Why no later kernel could tell this one's death, or "" when one can."""
+        if self.notebook or self.kernel or self.connection or self.parent:
+            return ""
+        return "it had no notebook path, Jupyter kernel id, connection file or parent process nbmem could read"
 
 
-def take_dead(directory: Path, *, notebook: str, kernel: str, now: float | None = None,
+def identity_of(capsule: Mapping[str, Any]) -> Identity:
+    p = capsule.get("parent") or {}
+    parent = (int(p["pid"]), float(p["started"])) if isinstance(p, dict) and "pid" in p and "started" in p else None
+    return Identity(str(capsule.get("notebook") or ""), str(capsule.get("kernel_id") or ""),
+                    str(capsule.get("connection_file") or ""), parent)
+
+
+def _same_process(a: tuple[int, float] | None, b: tuple[int, float] | None) -> bool:
+    return a is not None and b is not None and a[0] == b[0] and abs(a[1] - b[1]) < 2.0
+
+
+def claims(me: Identity, theirs: Identity) -> str:
+    """How a dead kernel's capsule is this kernel's notebook's, in words for the story ("" when it is not),
+    the surest first: the notebook path where both know one; else the Jupyter kernel id (kept across a
+    restart); else the connection file, from the same process (a KernelManager without a server restarts
+    its kernel with the file it made; a file name can come again later, a process cannot); else, where
+    neither knows any of these, the same parent process."""
+    if theirs.notebook and me.notebook:
+        return "notebook" if theirs.notebook == me.notebook else ""
+    if theirs.kernel and me.kernel:
+        return "kernel id" if theirs.kernel == me.kernel else ""
+    if theirs.connection and me.connection:
+        if theirs.connection != me.connection:
+            return ""
+        if theirs.parent and me.parent and not _same_process(theirs.parent, me.parent):
+            return ""
+        return (f"its connection file, {theirs.connection}, which this kernel was started with too (by a kernel "
+                f"manager without a Jupyter server, which names no notebook)")
+    if not (theirs.notebook or theirs.kernel or theirs.connection or me.notebook or me.kernel or me.connection):
+        if _same_process(theirs.parent, me.parent):
+            assert me.parent is not None
+            return (f"its parent process (PID {me.parent[0]}), the only thing nbmem knew it by: it had no notebook "
+                    f"path, Jupyter kernel id or connection file")
+    return ""
+
+
+def same_notebook(capsule: Mapping[str, Any], *, notebook: str, kernel: str, connection: str = "",
+                  parent: tuple[int, float] | None = None) -> bool:
+    """Whether a capsule is this notebook's (``claims``)."""
+    return bool(claims(Identity(notebook, kernel, connection, parent), identity_of(capsule)))
+
+
+def take_dead(directory: Path, *, notebook: str, kernel: str, connection: str = "",
+              parent: tuple[int, float] | None = None, now: float | None = None,
               alive: Callable[[Mapping[str, Any]], bool] = is_alive) -> dict[str, Any] | None:
-    """The newest capsule this notebook's dead kernel left, removed so it is told once; stale capsules no
-    notebook claimed are removed too."""
+    """The newest capsule this notebook's dead kernel left, removed so it is told once, with how it was
+    matched (``"claimed_by"``). A dead kernel's capsule no kernel claimed is removed ``STALE_S`` after its
+    last write, and so is a half-written temporary file; a live process's capsule never is."""
     now = time.time() if now is None else now
+    me = Identity(notebook, kernel, connection, parent)
     try:
         paths = sorted(directory.glob("kernel-*.json"))
+        temps = sorted(directory.glob(".tmp-*.json"))
     except OSError:
         return None
-    mine: list[tuple[float, Path, dict[str, Any]]] = []
+    for p in temps:  # a write cut short by a kill: a live writer's temporary file lives milliseconds
+        if now - _mtime(p) > STALE_S:
+            _unlink(p)
+    mine: list[tuple[float, Path, dict[str, Any], str]] = []
     for p in paths:
         c = read_capsule(p)
-        if c is None or alive(c):
+        if c is None:
+            _remove_stale_other(p, now)
             continue
-        if same_notebook(c, notebook=notebook, kernel=kernel):
-            mine.append((float(c.get("written") or 0.0), p, c))
-        elif now - float(c.get("written") or 0.0) > STALE_S:
+        if alive(c):
+            continue
+        how = claims(me, identity_of(c))
+        if how:
+            mine.append((float(c.get("written") or 0.0), p, c, how))
+        elif now - (float(c.get("written") or 0.0) or _mtime(p)) > STALE_S:  # its own clock, else the file's
             _unlink(p)
     if not mine:
         return None
     mine.sort(key=lambda x: x[0])
-    for _, p, _ in mine:
+    for _, p, _, _ in mine:
         _unlink(p)
-    return mine[-1][2]
+    return {**mine[-1][2], "claimed_by": mine[-1][3]}
+
+
+def _mtime(p: Path) -> float:
+    try:
+        return p.stat().st_mtime
+    except OSError:
+        return float("inf")  # gone or unreadable: never "old"
+
+
+def _remove_stale_other(p: Path, now: float) -> None:
+    """A file that is not a capsule this version reads (another version's, a torn one): removed when it is
+    older than ``STALE_S`` and the process its name gives is gone."""
+    m = _CAPSULE_NAME.search(p.name)
+    if m is None or now - _mtime(p) <= STALE_S:
+        return
+    started = process_started(int(m.group(1)))
+    if started is None or abs(started - int(m.group(2))) >= 2.0:
+        _unlink(p)
 
 
 def _unlink(p: Path) -> None:
@@ -359,12 +511,15 @@ def _unlink(p: Path) -> None:
         pass
 
 
-def open_flight(subscribe: Callable[[Listener], Callable[[], None]], directory: Path | None = None
-                ) -> FlightRecorder:
+def open_flight(subscribe: Callable[[Listener], Callable[[], None]], directory: Path | None = None, *,
+                roots: Callable[[], Iterable[Root]] | None = None) -> FlightRecorder:
     """Read the capsule this notebook's dead kernel left (told once: ``last_death``), then start this
-    kernel's, fed through ``subscribe`` (``Session.subscribe``: ticks on the sampler thread, which writes)."""
-    rec = FlightRecorder(directory or usable_dir([flight_dir(), cache_flight_dir()]))
-    dead = take_dead(rec.directory, notebook=rec.notebook, kernel=rec.kernel)
+    kernel's, fed through ``subscribe`` (``Session.subscribe``: ticks on the sampler thread, which writes);
+    ``roots`` gives the notebook's names for the holders of host memory."""
+    names = None if roots is None else (lambda: ((r.path, r.obj) for r in roots()))
+    rec = FlightRecorder(directory or usable_dir([flight_dir(), cache_flight_dir()]), roots=names)
+    dead = take_dead(rec.directory, notebook=rec.notebook, kernel=rec.kernel, connection=rec.connection,
+                     parent=rec.parent)
     if dead is not None:
         # The cgroup that held the dead kernel is read again: a count that rose after its last sample is the OOM killer.
         rec.last_death = explain(dead, oom_kills_of(str((dead.get("limit") or {}).get("cgroup_dir") or "")))
