@@ -81,7 +81,9 @@ def parse_on(spec: object) -> Target:
     a ValueError in one line that lists the accepted forms otherwise."""
     if isinstance(spec, Target):
         return spec
-    if not isinstance(spec, str) or not spec.strip():
+    if isinstance(spec, str):
+        spec = spec.strip().strip("'\"")  # IPython's argument line keeps the quotes of "A100 40GB"
+    if not isinstance(spec, str) or not spec:
         raise ValueError(f"takes {ACCEPTED}; got {spec!r:.40}")
     m = _SIZE.match(spec)
     if m:

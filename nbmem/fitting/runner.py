@@ -191,7 +191,8 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
                              skipped=skipped, want=want, expandable=_expandable_on(), measured=measured,
                              remedy_notes=remedy_notes)
     if target is not None:
-        result = replace(result, device=f"{target.label}, as measured on {result.device}")
+        here = ", ".join(body.rooms[d].device for d in used_devices(runs) if d in body.rooms)
+        result = replace(result, device=f"{target.label}, as measured on {here}")
     return replace(result, restored_bytes=restored, restored=lines[0], not_restored=lines[1], steps_run=steps,
                    duration_s=time.perf_counter() - started)
 
