@@ -242,7 +242,8 @@ class FitResult(Shown):
         others = "" if r.others_bytes is None else (
             f"; other processes and CUDA contexts take {fmt_bytes(r.others_bytes)} of {fmt_bytes(r.total_bytes)}")
         share = f"{pct:.0f} %" if pct >= 1 else f"{pct:.1g} %"  # a margin set by hand can be a sliver
-        return (f"fits into {fmt_bytes(r.capacity_bytes)}: {fmt_bytes(r.free_bytes)} free + "
+        on = f" on {r.device}" if len(self.devices) > 1 else ""  # the device that limits the answer
+        return (f"fits into {fmt_bytes(r.capacity_bytes)}{on}: {fmt_bytes(r.free_bytes)} free + "
                 f"{fmt_bytes(r.reserved_bytes)} this process's allocator holds − {fmt_bytes(r.margin_bytes)} margin "
                 f"({share}); the notebook already holds {fmt_bytes(r.allocated_bytes)}{others}")
 
