@@ -161,7 +161,8 @@ def fit(body: Any, name: str, values: Any, *, restore: bool = True, warmup: bool
     try:
         return sess.fit(body, name, vals, warmup=warmup, restore=restore, want=want, on=target)
     except FitRefused as e:
-        raise RuntimeError(f"nbmem.fit: {e}; nothing was run") from None
+        raise RuntimeError(f"nbmem.fit: {e}; {'it ran once, no more' if e.ran else 'nothing was run'}"
+                           ) from None
 
 
 def plot_fit(result: Any = None, ax: Any = None) -> Any:

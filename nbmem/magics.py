@@ -434,7 +434,8 @@ class NbmemMagics(Magics):
             result = self.session.fit(body, name, values, cell=self.shell.execution_count - 1,
                                       restore=not args.no_restore, want=want, on=on)
         except FitRefused as e:
-            raise UsageError(f"%%cudamem --fit: {e}. The cell did not run.") from None
+            ran = "The cell ran once, no more." if e.ran else "The cell did not run."
+            raise UsageError(f"%%cudamem --fit: {e}. {ran}") from None
         if not args.quiet:
             self._display(result)
         return None

@@ -162,9 +162,9 @@ def test_the_runner_measures_a_device_its_runs_were_the_first_to_use_once_its_co
 
 def test_a_body_that_allocates_on_no_cuda_device_is_refused_in_one_line(two_gpus: dict[str, Any]) -> None:
     two_gpus["per_unit"] = {}
-    with pytest.raises(FitRefused, match="allocated no CUDA memory in its runs") as e:
+    with pytest.raises(FitRefused, match="allocated no CUDA memory in its first run") as e:
         runner.fit(lambda b: torch.ones(b), [8, 16], source=TwoGpus({}), name="batch")  # type: ignore[arg-type]
-    assert "\n" not in str(e.value)
+    assert "\n" not in str(e.value) and e.value.ran and len(two_gpus["calls"]) == 1, "no run after the first"
 
 
 def test_on_another_gpu_the_same_runs_are_replayed_against_its_memory_less_this_contexts(

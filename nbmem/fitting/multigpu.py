@@ -37,7 +37,7 @@ class RunSet:
     def single(cls, trace: RunTrace, device: int = 0) -> RunSet:
         return cls(trace.value, trace.counted, trace.oom, {device: trace})
 
-NOTHING_ON_CUDA = ("the body allocated no CUDA memory in its runs: a fit predicts GPU memory, so the cell must "
+NOTHING_ON_CUDA = ("the body allocated no CUDA memory in its first run: a fit predicts GPU memory, so the cell must "
                    "put its tensors on a GPU (e.g. device='cuda')")
 
 

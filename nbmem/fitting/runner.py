@@ -149,8 +149,6 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
         refined = None
         if not _runs(body, vals, warmup, runs, skipped, cell_files):
             refined = _refine(body, runs, cell_files)
-        if not used_devices(runs):
-            raise FitRefused(NOTHING_ON_CUDA)
         if want is not None and (candidates or left_out):
             # with the cell's lines as the sites, as refine's analyses and the final one have them
             plain = (refined if refined is not None and max_value is None and target is None else
@@ -287,6 +285,8 @@ def _runs(body: _Body, vals: Sequence[int], warmup: bool, runs: list[RunSet], sk
             return True
         trace, oom = body.once(v, counted)
         runs.append(trace)
+        if k == 0 and not oom and not used_devices(runs):  # nothing to fit: the other runs are not made
+            raise FitRefused(NOTHING_ON_CUDA, ran=True)
         if any(len(tr.entries) >= max_entries for tr in trace.traces.values()):
             notes.append(f"the run at {name}={v:,} filled the trace ({max_entries:,} events): what it recorded "
                          "first is lost, so it may not line up with the others")

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from IPython.core.error import UsageError
 
 from nbmem import fitting
 from nbmem.magics import session_of
@@ -207,6 +208,14 @@ def test_a_fit_on_one_device_makes_no_context_on_another() -> None:
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == ["cuda:0", "True", "False"], out.stdout
+
+
+def test_a_cell_that_allocates_on_no_gpu_is_refused_in_one_line_after_its_first_run(gpu: Any) -> None:
+    ok(gpu, "runs = []")
+    with pytest.raises(UsageError, match=r"allocated no CUDA memory in its first run: .*The cell ran once, no more"
+                       ) as e:
+        gpu.run_cell_magic("cudamem", "--fit batch=8,16,32", "x = torch.ones(batch)\nruns.append(batch)")
+    assert "\n" not in str(e.value) and gpu.user_ns["runs"] == [8] and "x" not in gpu.user_ns
 
 
 # -- --on: another GPU ---------------------------------------------------------------------------------------------
