@@ -99,6 +99,16 @@ def test_runs_that_allocate_on_no_device_have_no_answer_and_say_why() -> None:
     assert res.largest_value is None and res.reason == NOTHING_ON_CUDA and res.values == (8, 16, 32)
 
 
+def test_on_another_gpu_each_device_the_runs_used_becomes_that_gpu_and_keeps_its_name() -> None:
+    room = rooms({0: 4 * GiB, 1: 4 * GiB})
+    there, notes = multigpu.on_target(room, parse_on("L4"), lambda d: 700 * MiB, 0)
+    assert [r.device for r in there.values()] == ["cuda:0 as L4 (24 GB)", "cuda:1 as L4 (24 GB)"]
+    assert all(r.capacity_bytes == 24 * GB - 700 * MiB for r in there.values())
+    res = analyse_devices(runs_on({0: 2 * MiB, 1: 4 * MiB}), there, {}, name="batch", notes=notes)
+    assert res.limited_by is not None and "limited by cuda:1 as L4 (24 GB): batch=" in str(res)
+    assert any("(NVIDIA L4 Tensor Core GPU datasheet)" in n and "700 MiB" in n for n in res.notes)
+
+
 # -- the runner's devices, CUDA stood in for -------------------------------------------------------------------------
 class TwoGpus(FakeSource):
     """Two devices: cuda:0 busy (a few MiB free), cuda:1 with 1 GiB free; what each allocator holds is 64 MiB

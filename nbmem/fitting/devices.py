@@ -106,7 +106,8 @@ def target_room(measured: Room, target: Target, context_bytes: int, margin_bytes
     (``context_bytes``) and what this process's allocator holds now (the same segments, there as here)."""
     free = max(0, target.memory_bytes - context_bytes - measured.reserved_bytes)
     margin = margin_bytes_for(free, measured.reserved_bytes) if margin_bytes is None else int(margin_bytes)
-    return Room(target.label, free, measured.reserved_bytes, measured.allocated_bytes, margin, target.memory_bytes)
+    return Room(f"{measured.device} as {target.label}", free, measured.reserved_bytes, measured.allocated_bytes, margin,
+                target.memory_bytes)
 
 
 def target_notes(target: Target, measured_on: str, context_bytes: int, context_how: str) -> tuple[str, ...]:
