@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from nbmem.fitting import devices, multigpu, runner
+from nbmem.fitting.allocator import SegmentState
 from nbmem.fitting.devices import GB, GPUS, GiB, parse_on
 from nbmem.fitting.model import Room, RunTrace
 from nbmem.fitting.multigpu import NOTHING_ON_CUDA, RunSet, analyse_devices
@@ -107,6 +108,16 @@ def test_on_another_gpu_each_device_the_runs_used_becomes_that_gpu_and_keeps_its
     res = analyse_devices(runs_on({0: 2 * MiB, 1: 4 * MiB}), there, {}, name="batch", notes=notes)
     assert res.limited_by is not None and "limited by cuda:1 as L4 (24 GB): batch=" in str(res)
     assert any("(NVIDIA L4 Tensor Core GPU datasheet)" in n and "700 MiB" in n for n in res.notes)
+
+
+def test_on_a_gpu_smaller_than_what_the_notebook_holds_nothing_fits_and_it_says_why() -> None:
+    held = {0: Room("cuda:0", 10 * GiB, 20 * GiB, 20 * GiB, 0, 80 * GiB)}
+    there, notes = multigpu.on_target(held, parse_on("T4"), lambda d: 20 * GiB + 500 * MiB, 0)
+    assert there[0].capacity_bytes == 16 * GB - 500 * MiB, "its memory less the context, however much is held"
+    assert any("are more than the T4 (16 GB) has: nothing fits there" in n for n in notes)
+    weights = (SegmentState(1 << 40, 20 * GiB, 0, False, ((1 << 40, 20 * GiB, True),)),)  # the 20 GiB it holds
+    res = analyse_devices(runs_on({0: 2 * MiB}), there, {0: weights}, name="batch")
+    assert res.largest_value is None and "does not fit" in res.reason
 
 
 # -- the runner's devices, CUDA stood in for -------------------------------------------------------------------------

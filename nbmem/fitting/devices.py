@@ -104,7 +104,8 @@ def parse_on(spec: object) -> Target:
 def target_room(measured: Room, target: Target, context_bytes: int, margin_bytes: int | None = None) -> Room:
     """The room on ``target`` for the same notebook: its memory, less a CUDA context as large as this process's
     (``context_bytes``) and what this process's allocator holds now (the same segments, there as here)."""
-    free = max(0, target.memory_bytes - context_bytes - measured.reserved_bytes)
+    # Below zero where the notebook's own segments are more than the target has: then nothing fits there.
+    free = target.memory_bytes - context_bytes - measured.reserved_bytes
     margin = margin_bytes_for(free, measured.reserved_bytes) if margin_bytes is None else int(margin_bytes)
     return Room(f"{measured.device} as {target.label}", free, measured.reserved_bytes, measured.allocated_bytes, margin,
                 target.memory_bytes)

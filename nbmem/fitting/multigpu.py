@@ -114,6 +114,10 @@ def on_target(rooms: Mapping[int, Room], target: Target, own_used: Callable[[int
                    "processes' too if any (NVML gave no per-process figure)")
         out[d] = target_room(room, target, context, margin_bytes)
         notes = notes or target_notes(target, room.device, context, how)
+        if out[d].free_bytes < 0:
+            notes += (f"what this notebook's allocator holds on {room.device} now ({fmt_bytes(room.reserved_bytes)}) "
+                      f"and a CUDA context are more than the {target.label} has: nothing fits there as the notebook "
+                      "stands",)
     return out, notes
 
 

@@ -5,7 +5,8 @@ body once with the variable bound to ``value``, and ``clean()``, which takes bac
 namespace; ``clean`` is called after each run's trace is read, so what a run leaves behind shows in its
 trace as left allocated (and is modelled as still there while the next run runs, as it is when the user
 runs the cell again). The allocator's events are recorded only through ``TorchSource.start_trace`` and
-``finish_trace``.
+``finish_trace``. The trace covers every GPU: each device the runs allocate on has its own room and its own
+analysis (``multigpu``), and nothing here reads a device this process has no CUDA context on.
 
 A fit is the one place nbmem may change the allocator's cache: between runs it frees what each run left
 (``torch.cuda.empty_cache()``), because the user asked for the fit. It never runs a value predicted not to
