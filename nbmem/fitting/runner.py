@@ -182,9 +182,8 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
     notes += left_allocated(before, after, bool(workspaces))
     if not restore and steps:
         notes.append(f"not restored: the fit ran the body {steps} times, and whatever it trains was trained")
-    rooms = body.answer_rooms(target, own_used)
-    if target is not None:
-        notes += on_target(body.rooms, target, own_used, margin_bytes)[1]
+    rooms, said = (dict(body.rooms), ()) if target is None else on_target(body.rooms, target, own_used, margin_bytes)
+    notes += said
     result = analyse_devices(runs, rooms, body.segments, gpus={d: gpu_name(t, d) for d in rooms}, name=name,
                              cell_files=cell_files, sources=sources, max_value=max_value, notes=notes,
                              skipped=skipped, want=want, expandable=_expandable_on(), measured=measured,
