@@ -70,6 +70,17 @@ def test_the_answer_fits_on_every_device_and_names_the_one_that_limits_it(per_un
                                                                                    for d in (0, 1)}
 
 
+def test_the_plot_of_a_fit_over_several_devices_says_whose_room_it_draws() -> None:
+    pytest.importorskip("matplotlib")
+    from nbmem.plotting import plot_fit
+
+    res = analyse_devices(runs_on({0: 2 * MiB, 1: 4 * MiB}), rooms({0: 4 * GiB, 1: 3 * GiB}), {}, name="batch")
+    drawn = plot_fit(res)
+    ax = drawn.figure.axes[0]
+    assert "room on cuda:1 (0 B margin kept)" in [t.get_text() for t in ax.get_legend().get_texts()]
+    assert ax.get_title().endswith("limited by cuda:1")
+
+
 def test_a_body_on_another_device_is_fitted_there_whatever_the_current_one_holds() -> None:
     """Issue 34: cuda:0 holds 30 GiB and the body runs on cuda:1; cuda:0's room (nearly nothing) does not
     enter, nor does its memory that never grows, and the answer is cuda:1's."""
