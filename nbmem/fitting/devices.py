@@ -2,9 +2,9 @@
 (``--on SIZE|NAME``: a memory size, or a GPU from a small table of common ones with its memory and source).
 
 Pure data and parsing: no torch, no IPython. A GPU's memory in the table is its datasheet's figure in the
-vendor's unit, GB read as 10⁹ bytes: the total the driver reports is as large or larger on every card listed
-(an L4's "24 GB" is 24.1 × 10⁹ bytes as cudaMemGetInfo counts them, an H100's "80 GB" 85.5 × 10⁹), so a
-prediction against the table errs low, never high.
+vendor's unit, GB read as 10⁹ bytes: the totals nvidia-smi shows for these cards are as large or larger (an
+L4's "24 GB" is 23,034 MiB = 24.2 × 10⁹ bytes, an H100's "80 GB" 81,559 MiB = 85.5 × 10⁹), so a prediction
+against the table errs low.
 """
 
 from __future__ import annotations
