@@ -665,6 +665,7 @@ def _slim(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def measure(torch: Any, fitting: Any, fam: Family, state: str, row: Row, competitors: dict[str, Any],
             saved: list[dict[str, Any]], keep_traces: bool) -> None:
     """One row: the state, nbmem's fit, the straight line, the real boundary, and the comparisons."""
+    from nbmem.fitting import multigpu
     from nbmem.fitting import prediction as fitmod
     from nbmem.fitting.state import restore_state, snapshot_state
     from nbmem.measure.sources import TorchSource
@@ -696,13 +697,13 @@ def measure(torch: Any, fitting: Any, fam: Family, state: str, row: Row, competi
 
     # nbmem, capturing what it analysed (for --out)
     captured: dict[str, Any] = {}
-    real_analyse = fitting.analyse
+    real_analyse = multigpu.analyse  # what the fit analyses each device's runs with
 
     def capture(runs: Any, room: Any, **kw: Any) -> Any:
         captured.update(runs=runs, room=room, segments=kw.get("segments", ()))
         return real_analyse(runs, room, **kw)
 
-    fitting.analyse = capture
+    multigpu.analyse = capture
     try:
         row.alloc_before = before = torch.cuda.memory_allocated()
         t = time.perf_counter()
@@ -711,7 +712,7 @@ def measure(torch: Any, fitting: Any, fam: Family, state: str, row: Row, competi
         row.t_nbmem = time.perf_counter() - t
         row.alloc_after = torch.cuda.memory_allocated()
     finally:
-        fitting.analyse = real_analyse
+        multigpu.analyse = real_analyse
     row.nbmem, row.nbmem_pow2, row.method = res.largest_value, res.power_of_two, res.method
     row.restored_bytes, row.capacity, row.peak_where = res.restored_bytes, res.room.capacity_bytes, res.peak_where
     row.notes = [n for n in res.notes if n not in fitmod.ASSUMPTIONS]
@@ -746,7 +747,7 @@ def measure(torch: Any, fitting: Any, fam: Family, state: str, row: Row, competi
         torch.cuda.empty_cache()
         # Each try starts as a fit leaves the user, as in the remedies' tries: a workspace the last try made would
         # pin the segment it was made in (6.8 GiB of ckpt's, seen after a try that ran out of memory).
-        fitting.give_back_workspaces(source, torch.cuda.current_device(), before)
+        fitting.give_back_workspaces(source, {torch.cuda.current_device(): before})
         free, _ = torch.cuda.mem_get_info()
         reserved = torch.cuda.memory_reserved()
         trace = source.start_trace(stacks=False, max_entries=1_000_000) if keep_traces else None
@@ -774,7 +775,7 @@ def measure(torch: Any, fitting: Any, fam: Family, state: str, row: Row, competi
     row.real, row.real_hi = boundary(three_in_a_row, row.nbmem or row.line or fam.values[-1])
     row.t_real = time.perf_counter() - t
     # The last try's workspaces go too: left, one pinned a 6.2 GiB segment of ckpt's for every later row.
-    fitting.give_back_workspaces(source, torch.cuda.current_device(), before)
+    fitting.give_back_workspaces(source, {torch.cuda.current_device(): before})
 
     if "batch-probe" in competitors and not isinstance(competitors["batch-probe"], str):
         t = time.perf_counter()
@@ -883,7 +884,7 @@ def measure_remedies(torch: Any, fitting: Any, fam: Family, rows: list[RemedyRow
     fit measured (applied as the fit applies it), by bisection with real OOMs."""
     from contextlib import nullcontext
 
-    from nbmem.fitting import remedies
+    from nbmem.fitting import multigpu, remedies
     from nbmem.fitting.model import margin_bytes_for
     from nbmem.fitting.state import restore_state, snapshot_state
     from nbmem.measure.sources import TorchSource
@@ -912,21 +913,21 @@ def measure_remedies(torch: Any, fitting: Any, fam: Family, rows: list[RemedyRow
     # With ``saved``: what each analysis of the fit saw, by the list of runs it was handed (the plain runs', then
     # each remedy's); the last analysis of each list is its prediction.
     analysed: dict[int, tuple[list[Any], Any, Any]] = {}
-    real_analyse = fitting.analyse
+    real_analyse = multigpu.analyse  # what the fit analyses each device's runs with
 
     def capture(runs: Any, room: Any, **kw: Any) -> Any:
         analysed[id(runs)] = (list(runs), room, kw.get("segments", ()))
         return real_analyse(runs, room, **kw)
 
     if saved is not None:
-        fitting.analyse = capture
+        multigpu.analyse = capture
     before = torch.cuda.memory_allocated()
     t = time.perf_counter()
     try:
         res = fitting.fit(run, fam.values, name=fam.var, clean=clean, modules=[model], optimizers=[opt],
                           others=others, stacks=True, want=WANT, margin_bytes=margin)
     finally:
-        fitting.analyse = real_analyse
+        multigpu.analyse = real_analyse
     t_fit = time.perf_counter() - t
     fits = list(analysed.values())  # in the order their lists were first analysed: plain, then each remedy's
     after = torch.cuda.memory_allocated()
@@ -957,7 +958,7 @@ def measure_remedies(torch: Any, fitting: Any, fam: Family, rows: list[RemedyRow
             # Each try starts as the fit left the user: the cuBLAS workspaces the last try made go (as the fit's
             # go), else one stays pinning the segment it was made in, whose free part the next try cannot use
             # for its large blocks (716 MiB of 748 MiB under bf16: 2,356 where the fit's state allows 2,546).
-            fitting.give_back_workspaces(TorchSource(), torch.cuda.current_device(), before)
+            fitting.give_back_workspaces(TorchSource(), {torch.cuda.current_device(): before})
             free = torch.cuda.mem_get_info()[0]
             reserved = torch.cuda.memory_reserved()
             trace = TorchSource().start_trace(stacks=False, max_entries=1_000_000) if saved is not None else None
@@ -986,7 +987,7 @@ def measure_remedies(torch: Any, fitting: Any, fam: Family, rows: list[RemedyRow
 
         t = time.perf_counter()
         row.real, row.real_hi = boundary(three_in_a_row, row.predicted or fam.values[-1])
-        fitting.give_back_workspaces(TorchSource(), torch.cuda.current_device(), before)  # as after the training rows
+        fitting.give_back_workspaces(TorchSource(), {torch.cuda.current_device(): before})  # as after the training rows
         if saved is not None and label in by_name:
             runs, room, segments = by_name[label]
             saved.append({"family": f"{fam.name}/{label}", "state": "fresh", "values": list(fam.values),

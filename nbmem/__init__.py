@@ -109,7 +109,7 @@ def cleanup(names: Any = (), outputs: bool = False, traceback: bool = False, col
 
 
 def fit(body: Any, name: str, values: Any, *, restore: bool = True, warmup: bool = True,
-        want: int | None = None) -> Any:
+        want: int | None = None, on: str | None = None) -> Any:
     """Will it fit? The largest ``name`` that ``body`` can run at on this GPU, never above the real limit.
 
     ``body`` is a cell's source (run in the notebook's namespace with ``name`` bound to each value, as
@@ -125,6 +125,11 @@ def fit(body: Any, name: str, values: Any, *, restore: bool = True, warmup: bool
     of the model's repeated blocks and bf16 autocast (measured: the small runs again under each, undone
     after, with the time per sample against the plain step), ``expandable_segments`` (predicted; it needs a
     restart). A remedy that cannot apply is left out with its reason.
+
+    Every GPU the body allocates on is measured against its own free memory; the answer fits on all of them,
+    and ``limited_by`` names the one that limits it. ``on``: the answer for another GPU from the same runs, a
+    memory size (``"24GiB"``, ``"24GB"``) or a GPU's name (``"T4"``, ``"L4"``, ``"A100 40GB"``; the table is
+    ``nbmem.fitting.devices.GPUS``), less a CUDA context as large as this one's.
 
     Returns a ``FitResult``: ``largest_value``, ``power_of_two``, ``fixed_bytes``, ``bytes_per_unit``,
     ``lines`` (where memory grows), ``room`` (the memory it fits into and the margin), ``notes``;
@@ -144,13 +149,20 @@ def fit(body: Any, name: str, values: Any, *, restore: bool = True, warmup: bool
     if want is not None and (type(want) is not int or want < 1):
         raise ValueError(f"nbmem.fit(want=...) takes the {name} you want to run at, a positive whole number, "
                          f"got {want!r:.40}")
+    from nbmem.fitting.devices import parse_on
+
+    try:
+        target = None if on is None else parse_on(on)
+    except ValueError as e:
+        raise ValueError(f"nbmem.fit(on=...) {e}") from None
     sess = _session()
     if isinstance(body, str) and name not in sess.adapter.mentioned(body):
         raise ValueError(f"nbmem.fit: the body does not use `{name}`; it runs with {name} bound to each value")
     try:
-        return sess.fit(body, name, vals, warmup=warmup, restore=restore, want=want)
+        return sess.fit(body, name, vals, warmup=warmup, restore=restore, want=want, on=target)
     except FitRefused as e:
-        raise RuntimeError(f"nbmem.fit: {e}; nothing was run") from None
+        raise RuntimeError(f"nbmem.fit: {e}; {'it ran once, no more' if e.ran else 'nothing was run'}"
+                           ) from None
 
 
 def plot_fit(result: Any = None, ax: Any = None) -> Any:

@@ -12,6 +12,7 @@ The work is in rooms of its own: a measured cell in ``cellwatch``, the holder sc
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import traceback as _tb
@@ -354,17 +355,23 @@ class Session:
 
     # -- will it fit? -------------------------------------------------------------------------------------
     def fit(self, body: str | Callable[[int], object], name: str, values: Sequence[int], *, cell: int = 0,
-            warmup: bool = True, restore: bool = True, want: int | None = None) -> FitResult:
+            warmup: bool = True, restore: bool = True, want: int | None = None, on: Any = None) -> FitResult:
         """Run ``body`` once per value (a cell's source, ``name`` bound; or a function of the value) and
-        predict the largest value that fits; the modules and optimizers it reaches are restored after."""
+        predict the largest value that fits (on ``on``, another GPU, where given); the modules and optimizers
+        it reaches are restored after."""
         try:
             result = fit_in_notebook(self.adapter, self.probe.torch, self.holdings.scanner.type_cache, body, name,
                                      values, cell=cell, warmup=warmup, restore=restore,
-                                     budget_s=self.settings.scan_budget_s, want=want)
+                                     budget_s=self.settings.scan_budget_s, want=want, on=on, own_used=self._own_used)
         finally:
             self.holdings.closed_scan = None  # the fit ran code: the next cell's baseline is scanned again
         self.last_fit = result
         return result
+
+    def _own_used(self, device: int) -> int | None:
+        """This process's memory on ``cuda:N`` as NVML lists it (a fit's measure of a CUDA context); None: unknown."""
+        procs = self.probe.nvml.processes(f"cuda:{device}", max_age_s=0.0)
+        return next((p.used_bytes for p in procs or () if p.pid == os.getpid()), None)
 
     # -- frames ------------------------------------------------------------------------------------------
     def samples(self) -> Any:

@@ -23,6 +23,7 @@ from nbmem.fitting import model as fitmodel
 from nbmem.fitting import prediction as F
 from nbmem.fitting.allocator import CachingAllocatorModel, SegmentState
 from nbmem.fitting.model import Room, RunTrace
+from nbmem.fitting.multigpu import RunSet
 from nbmem.fitting.prediction import analyse
 from nbmem.fitting.sizes import fit_size
 
@@ -577,7 +578,7 @@ def test_largest_fitting_stays_below_a_failure_under_the_answer() -> None:
 
 
 # -- the layers --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["allocator.py", "model.py", "prediction.py"])
+@pytest.mark.parametrize("name", ["allocator.py", "model.py", "prediction.py", "devices.py"])
 def test_the_fit_analysis_imports_neither_torch_nor_the_runner_nor_the_plots(name: str) -> None:
     path = Path(nbmem.fitting.__file__).parent / name
     t = ast.parse(path.read_text())
@@ -667,13 +668,14 @@ def test_a_run_whose_error_was_lost_under_stacks_runs_again_without_them(monkeyp
         if stacks:
             raise SystemError("<built-in method run_backward of torch._C._EngineBase object> returned NULL without "
                               "setting an exception")
-        return RunTrace(value, [], counted, 0, 0), ""
+        return RunSet.single(RunTrace(value, [], counted, 0, 0)), ""
 
     monkeypatch.setattr(runner, "_one_run", one_run)
-    monkeypatch.setattr(runner, "_free_cached", lambda src, dev, **kw: None)
-    monkeypatch.setattr(runner, "_allocated_reserved", lambda src, dev: (0, 0))
+    monkeypatch.setattr(runner, "free_cached", lambda src, devs, **kw: None)
+    monkeypatch.setattr(runner, "allocated_reserved", lambda src, dev: (0, 0))
     notes: list[str] = []
-    body = runner._Body(lambda v: None, None, 0, True, 10, None, "batch", notes)  # type: ignore[arg-type]
+    body = runner._Body(lambda v: None, None, [0], True, 10, None, "batch", notes)  # type: ignore[arg-type]
+    body.rooms[0] = Room("cuda:0", 1 << 30, 0, 0, 0)
     assert body.once(8, True)[0].value == 8 and body.once(16, True)[0].value == 16
     assert calls == [(8, True), (8, False), (16, False)] and body.ran == 3
     assert len(notes) == 1 and "batch=8 lost its error under the trace's Python stacks" in notes[0]
@@ -748,10 +750,10 @@ def test_where_allocated_memory_itself_does_not_fit_expandable_segments_is_no_re
 
 def test_after_a_run_the_collection_runs_only_where_the_run_left_more_allocated_than_it_started_with(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from nbmem.fitting import runner
+    from nbmem.fitting import multigpu
 
     collected: list[int] = []
-    monkeypatch.setattr(runner.gc, "collect", lambda *a: collected.append(1) or 0)
+    monkeypatch.setattr(multigpu.gc, "collect", lambda *a: collected.append(1) or 0)
 
     class Source:
         allocated = 0
@@ -765,11 +767,11 @@ def test_after_a_run_the_collection_runs_only_where_the_run_left_more_allocated_
 
     src = Source()
     src.allocated = 100
-    runner._free_cached(src, 0, unless_back_to=100)  # type: ignore[arg-type]
-    runner._free_cached(src, 0, unless_back_to=120)  # type: ignore[arg-type]  # the run freed what was there
+    multigpu.free_cached(src, [0], unless_back_to=100)  # type: ignore[arg-type]
+    multigpu.free_cached(src, [0], unless_back_to=120)  # type: ignore[arg-type]  # the run freed what was there
     assert not collected and src.emptied == 2
-    runner._free_cached(src, 0, unless_back_to=99)  # type: ignore[arg-type]  # garbage holds the run's tensors
-    runner._free_cached(src, 0)  # type: ignore[arg-type]  # the fit's own last cleanup: always
+    multigpu.free_cached(src, [0], unless_back_to=99)  # type: ignore[arg-type]  # garbage holds the run's tensors
+    multigpu.free_cached(src, [0])  # type: ignore[arg-type]  # the fit's own last cleanup: always
     assert len(collected) == 2 and src.emptied == 4
 
 
@@ -789,9 +791,10 @@ def test_after_a_traced_run_the_collection_is_skipped_only_where_nothing_older_w
     from nbmem.fitting import runner
 
     seen: list[int | None] = []
-    monkeypatch.setattr(runner, "_one_run", lambda *a: (RunTrace(8, entries, True, 0, 0), ""))
-    monkeypatch.setattr(runner, "_free_cached", lambda src, dev, unless_back_to=None: seen.append(unless_back_to))
-    monkeypatch.setattr(runner, "_allocated_reserved", lambda src, dev: (100, 0))
-    body = runner._Body(lambda v: None, None, 0, False, 10, None, "batch", [])  # type: ignore[arg-type]
+    monkeypatch.setattr(runner, "_one_run", lambda *a: (RunSet.single(RunTrace(8, entries, True, 0, 0)), ""))
+    monkeypatch.setattr(runner, "free_cached", lambda src, devs, unless_back_to=None: seen.append(unless_back_to))
+    monkeypatch.setattr(runner, "allocated_reserved", lambda src, dev: (100, 0))
+    body = runner._Body(lambda v: None, None, [0], False, 10, None, "batch", [])  # type: ignore[arg-type]
+    body.rooms[0] = Room("cuda:0", 1 << 30, 0, 0, 0)
     body.once(8, True)
     assert seen == [None if collects else 100]

@@ -38,6 +38,11 @@ def nb(ip):
     ("--fit batch=8,16 --want -4", r"--want takes the batch"),
     ("--fit batch=8,16 --want 2.5", r"--want takes the batch .*not '2.5'"),
     ("--fit batch=8,16 --want 512 --lines", r"does not take --lines"),
+    ("--on L4", r"--on goes with --fit"),
+    ("--fit batch=8,16 --on banana", r"--on takes a memory size \(24GiB, 24GB.*\) or a GPU: T4, .*L4.*; not 'banana'"),
+    ("--fit batch=8,16 --on 24", r"--on takes a memory size"),
+    ("--fit batch=8,16 --on 100MB", r"--on takes a memory size .*too small for a GPU"),
+    ("--fit batch=8,16 --on L4 --lines", r"does not take --lines"),
 ])
 def test_a_bad_fit_is_refused_in_one_line_and_the_cell_does_not_run(nb, line, message):
     with pytest.raises(UsageError, match=message) as e:
@@ -60,6 +65,13 @@ def test_without_cuda_a_fit_says_it_needs_cudas_allocator_and_the_body_does_not_
         nbmem.fit(BODY, "batch", [8])
     with pytest.raises(LookupError, match="no fit has run yet"):
         nbmem.plot_fit()
+    for on in ("L4", '"A100 40GB"', "24GiB"):  # a good --on gets as far as the usual refusal
+        with pytest.raises(UsageError, match=r"fitting needs CUDA's caching allocator.*The cell did not run"):
+            nb.run_cell_magic("cudamem", f"--fit batch=8,16,32 --on {on}", BODY)
+    with pytest.raises(RuntimeError, match=r"fitting needs CUDA's caching allocator"):
+        nbmem.fit(BODY, "batch", [8, 16], on="A100 40GB")
+    assert "ran" not in nb.user_ns
+    assert session_of(nb)._own_used(0) is None, "no NVML here: the context's size is not known from it"
 
 
 def test_the_namespace_is_put_back_after_each_run_and_the_fits_variable_restored(nb):
@@ -122,6 +134,13 @@ def test_a_fit_finds_the_state_a_cell_changes_through_the_functions_it_calls(nb)
     found = state_reached(sess.adapter, torch, sess.holdings.scanner.type_cache, used, [], budget_s=None)
     assert [id(m) for m in found.modules] == [id(nb.user_ns["model"])]
     assert [id(o) for o in found.optimizers] == [id(nb.user_ns["opt"])]
+
+
+@pytest.mark.parametrize("on", ["banana", "", 24, "-4GB"])
+def test_nbmem_fit_refuses_a_bad_gpu_in_one_line_that_lists_the_accepted_forms_and_runs_nothing(nb, on):
+    with pytest.raises(ValueError, match=r"nbmem.fit\(on=...\) takes a memory size .* or a GPU: T4, ") as e:
+        nbmem.fit(BODY, "batch", [8, 16], on=on)
+    assert "\n" not in str(e.value) and "ran" not in nb.user_ns
 
 
 @pytest.mark.parametrize("want", [0, -3, 2.5, "512"])

@@ -11,8 +11,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from nbmem.fitting import remedies, runner  # noqa: E402
+from nbmem.fitting import multigpu, remedies, runner  # noqa: E402
 from nbmem.fitting.model import RunTrace  # noqa: E402
+from nbmem.fitting.multigpu import RunSet  # noqa: E402
 
 nn = torch.nn
 MiB = 2**20
@@ -245,7 +246,7 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     seen["net"] = net
     addrs = itertools.count(1)
 
-    def one_run(run: Any, value: int, counted: bool, src: Any, dev: int, stacks: bool, max_entries: int) -> Any:
+    def one_run(run: Any, value: int, counted: bool, src: Any, devs: list[int], stacks: bool, max_entries: int) -> Any:
         run(value)
         ckpt = all("forward" in vars(b) for b in net[0].blocks)
         seen["runs"].append((value, ckpt))
@@ -255,11 +256,11 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
                    {"action": "alloc", "addr": act, "size": value * per},
                    {"action": "free_requested", "addr": act, "size": value * per},
                    {"action": "free_requested", "addr": x, "size": value * MiB}]
-        return RunTrace(value, entries, counted, 0, 0), ""
+        return RunSet.single(RunTrace(value, entries, counted, 0, 0)), ""
 
     monkeypatch.setattr(runner, "_torch", lambda: FakeTorch())
     monkeypatch.setattr(runner, "_one_run", one_run)
-    monkeypatch.setattr(runner, "_free_cached", lambda src, dev, **kw: None)
+    monkeypatch.setattr(runner, "free_cached", lambda src, devs, **kw: None)
     return seen
 
 
@@ -371,14 +372,14 @@ def test_the_fit_gives_back_the_workspaces_its_runs_made_and_makes_the_users_aga
     src = WorkspaceSource(users)
     before = src.read(0).allocated_bytes
     src.present |= set(WorkspaceSource.SIZES)  # the fit's runs made every kind
-    assert runner.give_back_workspaces(src, 0, before) == (before, None)  # type: ignore[arg-type]
+    assert multigpu.give_back_workspaces(src, {0: before}) == ({0: before}, None)  # type: ignore[arg-type]
     assert src.present == users
 
 
 def test_workspaces_are_left_alone_when_the_fit_made_none() -> None:
     src = WorkspaceSource({"cuBLASLt"})
     before = src.read(0).allocated_bytes
-    assert runner.give_back_workspaces(src, 0, before) == (before, None)  # type: ignore[arg-type]
+    assert multigpu.give_back_workspaces(src, {0: before}) == ({0: before}, None)  # type: ignore[arg-type]
     assert src.present == {"cuBLASLt"}
 
 
@@ -402,7 +403,8 @@ def test_workspaces_the_fit_cannot_make_again_are_said_and_none_is_left_half_mad
     src = OddWorkspaces({"another stream's"}, fail=fail)
     before = src.read(0).allocated_bytes
     src.present.add("the autograd thread's cuBLAS")
-    after, note = runner.give_back_workspaces(src, 0, before)  # type: ignore[arg-type]
+    after0, note = multigpu.give_back_workspaces(src, {0: before})  # type: ignore[arg-type]
+    after = after0[0]
     assert after < before and src.present == set() and note is not None and says in note
 
 
@@ -411,17 +413,47 @@ def test_a_fit_that_also_leaks_says_the_workspaces_went_too() -> None:
     before = src.read(0).allocated_bytes
     src.present.add("cuBLASLt")
     src.leak = 40 << 20  # more than the user's workspace: the fit cannot tell what to make again
-    after, note = runner.give_back_workspaces(src, 0, before)  # type: ignore[arg-type]
+    after0, note = multigpu.give_back_workspaces(src, {0: before})  # type: ignore[arg-type]
+    after = after0[0]
     assert after > before and note is not None and "given back as well" in note
 
 
-def test_on_several_gpus_the_workspaces_stay_and_the_report_says_why() -> None:
-    src = WorkspaceSource(set())
-    src.device_count = lambda: 2  # type: ignore[method-assign]
-    before = src.read(0).allocated_bytes
-    src.present.add("cuBLASLt")
-    after, note = runner.give_back_workspaces(src, 0, before)  # type: ignore[arg-type]
-    assert after > before and src.present == {"cuBLASLt"} and note is not None and "every GPU" in note
+class DeviceWorkspaces(WorkspaceSource):
+    """Several GPUs: each device its own workspaces, and torch's clear takes every device's at once."""
+
+    def __init__(self, present: dict[int, set[str]]) -> None:
+        self.on = {d: set(p) for d, p in present.items()}
+        self.leak = 0
+
+    def read(self, device: int) -> Any:
+        n = 100 + sum(self.SIZES[k] for k in self.on[device])
+        return type("Reading", (), {"allocated_bytes": n, "reserved_bytes": n})()
+
+    def clear_cublas_workspaces(self) -> bool:
+        for p in self.on.values():
+            p.clear()
+        return True
+
+    def make_cublas_workspace(self, kind: str, device: int) -> None:
+        self.on[device].add(kind)
+        if kind == "the autograd thread's cuBLAS":
+            self.on[device].add("this thread's cuBLAS")
+
+
+@pytest.mark.parametrize("users", [
+    {0: set(), 1: set()},
+    {0: {"this thread's cuBLAS"}, 1: set()},  # forwards on cuda:0 only; the fit's runs on cuda:1
+    {0: {"this thread's cuBLAS", "cuBLASLt"}, 1: {"the autograd thread's cuBLAS", "this thread's cuBLAS"}},
+    {0: set(WorkspaceSource.SIZES), 1: {"cuBLASLt"}, 2: {"this thread's cuBLAS"}},
+])
+def test_on_several_gpus_the_workspaces_the_runs_made_go_and_each_devices_own_are_made_again(
+        users: dict[int, set[str]]) -> None:
+    src = DeviceWorkspaces(users)
+    before = {d: src.read(d).allocated_bytes for d in users}
+    for d in (0, 1):
+        src.on[d] |= set(WorkspaceSource.SIZES)  # the fit's runs made every kind on two of the devices
+    assert multigpu.give_back_workspaces(src, before) == (before, None)  # type: ignore[arg-type]
+    assert src.on == users
 
 
 def test_a_fit_never_analyses_the_same_runs_twice_and_only_the_last_analysis_is_the_full_one(
@@ -430,14 +462,14 @@ def test_a_fit_never_analyses_the_same_runs_twice_and_only_the_last_analysis_is_
     # some 50 times): between runs only the largest value is asked for, and what was analysed is not again.
     calls: list[tuple[tuple[int, ...], bool]] = []
     kept: list[Any] = []  # every run seen, so no id is reused
-    real = runner.analyse
+    real = multigpu.analyse
 
     def counting(runs: Any, room: Any, **kw: Any) -> Any:
         kept.extend(runs)
         calls.append((tuple(id(r) for r in runs), bool(kw.get("largest_only"))))
         return real(runs, room, **kw)
 
-    monkeypatch.setattr(runner, "analyse", counting)
+    monkeypatch.setattr(multigpu, "analyse", counting)
     net = Net()
     stand_in["net"].append(net)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)

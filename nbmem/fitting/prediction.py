@@ -45,6 +45,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from nbmem.fitting.allocator import CachingAllocatorModel, SegmentState
+from nbmem.fitting.devices import DeviceFit
 from nbmem.fitting.model import ALLOC, FREE, Room, Run, RunTrace, Sim, Site, Timeline, build_timeline
 from nbmem.fitting.sizes import fit_size
 from nbmem.formatting import Column, esc, fmt_bytes, fmt_seconds, html_table, prose, text_table
@@ -178,6 +179,7 @@ class FitResult(Shown):
     not_restored: tuple[str, ...] = ()  # what the body may have changed that could not be put back, a line each
     steps_run: int = 0
     duration_s: float | None = None
+    devices: tuple[DeviceFit, ...] = ()  # each device the runs allocated on, with its own answer
 
     # -- for code -----------------------------------------------------------------------------------------------
     def row(self) -> dict[str, Any]:
@@ -198,7 +200,9 @@ class FitResult(Shown):
                 "remedies": [{"remedy": r.name, "largest_value": r.largest_value, "setting": r.setting,
                               "time_per_sample_ratio": r.time_per_sample_ratio} for r in self.remedies],
                 "restored_bytes": self.restored_bytes, "restored": list(self.restored),
-                "not_restored": list(self.not_restored), "steps_run": self.steps_run, "duration_s": self.duration_s}
+                "not_restored": list(self.not_restored), "steps_run": self.steps_run, "duration_s": self.duration_s,
+                "limited_by": self.limited_by.device if self.limited_by else None,
+                "devices": {f.device: f.largest_value for f in self.devices}}
 
     def to_frame(self) -> Any:
         """One row per run and per modelled value (``kind``: run, warm-up, model), as a pandas DataFrame."""
@@ -209,6 +213,11 @@ class FitResult(Shown):
                   "oom": False, "skipped": False} for v, a, r in self.curve]
         return pd.DataFrame(rows, columns=["kind", "value", "peak_allocated_bytes", "peak_reserved_bytes", "counted",
                                            "oom", "skipped"])
+
+    @property
+    def limited_by(self) -> DeviceFit | None:
+        """The device whose answer is the fit's, where the runs used several (None with one)."""
+        return next((f for f in self.devices if f.limits), None) if len(self.devices) > 1 else None
 
     # -- for people ----------------------------------------------------------------------------------------------
     def _head(self) -> str:
@@ -222,7 +231,8 @@ class FitResult(Shown):
             f" (power of two below: {self.power_of_two:,})")
         wanted = "" if self.want is None else (f"; {self.want:,} fits" if self.want <= self.largest_value else
                                                f"; {self.want:,} does not fit")
-        return f"largest {self.name} that fits: {self.largest_value:,}{pow2}{wanted}"
+        by = "" if self.limited_by is None else f"; limited by {self.limited_by.label}"
+        return f"largest {self.name} that fits: {self.largest_value:,}{pow2}{wanted}{by}"
 
     def _room(self) -> str:
         r = self.room
@@ -232,7 +242,8 @@ class FitResult(Shown):
         others = "" if r.others_bytes is None else (
             f"; other processes and CUDA contexts take {fmt_bytes(r.others_bytes)} of {fmt_bytes(r.total_bytes)}")
         share = f"{pct:.0f} %" if pct >= 1 else f"{pct:.1g} %"  # a margin set by hand can be a sliver
-        return (f"fits into {fmt_bytes(r.capacity_bytes)}: {fmt_bytes(r.free_bytes)} free + "
+        on = f" on {r.device}" if len(self.devices) > 1 else ""  # the device that limits the answer
+        return (f"fits into {fmt_bytes(r.capacity_bytes)}{on}: {fmt_bytes(r.free_bytes)} free + "
                 f"{fmt_bytes(r.reserved_bytes)} this process's allocator holds − {fmt_bytes(r.margin_bytes)} margin "
                 f"({share}); the notebook already holds {fmt_bytes(r.allocated_bytes)}{others}")
 
@@ -279,7 +290,8 @@ class FitResult(Shown):
                       Column("peak reserved", numeric=True), Column("run"))
 
     def _facts(self) -> list[str]:
-        facts = [self._room(), self._model(), self._where()]
+        facts = [f.line(self.name) for f in self.devices] if len(self.devices) > 1 else []
+        facts += [self._room(), self._model(), self._where()]
         if self.restored_bytes is not None:
             facts.append(f"put back after the fit ({fmt_bytes(self.restored_bytes)} copied to host and back):")
             facts += [f"  restored: {r}" for r in self.restored]

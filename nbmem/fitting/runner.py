@@ -5,7 +5,8 @@ body once with the variable bound to ``value``, and ``clean()``, which takes bac
 namespace; ``clean`` is called after each run's trace is read, so what a run leaves behind shows in its
 trace as left allocated (and is modelled as still there while the next run runs, as it is when the user
 runs the cell again). The allocator's events are recorded only through ``TorchSource.start_trace`` and
-``finish_trace``.
+``finish_trace``. The trace covers every GPU: each device the runs allocate on has its own room and its own
+analysis (``multigpu``), and nothing here reads a device this process has no CUDA context on.
 
 A fit is the one place nbmem may change the allocator's cache: between runs it frees what each run left
 (``torch.cuda.empty_cache()``), because the user asked for the fit. It never runs a value predicted not to
@@ -17,8 +18,6 @@ for bit, after the last, also after a failure, so the training steps the fit ran
 
 from __future__ import annotations
 
-import gc
-import itertools
 import os
 import sys
 import time
@@ -29,9 +28,25 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from nbmem.fitting import remedies
-from nbmem.fitting.allocator import segments_from_snapshot
-from nbmem.fitting.model import Room, RunTrace, margin_bytes_for
-from nbmem.fitting.prediction import FitResult, Remedy, analyse, proportional_bound
+from nbmem.fitting.allocator import SegmentState
+from nbmem.fitting.devices import Target, parse_on
+from nbmem.fitting.model import Room, RunTrace
+from nbmem.fitting.multigpu import (
+    NOTHING_ON_CUDA,
+    RunSet,
+    allocated_reserved,
+    analyse_devices,
+    context_devices,
+    free_cached,
+    give_back_workspaces,
+    gpu_name,
+    left_allocated,
+    on_target,
+    read_room,
+    synchronize,
+    used_devices,
+)
+from nbmem.fitting.prediction import FitResult, Remedy, proportional_bound
 from nbmem.fitting.state import FitRefused, restore_state, snapshot_state, training_kinds
 from nbmem.formatting import fmt_bytes
 from nbmem.holders.walk import Root, TrainingState, reachable_state
@@ -77,85 +92,17 @@ def is_out_of_memory(exc: BaseException) -> bool:
 
 
 # -- the fit --------------------------------------------------------------------------------------------------
-def _free_cached(src: TorchSource, device: int, *, unless_back_to: int | None = None) -> None:
-    """What the last run left in the cache, given back (the user asked for the fit: this is its cleanup).
-    ``unless_back_to``: what was allocated when the run started; where no more is allocated now, no garbage
-    holds the run's tensors and the collection is left out (a tenth of a second with a notebook's imports, for
-    each of a fit's 6 to 30 runs)."""
-    if unless_back_to is None or _allocated_reserved(src, device)[0] > unless_back_to:
-        gc.collect()
-    src.empty_cache(device)
-
-
-def give_back_workspaces(src: TorchSource, device: int, before: int) -> tuple[int, str | None]:
-    """cuBLAS keeps a workspace per handle and stream from its first matrix product on: where runs made them
-    (more is allocated than ``before``), they go again, and the user's own are made again. The bytes allocated
-    after, and a line for the report where that could not be done exactly. A workspace left in place also pins
-    the segment it was made in: a cache emptied around it keeps that segment, and a later run's large blocks
-    cannot use its free part (716 MiB of a 748 MiB segment, seen)."""
-    after = _allocated_reserved(src, device)[0]
-    if after <= before:
-        return after, None
-    if src.device_count() > 1:
-        return after, ("cuBLAS's workspaces the runs made were left in place: torch clears them on every GPU at "
-                       "once, and the ones your own products made on the other GPUs would go too")
-    if not src.clear_cublas_workspaces():
-        return after, None
-    # The garbage went before ``after`` was read, so what is missing now (never more than the clear freed, as
-    # more than ``before`` was held) is the user's workspaces.
-    _free_cached(src, device)
-    after = _allocated_reserved(src, device)[0]
-    if after > before:  # something else is kept: the caller says so, and this says the workspaces went too
-        return after, "cuBLAS's workspaces were given back as well; torch makes them at the next matrix product"
-    if after == before:
-        return after, None
-    try:
-        after = _remake_workspaces(src, device, before)
-    except Exception as e:
-        src.clear_cublas_workspaces()
-        _free_cached(src, device)
-        after = _allocated_reserved(src, device)[0]
-        return after, (f"cuBLAS's workspaces were given back, and making yours again failed ({type(e).__name__}: "
-                       f"{(str(e).splitlines() or [''])[0][:100]}); torch makes them at the next matrix product")
-    if after != before:
-        return after, ("cuBLAS's workspaces were given back and yours could not be made again exactly; torch "
-                       "makes them at the next matrix product")
-    return after, None
-
-
-def _remake_workspaces(src: TorchSource, device: int, before: int) -> int:
-    """Clearing cuBLAS's workspaces took the ones the user had before the fit too: make again the fewest of
-    them that bring memory back to where it was (torch keeps no list of them); the bytes allocated after."""
-    kinds = src.CUBLAS_WORKSPACES
-    after = _allocated_reserved(src, device)[0]
-    for n in range(1, len(kinds) + 1):
-        for chosen in itertools.combinations(kinds, n):
-            for kind in chosen:
-                src.make_cublas_workspace(kind, device)
-            after = _allocated_reserved(src, device)[0]
-            if after == before:
-                return after
-            src.clear_cublas_workspaces()
-            _free_cached(src, device)
-            after = _allocated_reserved(src, device)[0]
-    return after
-
-
-def _allocated_reserved(src: TorchSource, device: int) -> tuple[int, int]:
-    r = src.read(device)
-    if r is None:
-        raise FitRefused("fitting needs the allocator's counters, and they could not be read")
-    return r.allocated_bytes, r.reserved_bytes
-
-
 def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSource | None = None,
-        name: str = "value", device: int | None = None, clean: Callable[[], object] | None = None,
+        name: str = "value", clean: Callable[[], object] | None = None,
         warmup: bool = True, modules: Iterable[Any] = (), optimizers: Iterable[Any] = (), others: Iterable[Any] = (),
         iterators: Sequence[str] = (), restore: bool = True, margin_bytes: int | None = None, stacks: bool = False,
         cell_files: frozenset[str] = frozenset(), sources: Mapping[int, str] | None = None,
-        max_value: int | None = None, want: int | None = None, max_entries: int = DEFAULT_MAX_ENTRIES) -> FitResult:
+        max_value: int | None = None, want: int | None = None, max_entries: int = DEFAULT_MAX_ENTRIES,
+        on: Target | str | None = None, own_used: Callable[[int], int | None] | None = None) -> FitResult:
     """Run ``run(value)`` at each value (ascending) under the allocator's trace and predict the largest that fits.
 
+    Every device the runs allocate on is measured, each against its own room, and the answer is the largest
+    value that fits on all of them (``devices``; ``limited_by`` names the device that limits it).
     ``warmup`` runs the smallest value once first, not counted, so the one-time allocations (optimizer
     state, workspaces) are made before the counted runs. ``modules``, ``optimizers`` and ``others`` (LR
     schedulers, gradient scalers) are the state the body reaches, copied and restored afterwards with the
@@ -165,11 +112,14 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
     about; where it does not fit, the result's ``remedies`` say what would let it run: gradient accumulation
     from the fit itself, activation checkpointing and bf16 autocast from the fit's runs again under each
     (``remedies.candidates``: applied for those runs only, and undone), ``expandable_segments`` from the model.
+    ``on``: another GPU (``devices.parse_on``): the same runs, the answer for that GPU's memory in place of each
+    device's (``own_used(device)``: this process's memory there as NVML lists it, for the CUDA context's size).
     A body that raises anything but CUDA's out-of-memory error stops the fit (cleaned up and
-    restored) and the error propagates, told what was put back.
+    restored) and the error propagates, told what was put back; one that allocates on no CUDA device is refused.
     """
     started = time.perf_counter()
     src = source or TorchSource()
+    target = None if on is None else parse_on(on)
     why = refusal()
     if why:
         raise FitRefused(why)
@@ -178,8 +128,7 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
         raise ValueError(f"a fit needs two or more distinct positive values, got {list(values)!r}")
     t = _torch()
     if not t.cuda.is_initialized():
-        t.cuda.init()  # the user asked for a fit, which runs CUDA code anyway
-    dev = t.cuda.current_device() if device is None else int(device)
+        t.cuda.init()  # the user asked for a fit, which runs CUDA code anyway (init makes no device's context)
     unsupported = src.trace_unsupported()
     if unsupported:
         raise FitRefused(f"fitting needs the allocator's trace, and {unsupported}")
@@ -190,27 +139,27 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
     measured: list[Remedy] = []
     remedy_notes: list[str] = []
     others_ran: list[int] = []  # the runs under remedies
-    runs: list[RunTrace] = []
+    runs: list[RunSet] = []
     skipped: list[int] = []
     notes: list[str] = []
-    body = _Body(run, src, dev, stacks, max_entries, clean, name, notes)
+    body = _Body(run, src, context_devices(t, src), stacks, max_entries, clean, name, notes, margin_bytes=margin_bytes)
     failed: BaseException | None = None
-    before: int | None = None
+    before: dict[int, int] = {}
     try:
-        room, segments, before = _room(src, dev, margin_bytes)
+        before = body.measure()
         refined = None
-        if not _runs(body, vals, warmup, runs, skipped, room, segments, cell_files):
-            refined = _refine(body, runs, room, segments, cell_files)
+        if not _runs(body, vals, warmup, runs, skipped, cell_files):
+            refined = _refine(body, runs, cell_files)
         if want is not None and (candidates or left_out):
             # with the cell's lines as the sites, as refine's analyses and the final one have them
-            plain = (refined if refined is not None and max_value is None else
-                     analyse(runs, room, name=name, segments=segments, cell_files=cell_files, max_value=max_value,
-                             largest_only=True))
+            plain = (refined if refined is not None and max_value is None and target is None else
+                     analyse_devices(runs, body.answer_rooms(target, own_used), body.segments, name=name,
+                                     cell_files=cell_files, max_value=max_value, largest_only=True))
             ran_ok = [r.value for r in runs if r.counted and not r.oom]
             if plain.largest_value is not None and want > plain.largest_value and ran_ok:
                 remedy_notes += left_out
                 measured = _measure_remedies(body, candidates, vals, warmup, plain.largest_value, max(ran_ok),
-                                             margin_bytes, max_value, remedy_notes, others_ran)
+                                             max_value, remedy_notes, others_ran, (target, own_used))
     except BaseException as e:
         runs.clear()  # the error's frames keep this one: let go of the traces (and the copy, below) now
         failed = e
@@ -221,32 +170,35 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
         restored = restore_state(saved) if saved is not None else None
         lines = (tuple(saved.restored), tuple(saved.not_restored)) if saved is not None else ((), ())
         saved = None
-        _free_cached(src, dev)
+        devs = body.every_device()
+        free_cached(src, devs)
         if failed is not None:
-            _say_what_was_put_back(failed, src, dev, before, lines, steps)
+            _say_what_was_put_back(failed, src, devs, before, lines, steps)
             failed = None
-    after, workspaces = give_back_workspaces(src, dev, before)
+    before = {d: before.get(d, 0) for d in devs}  # a device the runs were the first to use had nothing on it
+    after, workspaces = give_back_workspaces(src, before)
     if workspaces:
         notes.append(workspaces)
-    if after > before:
-        notes.append(f"after the fit {fmt_bytes(after - before, signed=True)} is allocated that was not before it "
-                     "(something the body keeps that is neither in the namespace nor in the state restored)")
-    elif after < before:
-        notes.append(f"after the fit {fmt_bytes(before - after)} less is allocated than before it: garbage that only "
-                     "a collection frees (reference cycles) was freed by the fit's gc.collect()"
-                     + (", or cuBLAS's workspaces (above)" if workspaces else ""))
+    notes += left_allocated(before, after, bool(workspaces))
     if not restore and steps:
         notes.append(f"not restored: the fit ran the body {steps} times, and whatever it trains was trained")
-    result = analyse(runs, room, name=name, segments=segments, cell_files=cell_files, sources=sources,
-                     max_value=max_value, notes=notes, skipped=skipped, want=want, expandable=_expandable_on(),
-                     measured=measured, remedy_notes=remedy_notes)
+    rooms, said = (dict(body.rooms), ()) if target is None else on_target(body.rooms, target, own_used, margin_bytes)
+    notes += said
+    result = analyse_devices(runs, rooms, body.segments, gpus={d: gpu_name(t, d) for d in rooms}, name=name,
+                             cell_files=cell_files, sources=sources, max_value=max_value, notes=notes,
+                             skipped=skipped, want=want, expandable=_expandable_on(), measured=measured,
+                             remedy_notes=remedy_notes)
+    if target is not None:
+        here = ", ".join(body.rooms[d].device for d in used_devices(runs) if d in body.rooms)
+        result = replace(result, device=f"{target.label}, as measured on {here}")
     return replace(result, restored_bytes=restored, restored=lines[0], not_restored=lines[1], steps_run=steps,
                    duration_s=time.perf_counter() - started)
 
 
 def fit_in_notebook(adapter: Any, source: TorchSource, type_cache: Any, body: str | Callable[[int], object],
                     name: str, values: Sequence[int], *, cell: int, warmup: bool, restore: bool,
-                    budget_s: float | None, want: int | None = None) -> FitResult:
+                    budget_s: float | None, want: int | None = None, on: Target | str | None = None,
+                    own_used: Callable[[int], int | None] | None = None) -> FitResult:
     """A fit of a cell's source (run in the notebook's namespace, ``name`` bound, put back after each run) or
     of a function of the value; the training state it reaches (found by a walk from the names it uses) is
     what is restored. ``adapter`` is the IPython adapter (``shell.ShellAdapter``)."""
@@ -269,7 +221,7 @@ def fit_in_notebook(adapter: Any, source: TorchSource, type_cache: Any, body: st
     try:
         result = fit(runner, values, source=source, name=name, clean=clean, warmup=warmup, modules=found.modules,
                      optimizers=found.optimizers, others=found.others, iterators=found.iterators, restore=restore,
-                     stacks=True, cell_files=files, sources=lines, want=want)
+                     stacks=True, cell_files=files, sources=lines, want=want, on=on, own_used=own_used)
         if restore and nothing:
             result = replace(result, notes=("no model, optimizer, LR scheduler or gradient scaler was found under the "
                                             "names the cell uses or the functions it calls: only the random "
@@ -320,34 +272,22 @@ def _globals_used(fn: Any) -> set[str]:
     return out
 
 
-def _room(src: TorchSource, dev: int, margin_bytes: int | None) -> tuple[Room, Any, int]:
-    """The room a fit's runs have, read after the cache is given back: the room, the allocator's segments, and
-    what is allocated before the runs."""
-    _free_cached(src, dev)
-    before, reserved = _allocated_reserved(src, dev)
-    segments = segments_from_snapshot(src.segments() or [], dev)
-    got = src.device_free(dev)
-    if got is None:
-        raise FitRefused("fitting needs the device's free memory, and CUDA could not say (cudaMemGetInfo)")
-    free, total = got
-    margin = margin_bytes_for(free, reserved) if margin_bytes is None else int(margin_bytes)
-    return Room(f"cuda:{dev}", free, reserved, before, margin, total), segments, before
-
-
-def _runs(body: _Body, vals: Sequence[int], warmup: bool, runs: list[RunTrace], skipped: list[int], room: Room,
-          segments: Any, cell_files: frozenset[str]) -> bool:
+def _runs(body: _Body, vals: Sequence[int], warmup: bool, runs: list[RunSet], skipped: list[int],
+          cell_files: frozenset[str]) -> bool:
     """The fit's runs (a warm-up, then each value ascending, none predicted not to fit) into ``runs``; whether
     they stopped early (a value skipped, or an out-of-memory)."""
     name, notes, max_entries = body.name, body.notes, body.max_entries
     schedule = ([(vals[0], False)] if warmup else []) + [(v, True) for v in vals]
     for k, (v, counted) in enumerate(schedule):
-        if counted and _predicted_not_to_fit(runs, v, room, segments, name, cell_files):
+        if counted and _predicted_not_to_fit(runs, v, body, cell_files):
             skipped += [w for w, c in schedule[k:] if c]
             notes.append(f"{name}={v:,} was not run: the runs before it predict it does not fit")
             return True
         trace, oom = body.once(v, counted)
         runs.append(trace)
-        if len(trace.entries) >= max_entries:
+        if k == 0 and not oom and not used_devices(runs):  # nothing to fit: the other runs are not made
+            raise FitRefused(NOTHING_ON_CUDA, ran=True)
+        if any(len(tr.entries) >= max_entries for tr in trace.traces.values()):
             notes.append(f"the run at {name}={v:,} filled the trace ({max_entries:,} events): what it recorded "
                          "first is lost, so it may not line up with the others")
         if oom:
@@ -357,28 +297,30 @@ def _runs(body: _Body, vals: Sequence[int], warmup: bool, runs: list[RunTrace], 
 
 
 def _measure_remedies(body: _Body, candidates: Sequence[remedies.Candidate], vals: Sequence[int], warmup: bool,
-                      plain_largest: int, timed: int, margin_bytes: int | None, max_value: int | None,
-                      notes: list[str], ran: list[int]) -> list[Remedy]:
+                      plain_largest: int, timed: int, max_value: int | None, notes: list[str], ran: list[int],
+                      on: tuple[Target | None, Callable[[int], int | None] | None]) -> list[Remedy]:
     """Each remedy's largest value: the fit's runs again with it applied (no stacks), the same analysis over
-    them, and one timed step at the same value with it and without it for its cost. A remedy that fails the
-    body (an error other than out-of-memory) or allows no more than the plain fit is left out with a line that
-    says so; the modules are as they were after each (``Candidate.applied``), the training state is the fit's to
-    put back."""
+    them (for ``on``'s GPU where one is asked about), and one timed step at the same value with it and without
+    it for its cost. A remedy that fails the body (an error other than out-of-memory) or allows no more than the
+    plain fit is left out with a line that says so; the modules are as they were after each
+    (``Candidate.applied``), the training state is the fit's to put back."""
     name = body.name
     plain_s = _timed_step(body, timed) if candidates else None
     out: list[Remedy] = []
     for c in candidates:
-        sub = _Body(c.wrap(body.run), body.src, body.dev, False, body.max_entries, body.clean, name, [])
-        runs: list[RunTrace] = []
+        sub = _Body(c.wrap(body.run), body.src, list(body.devs), False, body.max_entries, body.clean, name, [],
+                    margin_bytes=body.margin_bytes)
+        runs: list[RunSet] = []
         started = time.perf_counter()
         try:
             with c.applied():
-                room, segments, _ = _room(body.src, body.dev, margin_bytes)
+                sub.measure()
                 refined = None
-                if not _runs(sub, vals, warmup, runs, [], room, segments, frozenset()):
-                    refined = _refine(sub, runs, room, segments, frozenset())
-                res = (refined if refined is not None and max_value is None else
-                       analyse(runs, room, name=name, segments=segments, max_value=max_value, largest_only=True))
+                if not _runs(sub, vals, warmup, runs, [], frozenset()):
+                    refined = _refine(sub, runs, frozenset())
+                res = (refined if refined is not None and max_value is None and on[0] is None else
+                       analyse_devices(runs, sub.answer_rooms(*on), sub.segments, name=name, max_value=max_value,
+                                       largest_only=True))
                 step_s = _timed_step(sub, timed) if res.largest_value is not None else None
         except Exception as e:
             why = (str(e).strip().splitlines() or [""])[0][:120]
@@ -418,12 +360,12 @@ def _timed_step(body: _Body, value: int, repeats: int = 2) -> float | None:
 def _timed_once(body: _Body, value: int) -> float | None:
     t = _torch()
     body.ran += 1
-    start = _allocated_reserved(body.src, body.dev)[0]
+    start = body.allocated()
     try:
-        t.cuda.synchronize(body.dev)
+        synchronize(t, body.devs)
         started = time.perf_counter()
         body.run(value)
-        t.cuda.synchronize(body.dev)
+        synchronize(t, body.devs)
         return time.perf_counter() - started
     except BaseException as e:
         if not is_out_of_memory(e):
@@ -433,7 +375,7 @@ def _timed_once(body: _Body, value: int) -> float | None:
     finally:
         if body.clean is not None:
             body.clean()
-        _free_cached(body.src, body.dev, unless_back_to=start)
+        free_cached(body.src, body.devs, unless_back_to=start)
 
 
 #: A prediction this far beyond the largest value run is checked by another run, halfway to it ...
@@ -444,8 +386,7 @@ REFINE_RUNS = 3
 REFINE_SECONDS = 30.0
 
 
-def _refine(body: _Body, runs: list[RunTrace], room: Room, segments: Any,
-            cell_files: frozenset[str]) -> FitResult | None:
+def _refine(body: _Body, runs: list[RunSet], cell_files: frozenset[str]) -> FitResult | None:
     """More counted runs far from the small values while the prediction lies far beyond them: kernels change
     their buffers with size (chunked products, buffers sized by the data), and a point near the answer shows
     it. Each run is halfway from the largest value run to the prediction, so it is predicted to fit with room
@@ -455,8 +396,7 @@ def _refine(body: _Body, runs: list[RunTrace], room: Room, segments: Any,
     name, notes, durations = body.name, body.notes, body.durations
     made = executed = 0
     first: int | None = None
-    res: FitResult | None = analyse(runs, room, name=name, segments=segments, cell_files=cell_files,
-                                    largest_only=True)
+    res: FitResult | None = body.analyse(runs, cell_files)
     while res is not None and executed < REFINE_RUNS:
         ok = [r.value for r in runs if r.counted and not r.oom]
         top = max(ok)
@@ -477,7 +417,7 @@ def _refine(body: _Body, runs: list[RunTrace], room: Room, segments: Any,
             notes.append(f"the run at {name}={value:,} ran out of memory ({oom}): the prediction stays below it")
             res = None
             break
-        checked = analyse(runs, room, name=name, segments=segments, cell_files=cell_files, largest_only=True)
+        checked = body.analyse(runs, cell_files)
         if checked.method != "timeline":
             # Its allocations do not line up with the others' (another algorithm at this size): the model of the
             # runs that do line up stands (``res``, of the runs before it), rather than a peak scaled from one run.
@@ -500,18 +440,20 @@ def _expandable_on() -> bool:
     return "expandable_segments:true" in conf.replace(" ", "").lower()
 
 
-def _say_what_was_put_back(e: BaseException, src: TorchSource, dev: int, before: int | None,
+def _say_what_was_put_back(e: BaseException, src: TorchSource, devices: Sequence[int], before: Mapping[int, int],
                            lines: tuple[tuple[str, ...], tuple[str, ...]], steps: int) -> None:
     """A failed fit's error, told what the fit put back and whether memory is where it was before the fit."""
     if not isinstance(e, Exception) or not hasattr(e, "add_note"):
         return
     try:
-        after = _allocated_reserved(src, dev)[0]
+        moved = {d: allocated_reserved(src, d)[0] - before.get(d, 0) for d in devices}
     except Exception:
-        after = None
-    memory = ("" if before is None or after is None else
-              "; memory allocated is back where it was" if after == before else
-              f"; {fmt_bytes(after - before, signed=True)} stays allocated that was not before the fit")
+        moved = None
+    several = len(devices) > 1
+    memory = ("" if not before or moved is None else
+              "; memory allocated is back where it was" if not any(moved.values()) else
+              "".join(f"; {fmt_bytes(n, signed=True)} stays allocated{f' on cuda:{d}' if several else ''} that was "
+                      "not before the fit" for d, n in moved.items() if n))
     restored = "training state put back" if lines[0] else "nothing restored"
     kept = f"; not restored: {'; '.join(lines[1])}" if lines[1] else ""
     e.add_note(f"nbmem fit: stopped after {steps} run{'s' if steps != 1 else ''} of the body; {restored}{kept}"
@@ -520,11 +462,12 @@ def _say_what_was_put_back(e: BaseException, src: TorchSource, dev: int, before:
 
 @dataclass
 class _Body:
-    """The body as a fit runs it, and the instruments it runs under (which can fall back during the fit)."""
+    """The body as a fit runs it, the instruments it runs under (which can fall back during the fit), and each
+    device's room: those this process had a context on before the runs, and those the runs were the first to use."""
 
     run: Callable[[int], object]
     src: TorchSource
-    dev: int
+    devs: list[int]  # the devices with a CUDA context: synchronized, emptied and measured
     stacks: bool
     max_entries: int
     clean: Callable[[], object] | None
@@ -532,8 +475,36 @@ class _Body:
     notes: list[str]
     durations: dict[int, float] = field(default_factory=dict)
     ran: int = 0  # times the body was started
+    margin_bytes: int | None = None
+    rooms: dict[int, Room] = field(default_factory=dict)
+    segments: dict[int, tuple[SegmentState, ...]] = field(default_factory=dict)
 
-    def once(self, value: int, counted: bool) -> tuple[RunTrace, str]:
+    def measure(self) -> dict[int, int]:
+        """Each device's room, read after the cache is given back; what is allocated on each before the runs."""
+        free_cached(self.src, self.devs)
+        before = {}
+        for d in self.devs:
+            self.rooms[d], self.segments[d], before[d] = read_room(self.src, d, self.margin_bytes)
+        return before
+
+    def every_device(self) -> list[int]:
+        """The devices with a context now: the ones measured, and any a run was the first to use."""
+        t = _torch()
+        return sorted(set(self.devs) | set(context_devices(t, self.src) if t is not None else ()))
+
+    def allocated(self) -> int:
+        return sum(allocated_reserved(self.src, d)[0] for d in self.devs)
+
+    def answer_rooms(self, target: Target | None, own_used: Callable[[int], int | None] | None) -> dict[int, Room]:
+        """The rooms the answer is for: each device's own, or ``target``'s in place of each."""
+        return dict(self.rooms) if target is None else on_target(self.rooms, target, own_used, self.margin_bytes)[0]
+
+    def analyse(self, runs: Sequence[RunSet], cell_files: frozenset[str]) -> FitResult:
+        """The largest value only, against this machine's devices: what the runs ask between them."""
+        return analyse_devices(runs, self.rooms, self.segments, name=self.name, cell_files=cell_files,
+                               largest_only=True)
+
+    def once(self, value: int, counted: bool) -> tuple[RunSet, str]:
         """One run, timed; afterwards, whatever happened, the namespace put back and the cache given back.
 
         A run whose error was lost on the way (CPython's ``SystemError``: a function "returned NULL without
@@ -542,7 +513,7 @@ class _Body:
         error from a hook there (checkpointing's recomputation) is still on its way to the caller.
         """
         try:
-            return self._timed(value, counted)
+            return self._met(self._timed(value, counted))
         except SystemError as e:
             if not self.stacks:
                 raise
@@ -552,23 +523,33 @@ class _Body:
         self.stacks = False
         self.notes.append(f"the run at {self.name}={value:,} lost its error under the trace's Python stacks ({why}): "
                           "the fit went on without stacks, so it cannot name the lines that grow")
-        return self._timed(value, counted)
+        return self._met(self._timed(value, counted))
 
-    def _timed(self, value: int, counted: bool) -> tuple[RunTrace, str]:
+    def _met(self, got: tuple[RunSet, str]) -> tuple[RunSet, str]:
+        """A device the run allocated on for the first time in this process: its room, read now that its
+        context exists (the cache given back)."""
+        for d in sorted(set(got[0].traces) - set(self.rooms)):
+            if d not in self.devs:
+                self.devs.append(d)
+            free_cached(self.src, [d])
+            self.rooms[d], self.segments[d], _ = read_room(self.src, d, self.margin_bytes, new=True)
+        return got
+
+    def _timed(self, value: int, counted: bool) -> tuple[RunSet, str]:
         started = time.perf_counter()
         self.ran += 1
-        start = _allocated_reserved(self.src, self.dev)[0]
+        start = self.allocated()
         freed_older = True  # until the run's trace says otherwise
         try:
-            trace, oom = _one_run(self.run, value, counted, self.src, self.dev, self.stacks, self.max_entries)
-            freed_older = _frees_older_blocks(trace.entries)
+            trace, oom = _one_run(self.run, value, counted, self.src, self.devs, self.stacks, self.max_entries)
+            freed_older = any(_frees_older_blocks(tr.entries) for tr in trace.traces.values())
             return trace, oom
         finally:
             self.durations[value] = time.perf_counter() - started
             if self.clean is not None:
                 self.clean()
             # A run that freed blocks older than itself can hide garbage of its own behind them: collect then.
-            _free_cached(self.src, self.dev, unless_back_to=None if freed_older else start)
+            free_cached(self.src, self.devs, unless_back_to=None if freed_older else start)
 
 
 def _frees_older_blocks(entries: Sequence[Mapping[str, Any]]) -> bool:
@@ -597,12 +578,13 @@ def _let_go_of_frames(e: BaseException) -> None:
         stack += [x.__cause__, x.__context__]
 
 
-def _one_run(run: Callable[[int], object], value: int, counted: bool, src: TorchSource, dev: int,
-             stacks: bool, max_entries: int) -> tuple[RunTrace, str]:
-    """One run under the trace; the trace, and the first line of its out-of-memory error ("" when none)."""
+def _one_run(run: Callable[[int], object], value: int, counted: bool, src: TorchSource, devs: Sequence[int],
+             stacks: bool, max_entries: int) -> tuple[RunSet, str]:
+    """One run under the trace: its events on each device it allocated on or that had a context before it, and
+    the first line of its out-of-memory error ("" when none)."""
     t = _torch()
-    t.cuda.synchronize(dev)
-    allocated, reserved = _allocated_reserved(src, dev)
+    synchronize(t, devs)
+    start = {d: allocated_reserved(src, d) for d in devs}
     trace = src.start_trace(stacks=stacks, max_entries=max_entries)
     if trace is None:
         raise FitRefused(f"fitting needs the allocator's trace, and {src.trace_unsupported() or 'it did not start'}")
@@ -619,26 +601,32 @@ def _one_run(run: Callable[[int], object], value: int, counted: bool, src: Torch
         e.__traceback__ = None
         del e
     finally:
-        t.cuda.synchronize(dev)
+        synchronize(t, sorted(set(devs) | set(context_devices(t, src))))
         traces = src.finish_trace(trace, read=True) or []
-    entries = traces[dev] if dev < len(traces) else []
-    # A recording the user had running holds older events too: only this run's are its.
-    entries = [e for e in entries if e.get("time_us", trace.since_us) >= trace.since_us]
-    return RunTrace(value, entries, counted, allocated, reserved, oom=bool(oom)), oom
+    out = {}
+    for d, entries in enumerate(traces):
+        # A recording the user had running holds older events too: only this run's are its.
+        mine = [e for e in entries if e.get("time_us", trace.since_us) >= trace.since_us]
+        if mine or d in start:
+            allocated, reserved = start.get(d, (0, 0))
+            out[d] = RunTrace(value, mine, counted, allocated, reserved, oom=bool(oom))
+    return RunSet(value, counted, bool(oom), out), oom
 
 
-def _predicted_not_to_fit(runs: Sequence[RunTrace], value: int, room: Room, segments: Any, name: str,
-                          cell_files: frozenset[str]) -> bool:
-    """Whether the runs so far say ``value`` would not fit (never run it then)."""
+def _predicted_not_to_fit(runs: Sequence[RunSet], value: int, body: _Body, cell_files: frozenset[str]) -> bool:
+    """Whether the runs so far say ``value`` would not fit on this machine's devices (never run it then)."""
     done = [r for r in runs if r.counted and not r.oom]
     if len({r.value for r in done}) >= 2:
-        res = analyse(runs, room, name=name, segments=segments, cell_files=cell_files, largest_only=True)
+        res = body.analyse(runs, cell_files)
         return res.largest_value is not None and value > res.largest_value
     last = next((r for r in reversed(runs) if not r.oom), None)
     if last is None:
         return False
-    bound = proportional_bound(last, value)
-    return bound is not None and bound > room.capacity_bytes
+    for d, tr in last.traces.items():
+        bound = proportional_bound(tr, value)
+        if d in body.rooms and bound is not None and bound > body.rooms[d].capacity_bytes:
+            return True
+    return False
 
 
 __all__ = ["DEFAULT_MAX_ENTRIES", "FitRefused", "fit", "fit_in_notebook", "is_out_of_memory", "refusal",

@@ -31,7 +31,12 @@ _OPT_OWN = ("state", "param_groups")
 
 
 class FitRefused(Exception):
-    """A fit that cannot go ahead; the message is one line that says why, and the way on where there is one."""
+    """A fit that cannot go ahead; the message is one line that says why, and the way on where there is one.
+    ``ran``: the body ran once before the fit could tell (it allocated on no GPU), and was put back."""
+
+    def __init__(self, message: str, *, ran: bool = False) -> None:
+        super().__init__(message)
+        self.ran = ran
 
 
 def _torch() -> Any:

@@ -7,7 +7,7 @@ Load it once per kernel with ``%load_ext nbmem``.
 keep the memory it added alive.
 
     %%cudamem [--lines] [--reset-peak] [--no-scan] [--quiet]
-    %%cudamem --fit NAME=V1,V2[,...] [--no-restore] [--want N]
+    %%cudamem --fit NAME=V1,V2[,...] [--no-restore] [--want N] [--on SIZE|GPU]
                                              will it fit? the largest NAME this cell can run at
 
 ``%cudamem`` (a line) takes a command; each command accepts only its own options:
@@ -96,6 +96,7 @@ from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
 from nbmem.clean.request import CleanupRefused, CleanupRequest
+from nbmem.fitting.devices import parse_on
 from nbmem.fitting.state import FitRefused
 from nbmem.ipython.config import Nbmem
 from nbmem.ipython.reconnect import BetweenCells, ReconnectRoute, reconnect_route
@@ -120,9 +121,9 @@ COMMANDS: dict[str, frozenset[str]] = {
     "plot": frozenset(),
     "lines": frozenset({"cell"}),
 }
-CELL_OPTIONS = frozenset({"reset_peak", "no_scan", "quiet", "lines", "fit", "no_restore", "want"})
+CELL_OPTIONS = frozenset({"reset_peak", "no_scan", "quiet", "lines", "fit", "no_restore", "want", "on_gpu"})
 #: What --fit goes with: it runs the cell several times, so a cell's own measurement options do not apply.
-FIT_OPTIONS = frozenset({"fit", "no_restore", "quiet", "want"})
+FIT_OPTIONS = frozenset({"fit", "no_restore", "quiet", "want", "on_gpu"})
 _FIT = re.compile(r"\s*([A-Za-z_]\w*)\s*=\s*(\S+)\s*\Z")
 _FLAG_NAMES = {"names": "NAME", "reset_peak": "--reset-peak", "no_scan": "--no-scan", "quiet": "--quiet",
                "lines": "--lines",
@@ -130,7 +131,7 @@ _FLAG_NAMES = {"names": "NAME", "reset_peak": "--reset-peak", "no_scan": "--no-s
                "to_cpu": "--to-cpu", "compiled": "--compiled", "no_collect": "--no-collect",
                "no_empty_cache": "--no-empty-cache",
                "inline": "--inline", "sidebar": "--sidebar", "detail": "--detail", "fit": "--fit",
-               "no_restore": "--no-restore", "want": "--want"}
+               "no_restore": "--no-restore", "want": "--want", "on_gpu": "--on"}
 
 
 def _set(value: Any) -> bool:
@@ -256,6 +257,9 @@ class NbmemMagics(Magics):
                    "then trains them).")
     @argument("--want", default=None, metavar="N",
               help="With --fit: the NAME you want; when it does not fit, remedies with the largest NAME each allows.")
+    @argument("--on", dest="on_gpu", default=None, metavar="SIZE|GPU",
+              help="With --fit: the answer for another GPU, from the same runs: a memory size (24GiB, 24GB) or a "
+                   "GPU's name (T4, L4, \"A100 40GB\", ...), less a CUDA context as large as this one's.")
     @argument("--cell", type=int, default=None, help="With `leaks`: what cell N added; with `lines`: cell N's lines.")
     @argument("--detail", action="store_true",
               help="With `leaks`: a row per tensor instead of a row per owner (the name you typed).")
@@ -314,7 +318,7 @@ class NbmemMagics(Magics):
                 raise UsageError(f"%%cudamem takes options only, not {args.command!r}: put `%%cudamem` alone "
                                  f"on the first line, or use the line form `%cudamem {args.command}`.")
             self._only(args, CELL_OPTIONS, "%%cudamem")
-            if args.fit is not None or args.no_restore or args.want is not None:
+            if args.fit is not None or args.no_restore or args.want is not None or args.on_gpu is not None:
                 return self._fit_cell(cell, args)
             return self._measure_cell(cell, args)
         if args.command is None:
@@ -393,15 +397,20 @@ class NbmemMagics(Magics):
     def _fit_cell(self, body: str, args: Any) -> None:
         name, values, want = fit_args(args)
         self._only(args, FIT_OPTIONS, "%%cudamem --fit")
+        try:
+            on = None if args.on_gpu is None else parse_on(args.on_gpu)
+        except ValueError as e:
+            raise UsageError(f"%%cudamem --on {e}. Nothing was run.") from None
         if name not in self.session.adapter.mentioned(body):
             raise UsageError(f"%%cudamem --fit: the cell does not use `{name}`: a fit binds {name} to each value "
                              f"and runs the cell, so its code must read it (e.g. `x = torch.randn({name}, 512)`). "
                              "Nothing was run.")
         try:
             result = self.session.fit(body, name, values, cell=self.shell.execution_count - 1,
-                                      restore=not args.no_restore, want=want)
+                                      restore=not args.no_restore, want=want, on=on)
         except FitRefused as e:
-            raise UsageError(f"%%cudamem --fit: {e}. The cell did not run.") from None
+            ran = "The cell ran once, no more." if e.ran else "The cell did not run."
+            raise UsageError(f"%%cudamem --fit: {e}. {ran}") from None
         if not args.quiet:
             self._display(result)
         return None
@@ -537,7 +546,7 @@ def parse_fit(spec: str) -> tuple[str, tuple[int, ...]]:
 def fit_args(args: Any) -> tuple[str, tuple[int, ...], int | None]:
     """The name, values and wanted value of ``%%cudamem --fit ... [--want N]``; a UsageError otherwise."""
     if args.fit is None:
-        flag = "--no-restore" if args.no_restore else "--want"
+        flag = "--no-restore" if args.no_restore else "--want" if args.want is not None else "--on"
         raise UsageError(f"%%cudamem: {flag} goes with --fit NAME=V1,V2,... Nothing was run.")
     name, values = parse_fit(args.fit)
     return name, values, None if args.want is None else parse_want(args.want, name)

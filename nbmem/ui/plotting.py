@@ -192,8 +192,9 @@ def plot_fit(result: FitResult, ax: Any = None) -> Any:
         ax.scatter([p.value for p in runs], [p.peak_reserved_bytes for p in runs], color="#0d47a1", zorder=3,
                    label="runs: peak reserved")
     if result.room is not None:
+        on = f" on {result.room.device}" if len(result.devices) > 1 else ""  # the runs drawn are that device's
         ax.axhline(result.room.capacity_bytes, color="#d32f2f", lw=1.2,
-                   label=f"room ({fmt_bytes(result.room.margin_bytes)} margin kept)")
+                   label=f"room{on} ({fmt_bytes(result.room.margin_bytes)} margin kept)")
     if result.largest_value is not None:
         ax.axvline(result.largest_value, color="#424242", lw=1, ls=":",
                    label=f"largest that fits: {result.largest_value:,}")
