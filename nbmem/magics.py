@@ -94,10 +94,12 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.display import display
 from traitlets import Bool, Enum, Float, Int, TraitType
 from traitlets.config import Configurable
 
 from .cleanup_request import CleanupRefused, CleanupRequest
+from .fitting.progress import progress_line
 from .fitting.state import FitRefused
 from .flight import FlightRecorder, open_flight
 from .options import OPTION_BY_NAME, OPTIONS, Option, OptionError, Settings
@@ -424,7 +426,9 @@ class NbmemMagics(Magics):
                              "Nothing was run.")
         try:
             result = self.session.fit(body, name, values, cell=self.shell.execution_count - 1,
-                                      restore=not args.no_restore, want=want)
+                                      restore=not args.no_restore, want=want, show=progress_line(  # in place
+                                          display if getattr(self.shell, "kernel", None) is not None else None,
+                                          lambda e: self.session.fault("fit progress", e)))
         except FitRefused as e:
             raise UsageError(f"%%cudamem --fit: {e}. The cell did not run.") from None
         if not args.quiet:

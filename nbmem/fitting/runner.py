@@ -36,6 +36,7 @@ from . import remedies
 from .allocator import segments_from_snapshot
 from .model import Room, RunTrace, margin_bytes_for
 from .prediction import FitResult, Remedy, analyse, proportional_bound
+from .progress import FitProgress, Show, planned_runs
 from .state import FitRefused, restore_state, snapshot_state, training_kinds
 
 #: How many allocator events one run may record; a run that fills it cannot be lined up with the others.
@@ -153,7 +154,8 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
         warmup: bool = True, modules: Iterable[Any] = (), optimizers: Iterable[Any] = (), others: Iterable[Any] = (),
         iterators: Sequence[str] = (), restore: bool = True, margin_bytes: int | None = None, stacks: bool = False,
         cell_files: frozenset[str] = frozenset(), sources: Mapping[int, str] | None = None,
-        max_value: int | None = None, want: int | None = None, max_entries: int = DEFAULT_MAX_ENTRIES) -> FitResult:
+        max_value: int | None = None, want: int | None = None, max_entries: int = DEFAULT_MAX_ENTRIES,
+        show: Show | None = None) -> FitResult:
     """Run ``run(value)`` at each value (ascending) under the allocator's trace and predict the largest that fits.
 
     ``warmup`` runs the smallest value once first, not counted, so the one-time allocations (optimizer
@@ -185,6 +187,7 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
         raise FitRefused(f"fitting needs the allocator's trace, and {unsupported}")
     modules, optimizers, others = list(modules), list(optimizers), list(others)
     candidates, left_out = remedies.candidates(t, modules, others) if want is not None else ([], [])
+    progress = FitProgress(show, name, *planned_runs(len(vals) + warmup, REFINE_RUNS, len(candidates)))
     saved = snapshot_state(modules, optimizers, others, iterators=iterators) if restore else None
     modules = optimizers = others = ()
     measured: list[Remedy] = []
@@ -193,7 +196,7 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
     runs: list[RunTrace] = []
     skipped: list[int] = []
     notes: list[str] = []
-    body = _Body(run, src, dev, stacks, max_entries, clean, name, notes)
+    body = _Body(progress.watch(run), src, dev, stacks, max_entries, clean, name, notes)
     failed: BaseException | None = None
     before: int | None = None
     try:
@@ -224,7 +227,8 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
         _free_cached(src, dev)
         if failed is not None:
             _say_what_was_put_back(failed, src, dev, before, lines, steps)
-            failed = None
+        progress.done(failed)  # the line goes, or stays saying that an interrupted fit put everything back
+        failed = None
     after, workspaces = give_back_workspaces(src, dev, before)
     if workspaces:
         notes.append(workspaces)
@@ -246,7 +250,7 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
 
 def fit_in_notebook(adapter: Any, source: TorchSource, type_cache: Any, body: str | Callable[[int], object],
                     name: str, values: Sequence[int], *, cell: int, warmup: bool, restore: bool,
-                    budget_s: float | None, want: int | None = None) -> FitResult:
+                    budget_s: float | None, want: int | None = None, show: Show | None = None) -> FitResult:
     """A fit of a cell's source (run in the notebook's namespace, ``name`` bound, put back after each run) or
     of a function of the value; the training state it reaches (found by a walk from the names it uses) is
     what is restored. ``adapter`` is the IPython adapter (``shell.ShellAdapter``)."""
@@ -269,7 +273,7 @@ def fit_in_notebook(adapter: Any, source: TorchSource, type_cache: Any, body: st
     try:
         result = fit(runner, values, source=source, name=name, clean=clean, warmup=warmup, modules=found.modules,
                      optimizers=found.optimizers, others=found.others, iterators=found.iterators, restore=restore,
-                     stacks=True, cell_files=files, sources=lines, want=want)
+                     stacks=True, cell_files=files, sources=lines, want=want, show=show)
         if restore and nothing:
             result = replace(result, notes=("no model, optimizer, LR scheduler or gradient scaler was found under the "
                                             "names the cell uses or the functions it calls: only the random "
@@ -503,7 +507,7 @@ def _expandable_on() -> bool:
 def _say_what_was_put_back(e: BaseException, src: TorchSource, dev: int, before: int | None,
                            lines: tuple[tuple[str, ...], tuple[str, ...]], steps: int) -> None:
     """A failed fit's error, told what the fit put back and whether memory is where it was before the fit."""
-    if not isinstance(e, Exception) or not hasattr(e, "add_note"):
+    if not isinstance(e, (Exception, KeyboardInterrupt)) or not hasattr(e, "add_note"):
         return
     try:
         after = _allocated_reserved(src, dev)[0]
