@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import functools
 import io
+import json
+import os
 import subprocess
 import sys
 import textwrap
@@ -213,25 +215,67 @@ def test_a_line_that_cannot_be_drawn_is_recorded_once_and_the_fit_goes_on() -> N
     assert [str(f) for f in faults] == ["stdout closed"]
 
 
+# -- the adapter: a Jupyter kernel, and terminal IPython ------------------------------------------------------------
+FIT_STOOD_IN = textwrap.dedent("""
+    from nbmem.fitting.progress import FitProgress
+    from nbmem.session import Session
+
+    def fit(self, body, name, values, *, show=None, **kw):
+        clock = iter([0.0, 2.0, 4.0, 6.0, 8.0]).__next__
+        p = FitProgress(show, name, 2, 3, clock=clock)
+        p.step(8)
+        p.step(16)
+        p.done()
+        return "fitted"
+
+    Session.fit = fit
+""")
+
+
+@pytest.mark.slow
+def test_in_a_jupyter_kernel_a_fits_line_is_one_output_updated_in_place_and_emptied(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real kernel (jupyter_client): ``%%cudamem --fit`` hands the fit a line drawn as one display output,
+    updated in place (the fit itself is stood in for, as it needs CUDA: it drives the line as the runner does)."""
+    jupyter_client = pytest.importorskip("jupyter_client")
+    spec = tmp_path / "jupyter" / "kernels" / "nbmem-progress"
+    spec.mkdir(parents=True)
+    argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    (spec / "kernel.json").write_text(json.dumps({"argv": argv, "display_name": "nbmem", "language": "python"}))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    km = jupyter_client.KernelManager(kernel_name="nbmem-progress")
+    km.start_kernel(cwd=str(ROOT), env={**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path / "rt")})
+    kc = km.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=60)
+        for code in (FIT_STOOD_IN, "%load_ext nbmem"):
+            assert kc.execute_interactive(code, timeout=60)["content"]["status"] == "ok"
+        got: list[dict[str, Any]] = []
+        reply = kc.execute_interactive("%%cudamem --fit batch=8,16\nx = batch", timeout=60, output_hook=got.append)
+        assert reply["content"]["status"] == "ok", reply["content"]
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    shown = [m for m in got if m["msg_type"] in ("display_data", "update_display_data")]
+    line = next(m for m in shown if m["content"]["data"].get("text/plain", "").startswith("nbmem fit"))
+    line_id = line["content"]["transient"]["display_id"]
+    assert [(m["msg_type"], m["content"]["data"]) for m in shown
+            if m["content"].get("transient", {}).get("display_id") == line_id] == [
+        ("display_data", {"text/plain": "nbmem fit: run 1 of 2–3 · batch=8 · 2.00 s so far"}),
+        ("update_display_data", {"text/plain": "nbmem fit: run 2 of 2–3 · batch=16 · 4.00 s so far"}),
+        ("update_display_data", {"text/plain": ""})], got
+    results = [m for m in got if m["msg_type"] in ("display_data", "execute_result")
+               and m["content"]["data"].get("text/plain") == "'fitted'"]
+    assert results and got.index(results[0]) > max(got.index(m) for m in got if m["msg_type"] == "update_display_data")
+
+
 # -- the adapter: terminal IPython -------------------------------------------------------------------------------------
 def test_terminal_ipython_draws_a_fits_line_with_carriage_returns_on_its_stdout() -> None:
     """A real ``ipython`` in a terminal: ``%%cudamem --fit`` hands the fit a line drawn on stdout (the fit itself is
     stood in for, as it needs CUDA: it drives the line it is handed as the runner does)."""
-    script = textwrap.dedent("""
-        from nbmem.fitting.progress import FitProgress
-        from nbmem.session import Session
-
-        def fit(self, body, name, values, *, show=None, **kw):
-            clock = iter([0.0, 2.0, 4.0, 6.0, 8.0]).__next__
-            p = FitProgress(show, name, 2, 3, clock=clock)
-            p.step(8)
-            p.step(16)
-            p.done()
-            return "fitted"
-
-        Session.fit = fit
-    """)
-    cells = (f"exec({script!r})\nip = get_ipython()\nprint(type(ip).__name__)\nip.run_line_magic('load_ext', 'nbmem')\n"
+    cells = (f"exec({FIT_STOOD_IN!r})\nip = get_ipython()\nprint(type(ip).__name__)\n"
+             "ip.run_line_magic('load_ext', 'nbmem')\n"
              "ip.run_cell('%%cudamem --fit batch=8,16\\nx = batch', store_history=True)\nNone")
     proc = subprocess.run(
         [sys.executable, "-m", "IPython", "--no-banner", "--colors=nocolor", "--HistoryManager.hist_file=:memory:",
