@@ -8,9 +8,11 @@ import functools
 import io
 import json
 import os
+import signal
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -141,6 +143,72 @@ def test_a_fit_interrupted_puts_everything_back_and_says_so_in_one_line(
     text, final = shown.calls[-1]
     assert final and "\n" not in text
     assert text == f"nbmem fit interrupted at batch=8 after {clocked.now:.2f} s: {told}"
+
+
+@pytest.mark.parametrize("first", [KeyboardInterrupt, None])
+def test_ctrl_c_again_while_the_fit_puts_things_back_waits_until_they_are_back(
+        stand_in: dict[str, Any], clocked: Clock, monkeypatch: pytest.MonkeyPatch, first: type[BaseException] | None
+) -> None:
+    """A real SIGINT in the middle of putting the training state back: the state is all back first; then a fit that
+    ended well is interrupted, and one already interrupted stays so (the press dropped, the first one's line kept)."""
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    torch.manual_seed(0)
+    net = Net()
+    stand_in["net"].append(net)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    weights = [p.detach().clone() for p in net.parameters()]
+    put_back = runner.restore_state
+
+    def restore_pressed(saved: Any) -> Any:
+        signal.raise_signal(signal.SIGINT)  # the handler runs now: Python's own would raise here, halfway
+        return put_back(saved)
+
+    monkeypatch.setattr(runner, "restore_state", restore_pressed)
+
+    def step(b: int) -> None:
+        net(torch.randn(b, 8)).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if first is not None and b == 16:
+            raise first
+
+    shown = Shown()
+    with pytest.raises(KeyboardInterrupt) as e:
+        runner.fit(step, [8, 16, 32], source=FakeSource(), name="batch", modules=[net], optimizers=[opt],  # type: ignore[arg-type]
+                   margin_bytes=0, show=shown)
+    assert all(torch.equal(w, p) for w, p in zip(weights, net.parameters(), strict=True)) and not opt.state
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "Python's handler is back"
+    if first is None:
+        assert not getattr(e.value, "__notes__", None) and e.value.__context__ is None, "raised after, on its own"
+    else:
+        assert e.value.__notes__[0].startswith("nbmem fit: stopped after 3 runs of the body; training state put back")
+        assert shown.calls[-1][1] and shown.calls[-1][0].startswith("nbmem fit interrupted at batch=16")
+
+
+def test_a_handler_of_the_notebooks_is_left_alone_and_other_threads_are_not_held() -> None:
+    seen: list[int] = []
+    mine = signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
+    try:
+        with progress.interrupts_held():
+            signal.raise_signal(signal.SIGINT)
+        assert seen == [signal.SIGINT], "the notebook's own handler ran, as it would have without the fit"
+    finally:
+        signal.signal(signal.SIGINT, mine)
+    with pytest.raises(KeyboardInterrupt), progress.interrupts_held(raise_after=True):
+        pass_through = []
+        signal.raise_signal(signal.SIGINT)
+        pass_through.append("the block went on to its end")
+    assert pass_through == ["the block went on to its end"]
+    untouched: list[bool] = []
+    t = threading.Thread(target=lambda: untouched.append(_handler_untouched_in_a_thread()))
+    t.start()
+    t.join()
+    assert untouched == [True], "outside the main thread there is nothing to hold (signals go to the main thread)"
+
+
+def _handler_untouched_in_a_thread() -> bool:
+    with progress.interrupts_held():
+        return signal.getsignal(signal.SIGINT) is signal.default_int_handler
 
 
 # -- the line itself --------------------------------------------------------------------------------------------------

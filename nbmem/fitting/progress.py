@@ -5,7 +5,7 @@ counted ones, those that check the growth near the answer, those under a remedy,
 ``step``: which run of about how many, at which value, and the time so far. Before a run that will take long
 (its time scaled from the run at the largest value so far, as the runner's own budget for more runs does),
 the line says how long. ``done`` erases the line, or leaves it final where the fit was interrupted, saying what
-was put back.
+was put back; while the fit puts things back, a second Ctrl-C waits (``interrupts_held``).
 
 Where the line goes is the adapter's: it hands a ``show(text, final)`` callback (``progress_line``: IPython's
 ``display`` updated in place in a kernel, ``\r`` on a terminal's stdout otherwise; ``guarded``, so that a failing
@@ -15,9 +15,12 @@ display is recorded and never stops the fit). Nothing here imports IPython.
 from __future__ import annotations
 
 import shutil
+import signal
 import sys
+import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, TextIO
 
@@ -110,6 +113,26 @@ class FitProgress:
         return f"{most}" if least >= most else f"{least}–{most}"
 
 
+@contextmanager
+def interrupts_held(*, raise_after: bool = True) -> Iterator[None]:
+    """Ctrl-C pressed inside the block waits until the block is done: a fit putting the training state back is
+    never stopped halfway by a second press. The press is raised after the block (``raise_after``), or dropped
+    where the fit is already stopping with an error. Only in the main thread, and only where Python's own
+    handler is the one installed (a handler of the notebook's or the kernel's is left alone)."""
+    if threading.current_thread() is not threading.main_thread() or (
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    pressed: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if pressed and raise_after:
+        raise KeyboardInterrupt
+
+
 def _about(s: float) -> str:
     return f"{s:.0f} s" if s < 90 else f"{s / 60:.0f} min"
 
@@ -170,5 +193,5 @@ def guarded(show: Show, fault: Callable[[Exception], object]) -> Show:
     return safe
 
 
-__all__ = ["LONG_S", "QUIET_S", "FitProgress", "Show", "display_line", "guarded", "planned_runs", "progress_line",
-           "terminal_line"]
+__all__ = ["LONG_S", "QUIET_S", "FitProgress", "Show", "display_line", "guarded", "interrupts_held", "planned_runs",
+           "progress_line", "terminal_line"]

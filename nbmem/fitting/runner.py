@@ -36,7 +36,7 @@ from . import remedies
 from .allocator import segments_from_snapshot
 from .model import Room, RunTrace, margin_bytes_for
 from .prediction import FitResult, Remedy, analyse, proportional_bound
-from .progress import FitProgress, Show, planned_runs
+from .progress import FitProgress, Show, interrupts_held, planned_runs
 from .state import FitRefused, restore_state, snapshot_state, training_kinds
 
 #: How many allocator events one run may record; a run that fills it cannot be lined up with the others.
@@ -221,13 +221,14 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
     finally:
         candidates = []  # they hold the modules: no reference is kept past the fit
         steps = body.ran + sum(others_ran)
-        restored = restore_state(saved) if saved is not None else None
-        lines = (tuple(saved.restored), tuple(saved.not_restored)) if saved is not None else ((), ())
-        saved = None
-        _free_cached(src, dev)
-        if failed is not None:
-            _say_what_was_put_back(failed, src, dev, before, lines, steps)
-        progress.done(failed)  # the line goes, or stays saying that an interrupted fit put everything back
+        with interrupts_held(raise_after=failed is None):  # Ctrl-C again waits until everything is back
+            restored = restore_state(saved) if saved is not None else None
+            lines = (tuple(saved.restored), tuple(saved.not_restored)) if saved is not None else ((), ())
+            saved = None
+            _free_cached(src, dev)
+            if failed is not None:
+                _say_what_was_put_back(failed, src, dev, before, lines, steps)
+            progress.done(failed)  # the line goes, or stays saying that an interrupted fit put everything back
         failed = None
     after, workspaces = give_back_workspaces(src, dev, before)
     if workspaces:
