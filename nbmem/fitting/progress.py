@@ -21,7 +21,6 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import Any, TextIO
 
 from ..formatting import fmt_seconds
@@ -43,24 +42,18 @@ def planned_runs(schedule: int, refine: int, remedies: int) -> tuple[int, int]:
     return schedule, most
 
 
-@dataclass
 class FitProgress:
-    """A fit's progress line: ``step`` before each run of the body, ``done`` when the fit ends."""
+    """A fit's progress line: ``step`` before each run of the body, ``done`` when the fit ends. ``least`` and
+    ``most``: how many runs the fit may make (``planned_runs``); the time counts from its making."""
 
-    show: Show | None
-    name: str
-    least: int
-    most: int
-    clock: Callable[[], float] = time.monotonic
-    started: float = field(default=-1.0)
-    runs: int = 0
-    shown: bool = False
-    _at: tuple[int, float] | None = field(default=None, repr=False)  # the run under way: its value, its start
-    _took: dict[int, float] = field(default_factory=dict, repr=False)  # each value's last run, start to start
-
-    def __post_init__(self) -> None:
-        if self.started < 0:
-            self.started = self.clock()
+    def __init__(self, show: Show | None, name: str, least: int, most: int, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.show, self.name, self.least, self.most, self.clock = show, name, least, most, clock
+        self.started = clock()
+        self.runs = 0
+        self.shown = False
+        self._at: tuple[int, float] | None = None  # the run under way: its value, its start
+        self._took: dict[int, float] = {}  # each value's last run, start to the next start
 
     def watch(self, run: Callable[[int], object]) -> Callable[[int], object]:
         """``run`` that says each of its runs first."""
