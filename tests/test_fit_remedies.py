@@ -5,6 +5,7 @@ traces follow what the real body did (checkpointed blocks keep less per sample).
 from __future__ import annotations
 
 import itertools
+from collections import OrderedDict
 from typing import Any, ClassVar
 
 import pytest
@@ -139,6 +140,75 @@ def test_the_model_is_as_it_was_after_an_error_under_a_remedy_and_hugging_faces_
         raise ValueError("the body's own error")
     assert attrs(net) == before
     assert not hasattr(net.blocks[0], "gradient_checkpointing") and not net.inp._forward_hooks
+
+
+# -- a run of blocks next to other modules (issue 36) ---------------------------------------------------------------
+def gpt() -> Any:
+    """The GPT shape many notebooks write: embedding, six blocks, norm and head in one ``Sequential``."""
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Embedding(50, 16), *[Block() for _ in range(6)], nn.LayerNorm(16), nn.Linear(16, 50))
+
+
+class Mixed(nn.Module):
+    """A ``ModuleList`` of mixed members: a stem, three blocks, a norm, and one more block on its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.layers = nn.ModuleList([nn.Linear(8, 16), Block(), Block(), Block(), nn.LayerNorm(16), Block()])
+
+    def forward(self, x: Any) -> Any:
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def test_a_run_of_blocks_next_to_other_modules_is_found_and_only_the_run() -> None:
+    model = gpt()
+    found = remedies.repeated_blocks(torch, model)
+    assert [(path, len(blocks)) for path, blocks in found] == [("[1:7]", 6)]
+    assert [id(b) for b in found[0][1]] == [id(model[k]) for k in range(1, 7)]
+    mixed = Mixed()
+    assert [(p, [id(b) for b in bs]) for p, bs in remedies.repeated_blocks(torch, mixed)] == [
+        ("layers[1:4]", [id(mixed.layers[k]) for k in range(1, 4)])], "the lone block after the norm is no run"
+    named = nn.Sequential(OrderedDict([("wte", nn.Embedding(50, 16)), ("h0", Block()), ("h1", Block()),
+                                       ("ln_f", nn.LayerNorm(16))]))
+    assert [(p, len(bs)) for p, bs in remedies.repeated_blocks(torch, named)] == [("['h0' to 'h1']", 2)]
+    shared = Block()
+    assert [len(bs) for _, bs in remedies.repeated_blocks(torch, nn.Sequential(shared, shared, nn.Linear(16, 1)))] \
+        == [], "a block used twice is one block"
+    got, _ = remedies.candidates(torch, [model], [])
+    assert [c.name for c in got] == [remedies.CHECKPOINTING]
+    assert "around each of the 6 Block in Sequential[1:7]" in got[0].setting
+    got, _ = remedies.candidates(torch, [mixed], [])
+    assert "around each of the 3 Block in Mixed.layers[1:4]" in got[0].setting
+
+
+@pytest.mark.parametrize(("make", "x"), [(gpt, lambda: torch.randint(0, 50, (4, 10))),
+                                         (Mixed, lambda: torch.randn(5, 8))])
+def test_checkpointing_a_run_changes_only_its_blocks_computes_the_same_and_is_undone(make: Any, x: Any) -> None:
+    model, x = make(), x()
+    run = remedies.repeated_blocks(torch, model)[0][1]
+    rest = [m for m in model.modules() if m not in run and not any(m is s for b in run for s in b.modules())]
+    calls: list[int] = []
+    for b in run:  # before the copy, so the hooks are the model's own as it was
+        b.ff.register_forward_pre_hook(lambda m, i: calls.append(1))
+    torch.manual_seed(2)
+    out = model(x)
+    del calls[:]
+    plain = grads_of(model, x)
+    plain_calls, before = len(calls), attrs(model)
+    c = remedies.checkpointing(torch, [model])
+    assert isinstance(c, remedies.Candidate)
+    with c.applied():
+        assert all("forward" in vars(b) for b in run) and not any("forward" in vars(m) for m in rest)
+        torch.manual_seed(2)
+        under_out = model(x)
+        del calls[:]
+        under = grads_of(model, x)
+        assert len(calls) == 2 * plain_calls, "each block of the run ran again in backward: checkpointed"
+    assert attrs(model) == before
+    assert torch.equal(out, under_out) and all(torch.equal(a, b) for a, b in zip(plain, under, strict=True))
 
 
 # -- a whole fit with want, CUDA stood in for ------------------------------------------------------------------------

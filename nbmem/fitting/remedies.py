@@ -6,9 +6,9 @@ fit). What a remedy is, and whether it can be applied, is decided here, without 
 
 - *activation checkpointing*: a Hugging Face model through its own switch (``activation_checkpointing_enable``
   in newer transformers, ``gradient_checkpointing_enable`` before; non-reentrant); any other model where it
-  has repeated blocks (a ``ModuleList`` or ``Sequential`` of two or more modules of one type that have modules
-  of their own), each block's ``forward`` wrapped in ``torch.utils.checkpoint.checkpoint(...,
-  use_reentrant=False)`` while gradients are on;
+  has repeated blocks (two or more modules in a row of one type that have modules of their own, in a
+  ``ModuleList`` or ``Sequential``, also next to other modules there, which are left as they are), each block's
+  ``forward`` wrapped in ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`` while gradients are on;
 - *bf16 autocast*: the body run inside ``torch.autocast("cuda", dtype=torch.bfloat16)``, where the model's
   parameters are fp32, no gradient scaler says it already trains in fp16, and the device supports bf16.
 
@@ -128,13 +128,14 @@ def checkpointing(torch: Any, tops: Sequence[Any], others: Sequence[Any] = ()) -
     found = [(top, path, blocks) for top in tops for path, blocks in repeated_blocks(torch, top)]
     if not found:
         names = ", ".join(reach.type_name(type(m)) for m in tops)
-        return (f"{left}: {names} has no repeated blocks (a ModuleList or Sequential of one block type) to "
-                "checkpoint")
+        return (f"{left}: {names} has no repeated blocks (two or more of one block type in a row in a ModuleList or "
+                "Sequential) to checkpoint")
     if any(_already_checkpointed(b) for _, _, blocks in found for b in blocks):
         return f"{left}: its blocks' forward is already replaced (checkpointed or patched by the notebook)"
     ckpt = importlib.import_module("torch.utils.checkpoint").checkpoint
     where = "; ".join(f"each of the {len(b)} {reach.type_name(type(b[0]))} in "
-                      f"{reach.type_name(type(top))}{'.' + path if path else ''}" for top, path, b in found)
+                      f"{reach.type_name(type(top))}{'.' + path if path[:1].isalnum() else path}"
+                      for top, path, b in found)
 
     def wrap_blocks() -> None:
         for _, _, blocks in found:
@@ -146,19 +147,45 @@ def checkpointing(torch: Any, tops: Sequence[Any], others: Sequence[Any] = ()) -
 
 
 def repeated_blocks(torch: Any, top: Any) -> list[tuple[str, list[Any]]]:
-    """The outermost ``ModuleList``s and ``Sequential``s under ``top`` (itself included) of two or more modules of
-    one type that have submodules of their own: (their path under ``top``, their blocks)."""
+    """The outermost runs, in the ``ModuleList``s and ``Sequential``s under ``top`` (itself included), of two or more
+    modules in a row of one type that have submodules of their own: (their path under ``top``, their blocks). A
+    list of blocks only is one run at the list's path; a run next to other modules (a GPT's embedding, blocks,
+    norm and head in one ``Sequential``) has the slice of the list it is, ``[1:7]``, and the rest is left out."""
     nn = torch.nn
     out: list[tuple[str, list[Any]]] = []
     taken: set[int] = set()
     for path, m in top.named_modules():
         if id(m) in taken or not isinstance(m, (nn.ModuleList, nn.Sequential)):
             continue
-        kids = [k for k in m.children()]
-        if len(kids) >= 2 and len({type(k) for k in kids}) == 1 and next(kids[0].children(), None) is not None:
-            out.append((path, kids))
-            taken.update(id(s) for s in m.modules())
+        kids = list(m.named_children())
+        for start, end in _runs(kids, taken):
+            blocks = [k for _, k in kids[start:end]]
+            out.append((path if end - start == len(kids) else path + _slice(kids[start][0], kids[end - 1][0]), blocks))
+            taken.update(id(s) for b in blocks for s in b.modules())
     return out
+
+
+def _runs(kids: Sequence[tuple[str, Any]], taken: set[int]) -> list[tuple[int, int]]:
+    """Where in ``kids`` two or more in a row are of one type, have submodules, and are in no run already (a block
+    shared by two lists is checkpointed once): ``(start, end)`` of each."""
+    out = []
+    start = 0
+    while start < len(kids):
+        end = start + 1
+        kind = type(kids[start][1])
+        if id(kids[start][1]) not in taken and next(kids[start][1].children(), None) is not None:
+            while end < len(kids) and type(kids[end][1]) is kind and id(kids[end][1]) not in taken:
+                end += 1
+        if end - start >= 2:
+            out.append((start, end))
+        start = end
+    return out
+
+
+def _slice(first: str, last: str) -> str:
+    """Where a run sits in its list: ``[1:7]`` (as ``model[1:7]`` reads it), or by name in a ``Sequential`` of an
+    ``OrderedDict``."""
+    return f"[{first}:{int(last) + 1}]" if first.isdigit() and last.isdigit() else f"[{first!r} to {last!r}]"
 
 
 def _checkpointed(torch: Any, ckpt: Any, forward: Callable[..., Any]) -> Callable[..., Any]:

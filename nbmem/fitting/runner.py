@@ -47,6 +47,7 @@ from nbmem.fitting.multigpu import (
     used_devices,
 )
 from nbmem.fitting.prediction import FitResult, Remedy, proportional_bound
+from nbmem.fitting.progress import FitProgress, Show, interrupts_held, planned_runs
 from nbmem.fitting.state import FitRefused, restore_state, snapshot_state, training_kinds
 from nbmem.formatting import fmt_bytes
 from nbmem.holders.walk import Root, TrainingState, reachable_state
@@ -98,7 +99,8 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
         iterators: Sequence[str] = (), restore: bool = True, margin_bytes: int | None = None, stacks: bool = False,
         cell_files: frozenset[str] = frozenset(), sources: Mapping[int, str] | None = None,
         max_value: int | None = None, want: int | None = None, max_entries: int = DEFAULT_MAX_ENTRIES,
-        on: Target | str | None = None, own_used: Callable[[int], int | None] | None = None) -> FitResult:
+        on: Target | str | None = None, own_used: Callable[[int], int | None] | None = None,
+        show: Show | None = None) -> FitResult:
     """Run ``run(value)`` at each value (ascending) under the allocator's trace and predict the largest that fits.
 
     Every device the runs allocate on is measured, each against its own room, and the answer is the largest
@@ -134,6 +136,7 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
         raise FitRefused(f"fitting needs the allocator's trace, and {unsupported}")
     modules, optimizers, others = list(modules), list(optimizers), list(others)
     candidates, left_out = remedies.candidates(t, modules, others) if want is not None else ([], [])
+    progress = FitProgress(show, name, *planned_runs(len(vals) + warmup, REFINE_RUNS, len(candidates)))
     saved = snapshot_state(modules, optimizers, others, iterators=iterators) if restore else None
     modules = optimizers = others = ()
     measured: list[Remedy] = []
@@ -142,7 +145,8 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
     runs: list[RunSet] = []
     skipped: list[int] = []
     notes: list[str] = []
-    body = _Body(run, src, context_devices(t, src), stacks, max_entries, clean, name, notes, margin_bytes=margin_bytes)
+    body = _Body(progress.watch(run), src, context_devices(t, src), stacks, max_entries, clean, name, notes,
+                 margin_bytes=margin_bytes)
     failed: BaseException | None = None
     before: dict[int, int] = {}
     try:
@@ -167,14 +171,16 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
     finally:
         candidates = []  # they hold the modules: no reference is kept past the fit
         steps = body.ran + sum(others_ran)
-        restored = restore_state(saved) if saved is not None else None
-        lines = (tuple(saved.restored), tuple(saved.not_restored)) if saved is not None else ((), ())
-        saved = None
-        devs = body.every_device()
-        free_cached(src, devs)
-        if failed is not None:
-            _say_what_was_put_back(failed, src, devs, before, lines, steps)
-            failed = None
+        with interrupts_held(raise_after=failed is None):  # Ctrl-C again waits until everything is back
+            restored = restore_state(saved) if saved is not None else None
+            lines = (tuple(saved.restored), tuple(saved.not_restored)) if saved is not None else ((), ())
+            saved = None
+            devs = body.every_device()
+            free_cached(src, devs)
+            if failed is not None:
+                _say_what_was_put_back(failed, src, devs, before, lines, steps)
+            progress.done(failed)  # the line goes, or stays saying that an interrupted fit put everything back
+        failed = None
     before = {d: before.get(d, 0) for d in devs}  # a device the runs were the first to use had nothing on it
     after, workspaces = give_back_workspaces(src, before)
     if workspaces:
@@ -198,7 +204,7 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
 def fit_in_notebook(adapter: Any, source: TorchSource, type_cache: Any, body: str | Callable[[int], object],
                     name: str, values: Sequence[int], *, cell: int, warmup: bool, restore: bool,
                     budget_s: float | None, want: int | None = None, on: Target | str | None = None,
-                    own_used: Callable[[int], int | None] | None = None) -> FitResult:
+                    own_used: Callable[[int], int | None] | None = None, show: Show | None = None) -> FitResult:
     """A fit of a cell's source (run in the notebook's namespace, ``name`` bound, put back after each run) or
     of a function of the value; the training state it reaches (found by a walk from the names it uses) is
     what is restored. ``adapter`` is the IPython adapter (``shell.ShellAdapter``)."""
@@ -221,7 +227,8 @@ def fit_in_notebook(adapter: Any, source: TorchSource, type_cache: Any, body: st
     try:
         result = fit(runner, values, source=source, name=name, clean=clean, warmup=warmup, modules=found.modules,
                      optimizers=found.optimizers, others=found.others, iterators=found.iterators, restore=restore,
-                     stacks=True, cell_files=files, sources=lines, want=want, on=on, own_used=own_used)
+                     stacks=True, cell_files=files, sources=lines, want=want, on=on, own_used=own_used,
+                     show=show)
         if restore and nothing:
             result = replace(result, notes=("no model, optimizer, LR scheduler or gradient scaler was found under the "
                                             "names the cell uses or the functions it calls: only the random "
@@ -443,7 +450,7 @@ def _expandable_on() -> bool:
 def _say_what_was_put_back(e: BaseException, src: TorchSource, devices: Sequence[int], before: Mapping[int, int],
                            lines: tuple[tuple[str, ...], tuple[str, ...]], steps: int) -> None:
     """A failed fit's error, told what the fit put back and whether memory is where it was before the fit."""
-    if not isinstance(e, Exception) or not hasattr(e, "add_note"):
+    if not isinstance(e, (Exception, KeyboardInterrupt)) or not hasattr(e, "add_note"):
         return
     try:
         moved = {d: allocated_reserved(src, d)[0] - before.get(d, 0) for d in devices}

@@ -94,9 +94,11 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.display import display
 
 from nbmem.clean.request import CleanupRefused, CleanupRequest
 from nbmem.fitting.devices import parse_on
+from nbmem.fitting.progress import progress_line
 from nbmem.fitting.state import FitRefused
 from nbmem.ipython.config import Nbmem
 from nbmem.ipython.reconnect import BetweenCells, ReconnectRoute, reconnect_route
@@ -407,7 +409,9 @@ class NbmemMagics(Magics):
                              "Nothing was run.")
         try:
             result = self.session.fit(body, name, values, cell=self.shell.execution_count - 1,
-                                      restore=not args.no_restore, want=want, on=on)
+                                      restore=not args.no_restore, want=want, on=on, show=progress_line(  # in place
+                                          display if getattr(self.shell, "kernel", None) is not None else None,
+                                          lambda e: self.session.fault("fit progress", e)))
         except FitRefused as e:
             ran = "The cell ran once, no more." if e.ran else "The cell did not run."
             raise UsageError(f"%%cudamem --fit: {e}. {ran}") from None

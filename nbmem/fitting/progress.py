@@ -1,0 +1,190 @@
+"""A fit you can watch: one line under the cell, updated in place while a fit runs the body, gone when it ends.
+
+The runner makes a ``FitProgress`` per fit and runs the body through ``watch``, so every run (the warm-up, the
+counted ones, those that check the growth near the answer, those under a remedy, the timed steps) is one
+``step``: which run of about how many, at which value, and the time so far. Before a run that will take long
+(its time scaled from the run at the largest value so far, as the runner's own budget for more runs does),
+the line says how long. ``done`` erases the line, or leaves it final where the fit was interrupted, saying what
+was put back; while the fit puts things back, a second Ctrl-C waits (``interrupts_held``).
+
+Where the line goes is the adapter's: it hands a ``show(text, final)`` callback (``progress_line``: IPython's
+``display`` updated in place in a kernel, ``\r`` on a terminal's stdout otherwise; ``guarded``, so that a failing
+display is recorded and never stops the fit). Nothing here imports IPython.
+"""
+
+from __future__ import annotations
+
+import shutil
+import signal
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any, TextIO
+
+from nbmem.formatting import fmt_seconds
+
+#: ``show(text, final)``: the line as it stands now; ``final`` when the fit ended (``text`` is "" to erase it).
+Show = Callable[[str, bool], None]
+
+#: A fit shorter than this shows no line at all (most fits of small bodies) ...
+QUIET_S = 1.0
+#: ... and a run expected to take longer than this is said before it starts, with its time.
+LONG_S = 15.0
+
+
+def planned_runs(schedule: int, refine: int, remedies: int) -> tuple[int, int]:
+    """The fewest and the most runs a fit may make: its ``schedule`` (warm-up and values), up to ``refine`` more
+    near the answer, and where ``remedies`` may be measured, as many again under each and two timed steps each
+    (the plain step's too)."""
+    most = (schedule + refine) * (1 + remedies) + (2 * (remedies + 1) if remedies else 0)
+    return schedule, most
+
+
+class FitProgress:
+    """A fit's progress line: ``step`` before each run of the body, ``done`` when the fit ends. ``least`` and
+    ``most``: how many runs the fit may make (``planned_runs``); the time counts from its making."""
+
+    def __init__(self, show: Show | None, name: str, least: int, most: int, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.show, self.name, self.least, self.most, self.clock = show, name, least, most, clock
+        self.started = clock()
+        self.runs = 0
+        self.shown = False
+        self._at: tuple[int, float] | None = None  # the run under way: its value, its start
+        self._took: dict[int, float] = {}  # each value's last run, start to the next start
+
+    def watch(self, run: Callable[[int], object]) -> Callable[[int], object]:
+        """``run`` that says each of its runs first."""
+        def watched(value: int) -> object:
+            self.step(value)
+            return run(value)
+        return watched
+
+    def step(self, value: int) -> None:
+        """A run at ``value`` starts: the line updated, with its expected time where that is long."""
+        now = self.clock()
+        if self._at is not None:
+            self._took[self._at[0]] = now - self._at[1]
+        self._at = (value, now)
+        self.runs += 1
+        expected = self.expected_s(value)
+        if self.show is None or (now - self.started < QUIET_S and (expected is None or expected <= LONG_S)):
+            return
+        so_far = fmt_seconds(now - self.started)
+        text = f"nbmem fit: run {self.runs} of {self._of()} · {self.name}={value:,} · {so_far} so far"
+        if expected is not None and expected > LONG_S:
+            text += f" · this run will take about {_about(expected)}"
+        self.show(text, False)
+        self.shown = True
+
+    def expected_s(self, value: int) -> float | None:
+        """How long a run at ``value`` will take: the last run at the largest value so far, scaled to it (None
+        before any run ended)."""
+        if not self._took:
+            return None
+        top = max(self._took)
+        return self._took[top] * value / top
+
+    def done(self, failed: BaseException | None = None) -> None:
+        """The fit ended: the line goes, or, where it was interrupted, stays saying so and what was put back (the
+        runner's note on the error, where it has one)."""
+        if self.show is None:
+            return
+        if isinstance(failed, KeyboardInterrupt):
+            at = f" at {self.name}={self._at[0]:,}" if self._at is not None else ""
+            notes = [n for n in getattr(failed, "__notes__", ()) if isinstance(n, str) and n.startswith("nbmem fit: ")]
+            told = notes[-1].removeprefix("nbmem fit: ") if notes else (
+                f"stopped after {self.runs} run{'s' if self.runs != 1 else ''} of the body")
+            self.show(f"nbmem fit interrupted{at} after {fmt_seconds(self.clock() - self.started)}: {told}", True)
+        elif self.shown:
+            self.show("", True)
+
+    def _of(self) -> str:
+        least, most = max(self.least, self.runs), max(self.most, self.runs)
+        return f"{most}" if least >= most else f"{least}–{most}"
+
+
+@contextmanager
+def interrupts_held(*, raise_after: bool = True) -> Iterator[None]:
+    """Ctrl-C pressed inside the block waits until the block is done: a fit putting the training state back is
+    never stopped halfway by a second press. The press is raised after the block (``raise_after``), or dropped
+    where the fit is already stopping with an error. Only in the main thread, and only where Python's own
+    handler is the one installed (a handler of the notebook's or the kernel's is left alone)."""
+    if threading.current_thread() is not threading.main_thread() or (
+            signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        yield
+        return
+    pressed: list[int] = []
+    signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    if pressed and raise_after:
+        raise KeyboardInterrupt
+
+
+def _about(s: float) -> str:
+    return f"{s:.0f} s" if s < 90 else f"{s / 60:.0f} min"
+
+
+# -- where the line goes ------------------------------------------------------------------------------------------
+def progress_line(display: Callable[..., Any] | None, fault: Callable[[Exception], object]) -> Show:
+    """Where the adapter shows a fit's line: with IPython's ``display`` in a kernel, else on the terminal's
+    stdout; ``guarded`` with ``fault``."""
+    return guarded(display_line(display) if display is not None else terminal_line(), fault)
+
+
+def terminal_line(stream: Callable[[], TextIO] = lambda: sys.stdout, width: Callable[[], int] | None = None) -> Show:
+    """The line on a terminal: written over itself with ``\\r``, cut to the terminal's width (a line that wraps
+    cannot be written over), erased at the end or left with a newline when final. ``stream`` is read at each
+    update (IPython may swap ``sys.stdout``)."""
+    cols = width or (lambda: shutil.get_terminal_size().columns)
+    last = [0]
+
+    def show(text: str, final: bool) -> None:
+        text = text[:max(cols() - 1, 20)]
+        out = stream()
+        out.write("\r" + text + " " * max(last[0] - len(text), 0) + ("\r" if not text else "\n" if final else ""))
+        out.flush()
+        last[0] = 0 if final else len(text)
+
+    return show
+
+
+def display_line(display: Callable[..., Any]) -> Show:
+    """The line in a kernel: one output under the cell, updated in place (IPython's ``display`` with a
+    ``display_id``), emptied at the end or left final."""
+    handle: list[Any] = []
+
+    def show(text: str, final: bool) -> None:
+        data = {"text/plain": text}
+        if handle:
+            handle[0].update(data, raw=True)
+        else:
+            handle.append(display(data, raw=True, display_id=True))
+
+    return show
+
+
+def guarded(show: Show, fault: Callable[[Exception], object]) -> Show:
+    """``show`` that never breaks the fit: its first error is handed to ``fault`` (recorded, told once) and the
+    line shows no more."""
+    broken: list[Exception] = []
+
+    def safe(text: str, final: bool) -> None:
+        if broken:
+            return
+        try:
+            show(text, final)
+        except Exception as e:
+            broken.append(e)
+            fault(e)
+
+    return safe
+
+
+__all__ = ["LONG_S", "QUIET_S", "FitProgress", "Show", "display_line", "guarded", "interrupts_held", "planned_runs",
+           "progress_line", "terminal_line"]

@@ -1,0 +1,366 @@
+"""A fit you can watch (issue 36), on the CPU: the progress line as the runner drives it (a fit whose CUDA is stood
+in for, its body the real one), what it says and when, how a terminal and a kernel draw it, and an interrupted fit
+that puts everything back and says so in one line."""
+
+from __future__ import annotations
+
+import functools
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+from typing import Any
+
+import pytest
+from IPython.display import display
+from IPython.utils.capture import capture_output
+
+torch = pytest.importorskip("torch")
+
+from nbmem.fitting import progress, runner  # noqa: E402
+from nbmem.fitting.progress import FitProgress  # noqa: E402
+from tests import test_fit_remedies  # noqa: E402
+from tests.test_fit_remedies import FakeSource, Net, attrs  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class Clock:
+    """Time as the body spends it (the body moves it on)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Shown:
+    """A ``show`` callback that keeps what it was asked to draw."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, bool]] = []
+
+    def __call__(self, text: str, final: bool) -> None:
+        self.calls.append((text, final))
+
+
+# -- the line, as the runner drives it ------------------------------------------------------------------------------
+@pytest.fixture
+def stand_in(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """``test_fit_remedies``' fit on the CPU: CUDA stood in for, the body the real one, its traces made up."""
+    return test_fit_remedies.stand_in.__wrapped__(monkeypatch)  # type: ignore[attr-defined,no-any-return]
+
+
+@pytest.fixture
+def clocked(stand_in: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> Clock:
+    clock = Clock()
+    monkeypatch.setattr(runner, "FitProgress", functools.partial(FitProgress, clock=clock))
+    return clock
+
+
+def test_each_run_of_a_fit_is_a_step_of_the_line_and_the_line_goes_when_the_fit_ends(
+        stand_in: dict[str, Any], clocked: Clock) -> None:
+    net = Net()
+    stand_in["net"].append(net)
+
+    def step(b: int) -> None:
+        clocked.now += 0.1 * b  # 0.8 s at 8: the warm-up and the first run are quiet, the line shows from 1 s
+        net(torch.randn(b, 8)).sum().backward()
+
+    shown = Shown()
+    res = runner.fit(step, [8, 16, 32], source=FakeSource(), name="batch", modules=[net], margin_bytes=0,  # type: ignore[arg-type]
+                     show=shown)
+    ran = [v for v, _ in stand_in["runs"]]
+    assert ran[:4] == [8, 8, 16, 32] and len(ran) > 4, "the warm-up, the values, and runs nearer the answer"
+    assert res.largest_value is not None
+    lines = [t for t, final in shown.calls if not final]
+    assert len(lines) == len(ran) - 2 and shown.calls[-1] == ("", True), "quiet for the first second; gone at the end"
+    assert lines[0] == "nbmem fit: run 3 of 4–7 · batch=16 · 1.60 s so far"
+    assert lines[1].startswith("nbmem fit: run 4 of 4–7 · batch=32 · 3.20 s so far")
+    assert [t.split(" · ")[1] for t in lines] == [f"batch={v:,}" for v in ran[2:]]
+
+
+def test_a_run_that_will_take_long_is_said_before_it_starts_with_its_time(
+        stand_in: dict[str, Any], clocked: Clock) -> None:
+    net = Net()
+    stand_in["net"].append(net)
+
+    def step(b: int) -> None:
+        clocked.now += 0.25 * b  # 8 s at 32: the run nearer the answer, at 72, takes 18 s
+        net(torch.randn(b, 8)).sum().backward()
+
+    shown = Shown()
+    runner.fit(step, [8, 16, 32], source=FakeSource(), name="batch", modules=[net], margin_bytes=0,  # type: ignore[arg-type]
+               show=shown)
+    ran = [v for v, _ in stand_in["runs"]]
+    assert ran[4] == 72, ran
+    said = [t for t, _ in shown.calls if "this run will take" in t]
+    assert said and said[0].startswith("nbmem fit: run 5 of 5–7 · batch=72 · 16.00 s so far")
+    assert said[0].endswith(" · this run will take about 18 s")
+    assert not any("will take" in t for t, _ in shown.calls[:3]), "runs estimated shorter are not"
+
+
+def test_a_fit_interrupted_puts_everything_back_and_says_so_in_one_line(
+        stand_in: dict[str, Any], clocked: Clock) -> None:
+    """Ctrl-C during a run under a remedy: the remedy undone, the training state and the RNG put back, the error
+    told what was put back, and the line left final saying so."""
+    torch.manual_seed(0)
+    net = Net()
+    stand_in["net"].append(net)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    weights = [p.detach().clone() for p in net.parameters()]
+    before, rng = attrs(net), torch.get_rng_state()
+
+    calls: list[tuple[int, bool]] = []
+
+    def step(b: int) -> None:
+        clocked.now += 0.5
+        calls.append((b, "forward" in vars(net.blocks[0])))
+        if calls[-1][1]:  # checkpointed: the fit is measuring the remedy
+            raise KeyboardInterrupt
+        net(torch.randn(b, 8)).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    shown = Shown()
+    with pytest.raises(KeyboardInterrupt) as e:
+        runner.fit(step, [8, 16, 32], source=FakeSource(), name="batch", modules=[net], optimizers=[opt],  # type: ignore[arg-type]
+                   margin_bytes=0, want=10_000, show=shown)
+    steps = len(calls)
+    assert calls[-1] == (8, True) and not any(c for _, c in calls[:-1]), "stopped in the remedy's warm-up"
+    assert attrs(net) == before, "the remedy was undone"
+    assert all(torch.equal(w, p) for w, p in zip(weights, net.parameters(), strict=True))
+    assert not opt.state and all(p.grad is None for p in net.parameters())
+    assert torch.equal(rng, torch.get_rng_state())
+    told = f"stopped after {steps} runs of the body; training state put back; memory allocated is back where it was"
+    assert e.value.__notes__ == [f"nbmem fit: {told}"]
+    text, final = shown.calls[-1]
+    assert final and "\n" not in text
+    assert text == f"nbmem fit interrupted at batch=8 after {clocked.now:.2f} s: {told}"
+
+
+@pytest.mark.parametrize("first", [KeyboardInterrupt, None])
+def test_ctrl_c_again_while_the_fit_puts_things_back_waits_until_they_are_back(
+        stand_in: dict[str, Any], clocked: Clock, monkeypatch: pytest.MonkeyPatch, first: type[BaseException] | None
+) -> None:
+    """A real SIGINT in the middle of putting the training state back: the state is all back first; then a fit that
+    ended well is interrupted, and one already interrupted stays so (the press dropped, the first one's line kept)."""
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    torch.manual_seed(0)
+    net = Net()
+    stand_in["net"].append(net)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    weights = [p.detach().clone() for p in net.parameters()]
+    put_back = runner.restore_state
+
+    def restore_pressed(saved: Any) -> Any:
+        signal.raise_signal(signal.SIGINT)  # the handler runs now: Python's own would raise here, halfway
+        return put_back(saved)
+
+    monkeypatch.setattr(runner, "restore_state", restore_pressed)
+
+    def step(b: int) -> None:
+        net(torch.randn(b, 8)).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if first is not None and b == 16:
+            raise first
+
+    shown = Shown()
+    with pytest.raises(KeyboardInterrupt) as e:
+        runner.fit(step, [8, 16, 32], source=FakeSource(), name="batch", modules=[net], optimizers=[opt],  # type: ignore[arg-type]
+                   margin_bytes=0, show=shown)
+    assert all(torch.equal(w, p) for w, p in zip(weights, net.parameters(), strict=True)) and not opt.state
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "Python's handler is back"
+    if first is None:
+        assert not getattr(e.value, "__notes__", None) and e.value.__context__ is None, "raised after, on its own"
+    else:
+        assert e.value.__notes__[0].startswith("nbmem fit: stopped after 3 runs of the body; training state put back")
+        assert shown.calls[-1][1] and shown.calls[-1][0].startswith("nbmem fit interrupted at batch=16")
+
+
+def test_a_handler_of_the_notebooks_is_left_alone_and_other_threads_are_not_held() -> None:
+    seen: list[int] = []
+    mine = signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
+    try:
+        with progress.interrupts_held():
+            signal.raise_signal(signal.SIGINT)
+        assert seen == [signal.SIGINT], "the notebook's own handler ran, as it would have without the fit"
+    finally:
+        signal.signal(signal.SIGINT, mine)
+    with pytest.raises(KeyboardInterrupt), progress.interrupts_held(raise_after=True):
+        pass_through = []
+        signal.raise_signal(signal.SIGINT)
+        pass_through.append("the block went on to its end")
+    assert pass_through == ["the block went on to its end"]
+    untouched: list[bool] = []
+    t = threading.Thread(target=lambda: untouched.append(_handler_untouched_in_a_thread()))
+    t.start()
+    t.join()
+    assert untouched == [True], "outside the main thread there is nothing to hold (signals go to the main thread)"
+
+
+def _handler_untouched_in_a_thread() -> bool:
+    with progress.interrupts_held():
+        return signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+# -- the line itself --------------------------------------------------------------------------------------------------
+def test_the_line_says_which_run_of_about_how_many_at_which_value_and_the_time_so_far() -> None:
+    clock, shown = Clock(), Shown()
+    p = FitProgress(shown, "batch", *progress.planned_runs(4, 3, 0), clock=clock)
+    p.step(8)
+    assert shown.calls == [] and p.expected_s(8) is None, "quiet: no line for a fit shorter than a second"
+    clock.now = 2.0
+    p.step(8)
+    clock.now = 6.0
+    p.step(16_384)
+    assert shown.calls == [("nbmem fit: run 2 of 4–7 · batch=8 · 2.00 s so far", False),
+                           ("nbmem fit: run 3 of 4–7 · batch=16,384 · 6.00 s so far · this run will take about 137 min",
+                            False)], "4 s at 8, the last run there, scaled to 16,384"
+    p.done()
+    assert shown.calls[-1] == ("", True)
+    assert progress.planned_runs(4, 3, 2) == (4, 7 * 3 + 6), "under each of 2 remedies as many again, and timed steps"
+    shown = Shown()
+    many = FitProgress(shown, "n", 2, 3, clock=clock)
+    clock.now = 10.0
+    for _ in range(5):
+        many.step(1)
+    assert shown.calls[-1][0].startswith("nbmem fit: run 5 of 5 · n=1 · 4.00 s so far"), "never fewer than it ran"
+
+
+def test_a_fit_that_ended_before_a_line_was_shown_shows_nothing_and_an_interrupt_is_still_said() -> None:
+    shown = Shown()
+    p = FitProgress(shown, "batch", 4, 7, clock=Clock())
+    p.step(8)
+    p.done(ValueError("the body's own error"))
+    assert shown.calls == []
+    p.done(KeyboardInterrupt())
+    assert shown.calls == [("nbmem fit interrupted at batch=8 after 0 ms: stopped after 1 run of the body", True)]
+
+
+def test_on_a_terminal_the_line_is_written_over_itself_cut_to_the_width_and_erased() -> None:
+    out = io.StringIO()
+    show = progress.terminal_line(lambda: out, width=lambda: 30)
+    show("nbmem fit: run 1 of 4 · batch=8", False)
+    show("run 2", False)
+    show("", True)
+    assert out.getvalue() == ("\rnbmem fit: run 1 of 4 · batch\r" "run 2" + " " * 24 + "\r" + " " * 5 + "\r")
+    out = io.StringIO()
+    show = progress.terminal_line(lambda: out, width=lambda: 80)
+    show("nbmem fit: run 1", False)
+    show("interrupted", True)
+    assert out.getvalue().endswith("\rinterrupted     \n"), "a final line stays, and the prompt comes below it"
+
+
+def test_in_a_kernel_the_line_is_one_output_updated_in_place(shell: Any) -> None:
+    show = progress.display_line(display)
+    with capture_output() as cap:
+        show("nbmem fit: run 2 of 4", False)
+        show("nbmem fit: run 3 of 4", False)
+        show("", True)
+    ids = [o.transient["display_id"] for o in cap.outputs]
+    assert len(set(ids)) == 1 and [o.update for o in cap.outputs] == [False, True, True]
+    assert [o.data for o in cap.outputs] == [{"text/plain": "nbmem fit: run 2 of 4"},
+                                             {"text/plain": "nbmem fit: run 3 of 4"}, {"text/plain": ""}]
+
+
+def test_a_line_that_cannot_be_drawn_is_recorded_once_and_the_fit_goes_on() -> None:
+    faults: list[Exception] = []
+
+    def broken(text: str, final: bool) -> None:
+        raise OSError("stdout closed")
+
+    show = progress.guarded(broken, faults.append)
+    show("a", False)
+    show("b", False)
+    assert [str(f) for f in faults] == ["stdout closed"]
+
+
+# -- the adapter: a Jupyter kernel, and terminal IPython ------------------------------------------------------------
+FIT_STOOD_IN = textwrap.dedent("""
+    from nbmem.fitting.progress import FitProgress
+    from nbmem.session import Session
+
+    def fit(self, body, name, values, *, show=None, **kw):
+        clock = iter([0.0, 2.0, 4.0, 6.0, 8.0]).__next__
+        p = FitProgress(show, name, 2, 3, clock=clock)
+        p.step(8)
+        p.step(16)
+        p.done()
+        return "fitted"
+
+    Session.fit = fit
+""")
+
+
+@pytest.mark.slow
+def test_in_a_jupyter_kernel_a_fits_line_is_one_output_updated_in_place_and_emptied(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real kernel (jupyter_client): ``%%cudamem --fit`` hands the fit a line drawn as one display output,
+    updated in place (the fit itself is stood in for, as it needs CUDA: it drives the line as the runner does)."""
+    jupyter_client = pytest.importorskip("jupyter_client")
+    spec = tmp_path / "jupyter" / "kernels" / "nbmem-progress"
+    spec.mkdir(parents=True)
+    argv = [sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    (spec / "kernel.json").write_text(json.dumps({"argv": argv, "display_name": "nbmem", "language": "python"}))
+    monkeypatch.setenv("JUPYTER_PATH", str(tmp_path / "jupyter"))
+    km = jupyter_client.KernelManager(kernel_name="nbmem-progress")
+    km.start_kernel(cwd=str(ROOT), env={**os.environ, "JUPYTER_RUNTIME_DIR": str(tmp_path / "rt")})
+    kc = km.client()
+    kc.start_channels()
+    try:
+        kc.wait_for_ready(timeout=60)
+        for code in (FIT_STOOD_IN, "%load_ext nbmem"):
+            assert kc.execute_interactive(code, timeout=60)["content"]["status"] == "ok"
+        got: list[dict[str, Any]] = []
+        reply = kc.execute_interactive("%%cudamem --fit batch=8,16\nx = batch", timeout=60, output_hook=got.append)
+        assert reply["content"]["status"] == "ok", reply["content"]
+    finally:
+        kc.stop_channels()
+        km.shutdown_kernel(now=True)
+    shown = [m for m in got if m["msg_type"] in ("display_data", "update_display_data")]
+    line = next(m for m in shown if m["content"]["data"].get("text/plain", "").startswith("nbmem fit"))
+    line_id = line["content"]["transient"]["display_id"]
+    assert [(m["msg_type"], m["content"]["data"]) for m in shown
+            if m["content"].get("transient", {}).get("display_id") == line_id] == [
+        ("display_data", {"text/plain": "nbmem fit: run 1 of 2–3 · batch=8 · 2.00 s so far"}),
+        ("update_display_data", {"text/plain": "nbmem fit: run 2 of 2–3 · batch=16 · 4.00 s so far"}),
+        ("update_display_data", {"text/plain": ""})], got
+    results = [m for m in got if m["msg_type"] in ("display_data", "execute_result")
+               and m["content"]["data"].get("text/plain") == "'fitted'"]
+    assert results and got.index(results[0]) > max(got.index(m) for m in got if m["msg_type"] == "update_display_data")
+
+
+# -- the adapter: terminal IPython -------------------------------------------------------------------------------------
+def test_terminal_ipython_draws_a_fits_line_with_carriage_returns_on_its_stdout() -> None:
+    """A real ``ipython`` in a terminal: ``%%cudamem --fit`` hands the fit a line drawn on stdout (the fit itself is
+    stood in for, as it needs CUDA: it drives the line it is handed as the runner does)."""
+    cells = (f"exec({FIT_STOOD_IN!r})\nip = get_ipython()\nprint(type(ip).__name__)\n"
+             "ip.run_line_magic('load_ext', 'nbmem')\n"
+             "ip.run_cell('%%cudamem --fit batch=8,16\\nx = batch', store_history=True)\nNone")
+    proc = subprocess.run(
+        [sys.executable, "-m", "IPython", "--no-banner", "--colors=nocolor", "--HistoryManager.hist_file=:memory:",
+         "-c", cells], capture_output=True, cwd=ROOT, timeout=120)  # bytes: text mode would read \r as a newline
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout.decode()
+    assert out.startswith("TerminalInteractiveShell\n"), out[:200]
+    drawn = "\rnbmem fit: run 2 of 2–3 · batch=16 · 4.00 s so far"
+    assert drawn in out and "\r" + " " * (len(drawn) - 1) + "\r" in out, repr(out[-600:])
+    assert "fitted" in out.split(drawn, 1)[1], "the result comes after the line is gone"
+
+
+@pytest.mark.parametrize("raises", [KeyboardInterrupt, SystemExit])
+def test_only_an_interrupt_among_base_exceptions_is_told_what_was_put_back(raises: type[BaseException]) -> None:
+    e = raises()
+    runner._say_what_was_put_back(e, FakeSource(), [0], {0: 0}, (("weights",), ()), 3)  # type: ignore[arg-type]
+    assert getattr(e, "__notes__", []) == (["nbmem fit: stopped after 3 runs of the body; training state put back; "
+                                            "memory allocated is back where it was"] if raises is KeyboardInterrupt
+                                           else [])
+
