@@ -438,7 +438,8 @@ class CellReport(Shown):
 
     @property
     def says_cpu(self) -> bool:
-        return self.explain_cpu and cpu_only(self.records)
+        """Whether the report says what a CPU cannot tell: the first time it leaves a column out for that."""
+        return self.explain_cpu and len(summary_table(self.records)[0]) < len(SUMMARY_COLUMNS)
 
     def __str__(self) -> str:
         parts = [self._head(), text_table(*summary_table(self.records)), *([CPU_CANNOT] if self.says_cpu else [])]

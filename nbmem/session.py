@@ -46,7 +46,7 @@ from nbmem.records import (
     Sample,
     Tick,
 )
-from nbmem.reports import CellReport, CellTable, CleanupReport, Leaks, Lines, Status, limit_line
+from nbmem.reports import CellReport, CleanupReport, Leaks, Lines, Status, limit_line
 from nbmem.sampler import Sampler
 from nbmem.store import Store, records_frame, ticks_for
 
@@ -64,6 +64,18 @@ def scan_lines(s: Scan | None) -> tuple[str, ...]:
     if s.unfinished:
         out.append("not finished within Nbmem.scan_budget: " + ", ".join(s.unfinished[:10]))
     return tuple(out)
+
+
+def worth_showing(report: CellReport, settings: Settings) -> bool:
+    """Whether a monitored cell's report is shown: it moved memory by the threshold, named a holder, failed, ..."""
+    if settings.show == "never":
+        return False
+    if (settings.show == "always" or report.findings or report.error or report.notes or report.children
+            or report.children_use or report.pools):
+        return True
+    t = settings.threshold_bytes
+    return any(abs(r.delta_allocated_bytes or 0) >= t or abs(r.delta_reserved_bytes or 0) >= t
+               or (r.peak_allocated_bytes or 0) - (r.allocated_before_bytes or 0) >= t for r in report.records)
 
 
 class Session:
@@ -242,18 +254,10 @@ class Session:
     def shown(self, report: CellReport) -> None:
         """The adapter displayed ``report``; `%cudamem clean --last-report` now means this one."""
         self.last_shown_report = report
-        if report.says_cpu:
-            self.cells.cpu_explained = True  # said once: later reports leave the CPU's blank columns out silently
+        self.cells.cpu_explained |= report.says_cpu  # said once: later reports just leave those columns out
 
     def should_show(self, report: CellReport) -> bool:
-        if self.settings.show == "never":
-            return False
-        if (self.settings.show == "always" or report.findings or report.error or report.notes or report.children
-                or report.children_use or report.pools):
-            return True
-        t = self.settings.threshold_bytes
-        return any(abs(r.delta_allocated_bytes or 0) >= t or abs(r.delta_reserved_bytes or 0) >= t
-                   or (r.peak_allocated_bytes or 0) - (r.allocated_before_bytes or 0) >= t for r in report.records)
+        return worth_showing(report, self.settings)
 
     def take_baseline(self) -> None:
         """Scan everything now: the state the next monitored cell is compared with."""
@@ -350,7 +354,7 @@ class Session:
         self.holdings.forget_current()
         self._publish_holders()
         self._publish(rep)
-        self.last_cleanup = rep
+        self.last_cleanup = rep  # the magic shows it; the function returns it
         return rep
 
     # -- will it fit? -------------------------------------------------------------------------------------
@@ -381,10 +385,6 @@ class Session:
 
     def report(self) -> Any:
         return records_frame(self.store.cell_list(), columns=CELL_COLUMNS, index="cell")
-
-    def report_table(self) -> CellTable:
-        """``%cudamem report``: the measured cells in the columns a terminal has room for."""
-        return CellTable(tuple(self.store.cell_list()))
 
     def recent_samples(self, seconds: float) -> list[Sample]:
         return self.store.last_samples(seconds, time.time())

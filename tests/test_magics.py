@@ -557,3 +557,20 @@ def test_one_output_cleared_and_one_object_scanned_read_as_english(ip):
     ok(ip, "torch.empty(2**20)")
     rep = nbmem.cleanup(outputs=True)
     assert next(s.note for s in rep.steps if s.action == "clear outputs") == "1 output cleared"
+
+
+@pytest.mark.parametrize("cell,command", [
+    ("%cudamem status", "status"),
+    ("%cudamem claen x", "claen"),
+    ("# tidy up\n%cudamem leaks\n%cudamem clean x", "clean"),  # a cleanup anywhere: measured, not shown
+    ("%cudamem --lines on", "on"),
+    ("%cudamem?", "?"),
+    ("%cudamem", ""),
+    ("x = 1\n%cudamem status", None),  # the user's code too: measured and reported as always
+    ("%%cudamem\nx = 1", None),
+    ("%cudamemx status", None),
+])
+def test_which_cells_are_nbmems_own_commands(cell, command):
+    from nbmem.ipython.usage import own_command
+
+    assert own_command(cell) == command

@@ -60,6 +60,9 @@ def test_the_readme_in_a_real_terminal_ipython():
     assert "did you mean `clean`?" in refused and "nbmem [" not in refused, refused
     bogus = next(a for a in said if "--bogus" in a)
     assert "it takes --lines, --no-scan, --reset-peak" in bogus and "nbmem [" not in bogus, bogus
+    status = next(a for a in said if "sampling every" in a)
+    assert "nbmem [" not in status and "Out[" not in status, status
+    assert text.count(CPU_CANNOT) == 1, "what a CPU cannot tell is said once a session"
     report = next(a for a in said if "nbmem.report()" in a)
     assert max(len(ln) for ln in report.splitlines()) <= 80, report
     assert next(a for a in said if "Out[" in a and "DataFrame" not in a and "name" in a)  # nbmem.leaks() returns

@@ -16,13 +16,16 @@ keep the memory it added alive.
                                              measure every cell from now on
     %cudamem off                             stop measuring cells (the sampler and gauge keep running)
     %cudamem status                          what nbmem can and cannot see, and why
-    %cudamem report                          one row per measured cell (= nbmem.report())
+    %cudamem report                          one row per measured cell (nbmem.report(): every column)
     %cudamem leaks [--cell N] [--detail]     who holds memory now, or what cell N added: a row per owner
     %cudamem clean NAME ... [--outputs] [--traceback] [--last-report] [--to-cpu NAME] [--compiled]
                    [--no-collect] [--no-empty-cache]
     %cudamem gauge [--inline | --sidebar]    show the live gauge again
     %cudamem lines [--cell N]                the last --lines cell's lines, or cell N's (= nbmem.lines())
     %cudamem plot                            memory over time with cells shaded (= nbmem.plot())
+
+A command shows what it finds and returns nothing (nothing of nbmem's lands in ``Out[]``), and a cell of
+nbmem's own commands gets no cell report; a misspelled command or option is told the closest one.
 
 Cleanup removes exactly what you name, and checks the whole request before it changes anything:
 
@@ -106,6 +109,7 @@ from nbmem.ipython.shell import ShellAdapter
 from nbmem.ipython.usage import command_refusal, option_refusal, own_command, unknown_options
 from nbmem.options import OPTION_BY_NAME
 from nbmem.recorder.flight import FlightRecorder, open_flight
+from nbmem.reports import CellTable
 from nbmem.session import Session
 
 _ACTIVE: weakref.WeakKeyDictionary[Any, NbmemMagics] = weakref.WeakKeyDictionary()
@@ -290,7 +294,7 @@ class NbmemMagics(Magics):
 
           on / off            measure every cell from now on / stop
           status              what nbmem can and cannot see, and why
-          report              one row per measured cell (= nbmem.report())
+          report              one row per measured cell (nbmem.report(): every column, a DataFrame)
           leaks [--cell N]    who holds memory now, or what cell N added, a row per owner (the name
                               you typed); --detail, a row per tensor (= nbmem.leaks(detail=True))
           clean NAME ...      delete exactly these variables (and IPython's hidden references
@@ -311,7 +315,7 @@ class NbmemMagics(Magics):
         try:
             args = parse_argstring(self.cudamem, line)
         except (UsageError, SystemExit, ValueError) as e:  # argparse's refusal or exit; shlex on an unclosed quote
-            raise UsageError(self._unreadable(line, cell, e)) from None
+            raise UsageError(_unreadable(self.cudamem.parser, line, cell, e)) from None
         if args.all_flagged:
             raise UsageError("%cudamem clean: --all-flagged is now --last-report, which removes exactly the holders "
                              "the last cell report listed (its 'would run' line).")
@@ -330,20 +334,6 @@ class NbmemMagics(Magics):
             raise UsageError(command_refusal(args.command, COMMANDS))
         self._only(args, COMMANDS[args.command], f"%cudamem {args.command}")
         getattr(self, f"_cmd_{args.command}")(args)
-
-    def _unreadable(self, line: str, cell: str | None, e: BaseException) -> str:
-        """Why ``line`` could not be read: an unknown command or option, with the ones it could have been."""
-        command = own_command("%cudamem " + line) if cell is None else None
-        if command and command not in COMMANDS:
-            return command_refusal(command, COMMANDS)
-        unknown = unknown_options(line, self.cudamem.parser._option_string_actions)
-        if unknown and cell is None and not command:
-            return f"%cudamem: the command comes first, then its options: {', '.join(COMMANDS)}. Nothing was run."
-        if unknown:
-            what, allowed = (f"%cudamem {command}", COMMANDS[command]) if command else ("%%cudamem", CELL_OPTIONS)
-            return option_refusal(what, unknown, [_FLAG_NAMES[k] for k in sorted(allowed) if k != "names"])
-        why = f" ({e})" if str(e) and not isinstance(e, SystemExit) else ""
-        return f"%cudamem: could not read {line[:80]!r}{why}; `%cudamem?` lists the options."
 
     def _only(self, args: Any, allowed: frozenset[str], what: str) -> None:
         given = [k for k in _FLAG_NAMES if _set(getattr(args, k))]
@@ -448,7 +438,7 @@ class NbmemMagics(Magics):
         self._display(self.session.status())
 
     def _cmd_report(self, args: Any) -> None:
-        self._display(self.session.report_table())
+        self._display(CellTable(tuple(self.session.cell_list())))
 
     def _cmd_leaks(self, args: Any) -> None:
         if args.cell is not None and args.cell < 0:
@@ -478,21 +468,7 @@ class NbmemMagics(Magics):
 
     def _cmd_clean(self, args: Any) -> None:
         try:
-            req = CleanupRequest.of(args.names, args.to_cpu, args.outputs, args.traceback, not args.no_collect,
-                                    not args.no_empty_cache, args.compiled)
-            if args.last_report:
-                last = self.session.last_shown_report
-                if last is None:
-                    raise UsageError("%cudamem clean --last-report: no report has been shown yet. Nothing was removed.")
-                listed = last.last_report_cleanup()
-                if not listed and not req:
-                    raise UsageError(f"%cudamem clean --last-report: the last report shown (cell [{last.cell}]) "
-                                     "listed nothing to remove. Nothing was run.")
-                req = req.plus(listed)
-            if not req and not args.last_report:
-                raise UsageError("%cudamem clean: say what goes: names (`%cudamem clean x`), --outputs, "
-                                 "--traceback, --to-cpu NAME, --compiled or --last-report. Nothing was removed.")
-            report = self.session.cleanup(req)
+            report = self.session.cleanup(_cleanup_request(args, self.session.last_shown_report))
         except CleanupRefused as e:
             raise UsageError(f"%cudamem clean: {e}") from None
         self._display(report)
@@ -526,6 +502,39 @@ class NbmemMagics(Magics):
                 pass
             self.gauge = None
         self.session.close()
+
+
+def _unreadable(parser: Any, line: str, cell: str | None, e: BaseException) -> str:
+    """Why ``line`` could not be read: an unknown command or option, with the ones it could have been."""
+    command = own_command("%cudamem " + line) if cell is None else None
+    if command and command not in COMMANDS:
+        return command_refusal(command, COMMANDS)
+    unknown = unknown_options(line, parser._option_string_actions)
+    if unknown and cell is None and not command:
+        return f"%cudamem: the command comes first, then its options: {', '.join(COMMANDS)}. Nothing was run."
+    if unknown:
+        what, allowed = (f"%cudamem {command}", COMMANDS[command]) if command else ("%%cudamem", CELL_OPTIONS)
+        return option_refusal(what, unknown, [_FLAG_NAMES[k] for k in sorted(allowed) if k != "names"])
+    why = f" ({e})" if str(e) and not isinstance(e, SystemExit) else ""
+    return f"%cudamem: could not read {line[:80]!r}{why}; `%cudamem?` lists the options."
+
+
+def _cleanup_request(args: Any, last: Any) -> CleanupRequest:
+    """What ``%cudamem clean ...`` asks for (``last``: the last report shown); a UsageError if nothing."""
+    req = CleanupRequest.of(args.names, args.to_cpu, args.outputs, args.traceback, not args.no_collect,
+                            not args.no_empty_cache, args.compiled)
+    if args.last_report:
+        if last is None:
+            raise UsageError("%cudamem clean --last-report: no report has been shown yet. Nothing was removed.")
+        listed = last.last_report_cleanup()
+        if not listed and not req:
+            raise UsageError(f"%cudamem clean --last-report: the last report shown (cell [{last.cell}]) "
+                             "listed nothing to remove. Nothing was run.")
+        req = req.plus(listed)
+    if not req and not args.last_report:
+        raise UsageError("%cudamem clean: say what goes: names (`%cudamem clean x`), --outputs, "
+                         "--traceback, --to-cpu NAME, --compiled or --last-report. Nothing was removed.")
+    return req
 
 
 def parse_fit(spec: str) -> tuple[str, tuple[int, ...]]:

@@ -8,9 +8,11 @@ Plain text over the magic's own tables, below IPython: the adapter (``magics.py`
 from __future__ import annotations
 
 import difflib
+import re
 import shlex
 from collections.abc import Collection, Iterable
 
+_MAGIC = re.compile(r"%cudamem(?=\s|\?|$)")
 #: A name must be this close (difflib's ratio) to be offered as "did you mean".
 CLOSE = 0.6
 
@@ -30,13 +32,13 @@ def words(line: str) -> list[str]:
 
 
 def own_command(raw_cell: str) -> str | None:
-    """The command of a cell that is only ``%cudamem`` lines (and comments): the first one's word, ""
-    for none; None for a cell with anything else in it, which is the user's code and measured as such."""
+    """The command of a cell that is only ``%cudamem`` lines (and comments): ``clean`` if one of them cleans,
+    else the first one's word ("" for none); None for a cell with anything else in it: the user's code."""
     lines = [ln.strip() for ln in raw_cell.splitlines() if ln.strip() and not ln.strip().startswith("#")]
-    if not lines or not all(ln.startswith("%cudamem") for ln in lines):
+    if not lines or not all(_MAGIC.match(ln) for ln in lines):
         return None
-    rest = [w for w in words(lines[0][len("%cudamem"):]) if not w.startswith("-")]
-    return rest[0] if rest else ""
+    commands = [next((w for w in words(ln[len("%cudamem"):]) if not w.startswith("-")), "") for ln in lines]
+    return "clean" if "clean" in commands else commands[0]
 
 
 def unknown_options(line: str, known: Collection[str]) -> list[str]:
