@@ -38,7 +38,7 @@ def nbmem_on(sh: InteractiveShell, gauge: bool, lines: bool = False, trace: bool
         cell(sh, "%config Nbmem.trace = True")
     cell(sh, "%cudamem on" + (" --lines" if lines else ""))
     if gauge:  # no front end here: make the gauge directly; it publishes to a comm all the same
-        cell(sh, "from nbmem.ipython.magics import _ACTIVE as _A\nfrom nbmem.ui.widget import Gauge as _G\n"
+        cell(sh, "from nbmem.ipython.root import _ACTIVE as _A\nfrom nbmem.ui.widget import Gauge as _G\n"
                  "_gauge = _G(_A[get_ipython()].session, shell=get_ipython())")
 
 
@@ -209,7 +209,7 @@ def bench_trace_memory(dev: str) -> None:
 
 
 def bench_footprint(quick: bool) -> None:
-    from nbmem.ipython.magics import _ACTIVE
+    from nbmem.ipython.root import _ACTIVE
     from nbmem.records import Sample
 
     sh = new_shell()

@@ -171,7 +171,7 @@ class Seen:
 
 
 def observe(sh: InteractiveShell, seen: Seen) -> None:
-    from nbmem.ipython.magics import session_of
+    from nbmem.ipython.root import session_of
 
     rep = session_of(sh).last_report
     seen.cells += 1

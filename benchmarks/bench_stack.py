@@ -284,7 +284,7 @@ def blocks_run(name: str, sh: InteractiveShell, block_s: float, pairs: int, gaug
                interval_s: float | None = None) -> None:
     """``pairs`` pairs of on/off blocks inside one cell (class Blocks): each pair's ratio is on/off throughput.
     ``interval_s`` below the sampler's own runs it that much more often in the on blocks, so its cost shows."""
-    from nbmem.ipython.magics import session_of
+    from nbmem.ipython.root import session_of
 
     with Quiet():
         nbmem_on(sh, gauge)

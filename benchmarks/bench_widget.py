@@ -49,7 +49,7 @@ def main() -> int:
     cfg.Nbmem.gauge = "none"
     sh = InteractiveShell.instance(config=cfg)
     sh.run_line_magic("load_ext", "nbmem")
-    from nbmem.ipython.magics import _ACTIVE
+    from nbmem.ipython.root import _ACTIVE
     from nbmem.records import Sample, Tick
     from nbmem.ui.widget import Gauge
 

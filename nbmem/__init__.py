@@ -28,13 +28,13 @@ __all__ = [
 
 
 def load_ipython_extension(shell: Any) -> None:
-    from nbmem.ipython.magics import load_ipython_extension as load
+    from nbmem.ipython.root import load
 
     load(shell)
 
 
 def unload_ipython_extension(shell: Any) -> None:
-    from nbmem.ipython.magics import unload_ipython_extension as unload
+    from nbmem.ipython.root import unload
 
     unload(shell)
 
@@ -47,7 +47,7 @@ def _jupyter_server_extension_points() -> list[dict[str, Any]]:
 
 
 def _session() -> Any:
-    from nbmem.ipython.magics import session_of
+    from nbmem.ipython.root import session_of
 
     return session_of()
 
@@ -192,9 +192,9 @@ def status() -> Any:
 
 def last_death() -> Any:
     """How this notebook's previous kernel died (told by ``%load_ext nbmem``), or None when it ended cleanly."""
-    from nbmem.ipython.magics import _magics
+    from nbmem.ipython.root import root_of
 
-    flight = _magics().flight
+    flight = root_of().flight
     return None if flight is None else flight.last_death
 
 

@@ -65,7 +65,7 @@ def main(out: str) -> None:
 
     cell("%load_ext nbmem")
     cell("%cudamem on")
-    from nbmem.ipython.magics import _ACTIVE
+    from nbmem.ipython.root import _ACTIVE
     from nbmem.ui.widget import Gauge
 
     gauge = Gauge(_ACTIVE[sh].session, shell=sh)

@@ -84,7 +84,7 @@ def main() -> int:
     cfg.Nbmem.gauge = "none"
     cfg.InteractiveShell.colors = "nocolor"
     sh = InteractiveShell.instance(config=cfg)
-    from nbmem.ipython.magics import session_of
+    from nbmem.ipython.root import session_of
 
     lines: list[str] = []
     work = tempfile.mkdtemp(prefix="nbmem-trainer-")

@@ -14,7 +14,7 @@ from IPython.core.error import UsageError
 
 import nbmem
 from nbmem.clean.request import CleanupRefused
-from nbmem.ipython.magics import _ACTIVE
+from nbmem.ipython.root import _ACTIVE
 from nbmem.records import is_cache_name
 from tests.conftest import last_cell, ok, run
 

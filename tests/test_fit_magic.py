@@ -9,7 +9,7 @@ from IPython.core.error import UsageError
 
 import nbmem
 from nbmem.holders.walk import Root, reachable_state
-from nbmem.ipython.magics import session_of
+from nbmem.ipython.root import session_of
 from nbmem.records import HolderKind
 from tests.conftest import HAS_GPU, ok
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 import nbmem
-from nbmem.ipython.magics import _magics, session_of
+from nbmem.ipython.root import root_of, session_of
 from nbmem.measure.limits import Cgroup
 from nbmem.recorder.deaths import Death, cause_of, explain, pressure_note
 from nbmem.recorder.flight import (
@@ -354,7 +354,7 @@ SENTINEL = math.pi * 1e7
 def test_the_notebooks_names_are_read_for_host_memory_in_a_real_shell(shell) -> None:
     ok(shell, "%load_ext nbmem")
     ok(shell, "import numpy as np\nblob = [bytearray(3_000_000) for _ in range(4)]\narr = np.ones(500_000)")
-    rec = _magics(shell).flight
+    rec = root_of(shell).flight
     assert rec is not None and rec.roots is not None
     rec.read_host()
     rec.write()
@@ -369,7 +369,7 @@ def test_no_tensor_values_on_disk(shell) -> None:
     ok(shell, "%cudamem on")
     ok(shell, "import math, torch\nbig = torch.full((1_000_000,), math.pi * 1e7, dtype=torch.float64)")
     ok(shell, "small = torch.full((4,), math.pi * 1e7)\nbig_out = big[:3]\nbig_out")
-    rec = _magics(shell).flight
+    rec = root_of(shell).flight
     assert rec is not None
     rec.write()
     data = rec.path.read_bytes()
@@ -392,7 +392,7 @@ def test_unload_removes_the_capsule_and_a_crash_left_one_is_told_once(shell, mon
     assert "It was running cell [3]: x = 1" in out and not p.exists() and other.exists()
     death = nbmem.last_death()
     assert isinstance(death, Death) and death.cell == 3
-    own = _magics(shell).flight
+    own = root_of(shell).flight
     assert own is not None and own.notebook == "/work/notebooks/train.ipynb"
     ok(shell, "1 + 1")
     own.write()
@@ -410,7 +410,7 @@ def test_a_cell_near_the_limit_says_so_in_its_report(shell, tmp_path: Path) -> N
     ok(shell, "%cudamem on")
     s = session_of(shell)
     s.probe.host.limits = Cgroup(tmp_path, environ={})
-    r = run(shell, "from nbmem.ipython.magics import session_of\nxs = [bytes(2**20) for _ in range(3)]\n"
+    r = run(shell, "from nbmem.ipython.root import session_of\nxs = [bytes(2**20) for _ in range(3)]\n"
                    "session_of().sampler.sample_once()  # a tick while the cell runs")
     assert r.success
     rep = s.last_report

@@ -215,7 +215,7 @@ def test_this_machine() -> None:
 
 
 def test_status_and_the_gauge_show_the_limit(shell, tmp_path: Path) -> None:
-    from nbmem.ipython.magics import session_of
+    from nbmem.ipython.root import session_of
     from nbmem.ui.widget import snapshot_columns
 
     v1_layout(tmp_path, usage=int(3.9 * GiB), inactive=0)
@@ -232,7 +232,7 @@ def test_status_and_the_gauge_show_the_limit(shell, tmp_path: Path) -> None:
 
 
 def test_the_gauge_has_no_limit_where_none_applies(shell) -> None:
-    from nbmem.ipython.magics import session_of
+    from nbmem.ipython.root import session_of
     from nbmem.ui.widget import snapshot_columns
 
     shell.run_line_magic("load_ext", "nbmem")

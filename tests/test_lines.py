@@ -120,7 +120,7 @@ def test_the_line_of_an_exception_in_a_cell():
 def test_lines_on_a_cpu_runs_the_cell_and_says_why_there_are_no_lines(ip):
     r = run(ip, "%%cudamem --lines\nx = torch.ones(1000)")
     assert r.success and ip.user_ns["x"].numel() == 1000
-    report = nbmem.ipython.magics.session_of(ip).last_report
+    report = nbmem.ipython.root.session_of(ip).last_report
     assert report.notes == ("per-line figures need a CUDA device: this cell ran on the CPU only",)
     assert nbmem.lines().empty
     with pytest.raises(UsageError, match="not measured with lines"):
@@ -133,7 +133,7 @@ def test_no_lines_yet_is_a_clear_error(ip):
 
 
 def test_asking_for_a_trace_never_starts_cuda(ip):
-    sess = nbmem.ipython.magics.session_of(ip)
+    sess = nbmem.ipython.root.session_of(ip)
     assert sess.probe.torch.start_trace(stacks=True, max_entries=10) is None
     assert sess.probe.torch.trace_unsupported() == "CUDA is not initialised"
     ok(ip, "%%cudamem --lines\ny = torch.ones(10)")
@@ -182,7 +182,7 @@ def test_a_recording_nbmem_started_stops_when_nbmem_unloads_inside_the_cell(ip, 
     from nbmem.measure.sources import Trace
 
     for owner, expect in (("nbmem", [("nbmem", False)]), ("user", [])):
-        src = nbmem.ipython.magics.session_of(ip).probe.torch
+        src = nbmem.ipython.root.session_of(ip).probe.torch
         stopped: list = []
         monkeypatch.setattr(src, "start_trace", lambda *, stacks, max_entries, o=owner: Trace(o, 0, stacks, 10))
         monkeypatch.setattr(src, "finish_trace", lambda tr, *, read, s=stopped: s.append((tr.owner, read)))
@@ -300,7 +300,7 @@ def test_recording_that_fails_half_way_leaves_nothing_running(ip, monkeypatch):
     def boom(*, stacks, max_entries):
         raise RuntimeError("the allocator said no")
 
-    sess = nbmem.ipython.magics.session_of(ip)
+    sess = nbmem.ipython.root.session_of(ip)
     monkeypatch.setattr(recording_mod, "LineClock", Clock)
     monkeypatch.setattr(sess.probe.torch, "start_trace", boom)
     ok(ip, "%cudamem on --lines")
@@ -348,5 +348,5 @@ def test_an_out_of_memory_error_names_its_line_and_the_users_function_it_came_th
     helper = last_cell(ip)
     r = run(ip, "x = 1\nstep()")
     assert not r.success
-    advice = nbmem.ipython.magics.session_of(ip).last_report.advice
+    advice = nbmem.ipython.root.session_of(ip).last_report.advice
     assert advice[0] == f"the allocation that failed was asked for by line 2: step() (in In[{helper}]:4 in step)"

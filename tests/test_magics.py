@@ -12,7 +12,7 @@ import torch
 from IPython.core.error import UsageError
 
 import nbmem
-from nbmem.ipython.magics import _ACTIVE
+from nbmem.ipython.root import _ACTIVE
 from tests.conftest import last_cell, nbmem_callbacks, nbmem_threads, ok, run
 
 MB = MiB = 2**20

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import nbmem
-from nbmem.ipython.magics import session_of
+from nbmem.ipython.root import session_of
 from nbmem.reports import REPORT_ROWS
 from tests.cells import autocast_steps, checkpointed_training
 from tests.conftest import last_cell, ok

@@ -16,7 +16,7 @@ import pytest
 
 import nbmem
 from nbmem.holders import pools
-from nbmem.ipython.magics import _magics
+from nbmem.ipython.root import root_of
 from nbmem.measure.sources import TorchSource
 from nbmem.records import AllocatorReading, PoolUse
 from nbmem.reports import UNATTRIBUTED, UNATTRIBUTED_SHORT, CellReport
@@ -142,7 +142,7 @@ class GraphPoolAllocator(TorchSource):
 def graphs(ip: Any) -> GraphPoolAllocator:
     """The monitored shell with a compiled module `cm`, its allocator a stand-in that a cell can move."""
     fake = GraphPoolAllocator()
-    _magics(ip).session.probe.torch = fake
+    root_of(ip).session.probe.torch = fake
     ip.user_ns["_record_graph"] = fake.record_graph
     ok(ip, "model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU())\n"
            "cm = torch.compile(model, backend='eager')\n"
@@ -152,17 +152,17 @@ def graphs(ip: Any) -> GraphPoolAllocator:
 
 def test_a_compiled_models_graph_pool_is_named_with_its_bytes(ip: Any, graphs: GraphPoolAllocator) -> None:
     ok(ip, "y = cm(torch.randn(8, 64))\n_record_graph(96 * 2**20, 40 * 2**20)")
-    rep = _magics(ip).session.last_report
+    rep = root_of(ip).session.last_report
     assert rep is not None
     assert rep.pools == (PoolUse("cuda:0", 1, 96 * MiB, 40 * MiB, 40 * MiB, ("cm",)),)
     assert rep.unattributed == (("cuda:0", 40 * MiB),)
-    assert _magics(ip).session.should_show(rep)
+    assert root_of(ip).session.should_show(rep)
     status = nbmem.status()
     assert status.pools == ("cuda:0: 96.0 MiB reserved in 1 private pool(s), 40.0 MiB allocated (40.0 MiB reached "
                             "by no name); compiled modules: cm",)
     # A cell that changes nothing names it no more.
     ok(ip, "z = 1")
-    assert _magics(ip).session.last_report.pools == ()
+    assert root_of(ip).session.last_report.pools == ()
 
 
 def test_measuring_never_resets_and_the_compiled_step_frees_the_pool(ip: Any, graphs: GraphPoolAllocator) -> None:
@@ -188,9 +188,9 @@ def test_measuring_never_resets_and_the_compiled_step_frees_the_pool(ip: Any, gr
 
 def test_the_magic_takes_compiled_and_says_so_in_its_help(ip: Any, graphs: GraphPoolAllocator) -> None:
     ip.run_line_magic("cudamem", "clean --compiled --no-collect")
-    rep = _magics(ip).session.last_cleanup
+    rep = root_of(ip).session.last_cleanup
     assert [s.action for s in rep.steps] == ["reset torch.compile", "empty_cache()"]
-    assert "--compiled" in _magics(ip).cudamem.__doc__
+    assert "--compiled" in root_of(ip).magics.cudamem.__doc__
     with pytest.raises(ValueError, match="compiled must be True or False"):
         nbmem.cleanup(compiled="yes")
 
@@ -209,9 +209,9 @@ def test_the_long_unattributed_text_is_said_once_then_the_status_has_it(ip: Any,
 
     ip.user_ns["_grow"] = grow
     ok(ip, "_grow(8 * 2**20)")
-    first = _magics(ip).session.last_report
+    first = root_of(ip).session.last_report
     ok(ip, "_grow(8 * 2**20)")
-    second = _magics(ip).session.last_report
+    second = root_of(ip).session.last_report
     assert first is not None and second is not None and first.cell != second.cell
     assert UNATTRIBUTED in str(first) and "memory torch keeps in C++, such as the cuBLAS" in first._repr_html_()
     assert "unattributed on cuda:0: " in str(second)

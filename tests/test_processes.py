@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 import nbmem
-from nbmem.ipython.magics import _magics
+from nbmem.ipython.root import root_of
 from nbmem.measure import processes
 from nbmem.measure.processes import Split, has_children, lineage_of, split_children
 from nbmem.measure.sources import NvmlSource
@@ -159,7 +159,7 @@ def test_children_unknown_when_nvml_speaks_of_other_pids(child: subprocess.Popen
 def tree(ip: Any) -> Iterator[TreeNvml]:
     """The monitored shell seeing one stand-in GPU where this process's descendants appear as they start."""
     nv = TreeNvml()
-    session = _magics(ip).session
+    session = root_of(ip).session
     session.sampler.stop()
     old = session.probe.nvml
     session.probe.nvml = NvmlSource(nv, environ={})
@@ -174,7 +174,7 @@ def test_a_cell_that_leaves_a_child_running_names_it_and_says_how_to_stop_it(ip:
     ok(ip, "import subprocess, sys, time\n_children = []")
     # As a launcher does, the cell waits a moment for its worker (a real one is listed once it has a context).
     ok(ip, f"_children.append(subprocess.Popen({SLEEPER!r}))\ntime.sleep(0.1)")
-    session = _magics(ip).session
+    session = root_of(ip).session
     rep = session.last_report
     pid = ip.user_ns["_children"][0].pid
     assert rep is not None and [(c.device, c.pid, c.used_bytes) for c in rep.children] == [("cuda:0", pid, 100 * MiB)]
@@ -199,7 +199,7 @@ def test_a_child_that_ran_and_ended_inside_the_cell_is_counted_from_the_samples(
     tree.sizes = {}
     ok(ip, "_p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(1.5)'])\n"
            "_children.append(_p)\n_p.wait()")
-    rep = _magics(ip).session.last_report
+    rep = root_of(ip).session.last_report
     assert rep.children == (), "nothing is left running"
     assert [(u.device, u.after_bytes, u.peak_bytes) for u in rep.children_use] == [("cuda:0", 0, 100 * MiB)]
 
@@ -213,7 +213,7 @@ def test_a_child_that_reaches_the_gpu_after_its_cell_ended_is_named_by_the_next_
     code = "import os, pathlib, sys, time; time.sleep(0.3); pathlib.Path(sys.argv[1], str(os.getpid())).touch(); " \
            "time.sleep(120)"
     ok(ip, f"_children.append(subprocess.Popen([sys.executable, '-c', {code!r}, {str(tmp_path)!r}]))")
-    session = _magics(ip).session
+    session = root_of(ip).session
     assert session.last_report.children == ()
     pid = ip.user_ns["_children"][0].pid
     deadline = time.monotonic() + 30

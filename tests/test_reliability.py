@@ -109,7 +109,7 @@ def test_records_belong_to_the_shell_they_were_loaded_in(shell):
 
 
 def test_sampler_survives_a_read_that_keeps_failing(ip, capsys):
-    from nbmem.ipython.magics import _ACTIVE
+    from nbmem.ipython.root import _ACTIVE
 
     s = _ACTIVE[ip].session
     s.probe.host.rss_bytes = lambda: 1 / 0
@@ -121,7 +121,7 @@ def test_sampler_survives_a_read_that_keeps_failing(ip, capsys):
 
 
 def test_concurrent_reads_while_the_sampler_writes(ip):
-    from nbmem.ipython.magics import _ACTIVE
+    from nbmem.ipython.root import _ACTIVE
 
     ok(ip, "%config Nbmem.interval = 0.01")
     errors = []
@@ -149,7 +149,7 @@ def test_soak_2000_cells_through_a_real_kernel(tmp_path):
 
     probe = """
 import json, sys, time, gc
-from nbmem.ipython.magics import _ACTIVE
+from nbmem.ipython.root import _ACTIVE
 s = _ACTIVE[get_ipython()].session
 def _size(roots):
     seen, stack, total = set(), list(roots), 0

@@ -20,7 +20,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from traitlets.config import Config
 
 from nbmem.holders.intent import state_of
-from nbmem.ipython.magics import _ACTIVE
+from nbmem.ipython.root import _ACTIVE
 from nbmem.records import Finding
 from nbmem.reports import CellReport
 from tests.conftest import ok

@@ -18,7 +18,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from traitlets.config import Config
 
 import nbmem
-from nbmem.ipython.magics import session_of
+from nbmem.ipython.root import session_of
 from nbmem.records import CellRecord
 from nbmem.reports import CPU_CANNOT, CellTable
 from tests.conftest import cpu_only, nbmem_callbacks, ok

@@ -26,7 +26,7 @@ import pytest
 from IPython.core.error import UsageError
 
 from nbmem.formatting import fmt_bytes
-from nbmem.ipython.magics import _magics
+from nbmem.ipython.root import root_of
 from nbmem.measure.sources import NvmlSource, Probe, TorchSource
 from nbmem.records import AllocatorReading, CellRecord, CleanupStep, Finding, HolderKind, Sample
 from nbmem.reports import CellReport, CleanupReport
@@ -60,7 +60,7 @@ def holder_id(g: Gauge, name: str) -> str:
 @pytest.fixture
 def gauge(ip: Any) -> Iterator[Gauge]:
     """A gauge on the loaded extension's session; no publisher thread (tests flush by hand)."""
-    g = Gauge(_magics(ip).session, start=False)
+    g = Gauge(root_of(ip).session, start=False)
     yield g
     g.close()
 
@@ -397,7 +397,7 @@ def test_freed_bytes_are_na_when_no_step_measured_them() -> None:
 
 # -- the publisher ---------------------------------------------------------------------------------
 def test_updates_are_throttled_and_batched(ip: Any) -> None:
-    g = Gauge(_magics(ip).session)
+    g = Gauge(root_of(ip).session)
     sent: list[dict[str, Any]] = []
     real_send = g._send
     g._send = lambda msg, buffers=None: (sent.append(msg), real_send(msg, buffers))  # type: ignore[method-assign]
@@ -443,7 +443,7 @@ def test_publisher_waits_out_its_interval() -> None:
 
 
 def test_a_failing_build_is_recorded_and_the_gauge_goes_on(ip: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    g = Gauge(_magics(ip).session)
+    g = Gauge(root_of(ip).session)
     try:
         def broken(*args: Any, **kwargs: Any) -> dict[str, Any]:
             raise OSError("no /proc here")
@@ -467,7 +467,7 @@ def test_a_failing_build_is_recorded_and_the_gauge_goes_on(ip: Any, monkeypatch:
 
 # -- lifecycle and placement ---------------------------------------------------------------------------
 def test_close_takes_back_everything_it_added(ip: Any) -> None:
-    session = _magics(ip).session
+    session = root_of(ip).session
     before = session.subscribers
     g = Gauge(session)
     closed: list[bool] = []
@@ -501,7 +501,7 @@ def test_sidebar_then_inline_then_unload(ip: Any, kernel_like: list[Any]) -> Non
     from sidecar import Sidecar
 
     ip.run_line_magic("cudamem", "gauge --sidebar")
-    m = _magics(ip)
+    m = root_of(ip)
     first = m.gauge
     assert isinstance(first, Gauge) and isinstance(first.sidecar, Sidecar) and first.sidecar.title == "nbmem"
     assert shown_in(first.sidecar) == [first.model_id] and first.placement == "sidebar"
@@ -523,7 +523,7 @@ def test_auto_is_shown_under_the_cell_and_a_jupyterlab_page_makes_its_own_sideba
     # makes its own sidebar panel for it at once (js/panel.js), because a request to the kernel would wait behind
     # every queued cell; the kernel hears of it later ("placed"), keeps placement "auto" (a page loaded later
     # makes its panel again) and makes no sidecar of its own: never two panels.
-    gauge = show_gauge(_magics(ip).session, "auto", shell=ip)
+    gauge = show_gauge(root_of(ip).session, "auto", shell=ip)
     assert gauge is not None
     try:
         assert kernel_like == [gauge] and gauge.placement == "auto" and gauge.sidecar is None
@@ -538,7 +538,7 @@ def test_auto_is_shown_under_the_cell_and_a_jupyterlab_page_makes_its_own_sideba
 
 
 def test_a_gauge_placed_by_hand_never_moves_and_a_bad_message_is_refused(ip: Any, kernel_like: list[Any]) -> None:
-    gauge = show_gauge(_magics(ip).session, "inline", shell=ip)
+    gauge = show_gauge(root_of(ip).session, "inline", shell=ip)
     assert gauge is not None
     try:
         click(gauge, {"type": "placed", "where": "sidebar"})
@@ -555,7 +555,7 @@ def test_auto_without_sidecar_stays_under_the_cell(ip: Any, kernel_like: list[An
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "sidecar", None)  # `import sidecar` fails, as where it is not installed
     monkeypatch.setattr(widget.importlib.util, "find_spec", lambda name: None)
-    gauge = show_gauge(_magics(ip).session, "auto", shell=ip)
+    gauge = show_gauge(root_of(ip).session, "auto", shell=ip)
     assert gauge is not None and gauge.placement == "inline" and kernel_like == [gauge]
     gauge.close()
     with pytest.raises(UsageError, match="needs the sidecar package"):
@@ -573,7 +573,7 @@ def test_auto_is_under_the_cell_in_vs_code_and_colab_and_up_to_the_page_elsewher
 
 
 def test_in_a_terminal_auto_shows_nothing_and_asking_explains(ip: Any) -> None:
-    session = _magics(ip).session
+    session = root_of(ip).session
     assert not widget.in_kernel(ip)
     assert show_gauge(session, "auto", shell=ip) is None
     assert session.subscribers == 1  # the flight recorder alone
@@ -584,7 +584,7 @@ def test_in_a_terminal_auto_shows_nothing_and_asking_explains(ip: Any) -> None:
 
 
 def test_show_gauge_closes_the_previous_one(ip: Any) -> None:
-    session = _magics(ip).session
+    session = root_of(ip).session
     old = Gauge(session, start=False)
     assert show_gauge(session, "auto", previous=old, shell=ip) is None
     assert old.comm is None and session.subscribers == 1  # the flight recorder alone
@@ -638,7 +638,7 @@ def test_the_gauge_never_claims_a_notebook_holds_nothing_before_looking(shell: A
     ok(shell, "import torch\nkept = torch.empty(2**20)")  # made before nbmem was loaded
     shell.config.Nbmem.scan = False
     ok(shell, "%load_ext nbmem")
-    g = Gauge(_magics(shell).session, start=False)
+    g = Gauge(root_of(shell).session, start=False)
     try:
         assert g.holders == [] and g.holders_note == ("no holder scan has run yet: `%cudamem leaks` or "
                                                       "`%cudamem on` scans the notebook")
@@ -647,7 +647,7 @@ def test_the_gauge_never_claims_a_notebook_holds_nothing_before_looking(shell: A
     shell.run_line_magic("unload_ext", "nbmem")
     shell.config.Nbmem.scan = True
     ok(shell, "%load_ext nbmem")
-    g = Gauge(_magics(shell).session, start=False)
+    g = Gauge(root_of(shell).session, start=False)
     try:
         assert [h["name"] for h in g.holders] == ["kept"], "loading looks once, so the gauge opens knowing it"
         ok(shell, "%cudamem leaks")
@@ -663,7 +663,7 @@ def test_holders_follow_cells_nobody_measured(shell: Any) -> None:
     """Without `%cudamem on`, each cell's end walks what changed (a few ms), so the list is true after Run All.
     Only while a gauge is shown: nothing else reads the list between cells."""
     ok(shell, "%load_ext nbmem")
-    m = _magics(shell)
+    m = root_of(shell)
     before = m.session.holders_scanned_at()
     ok(shell, "import torch\nearly = torch.zeros(2**21)")
     assert m.session.holders_scanned_at() == before, "no gauge: no walk after the cell"
@@ -689,7 +689,7 @@ def test_torch_is_not_imported_only_while_it_is_not(shell: Any, monkeypatch: pyt
     torch = sys.modules["torch"]
     monkeypatch.delitem(sys.modules, "torch")  # a notebook that loads nbmem before importing torch
     ok(shell, "%load_ext nbmem")
-    _magics(shell).gauge = g = Gauge(_magics(shell).session, start=False)
+    root_of(shell).gauge = g = Gauge(root_of(shell).session, start=False)
     try:
         assert g.holders_note == "torch is not imported yet: no tensors to hold" and g.holders_at is None
         monkeypatch.setitem(sys.modules, "torch", torch)

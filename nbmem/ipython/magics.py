@@ -88,11 +88,8 @@ value stays.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import re
-import weakref
-from collections.abc import Iterator
-from typing import Any
+from typing import Any, Protocol
 
 from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_cell_magic, magics_class
@@ -103,16 +100,11 @@ from nbmem.clean.request import CleanupRefused, CleanupRequest
 from nbmem.fitting.devices import parse_on
 from nbmem.fitting.progress import progress_line
 from nbmem.fitting.state import FitRefused
-from nbmem.ipython.config import Nbmem
-from nbmem.ipython.reconnect import BetweenCells, ReconnectRoute, reconnect_route
-from nbmem.ipython.shell import ShellAdapter
+from nbmem.ipython.shell import compiled_as, semicolon_of
 from nbmem.ipython.usage import command_refusal, option_refusal, own_command, unknown_options
 from nbmem.options import OPTION_BY_NAME
-from nbmem.recorder.flight import FlightRecorder, open_flight
 from nbmem.reports import CellTable
 from nbmem.session import Session
-
-_ACTIVE: weakref.WeakKeyDictionary[Any, NbmemMagics] = weakref.WeakKeyDictionary()
 
 #: Which options each command takes; anything else given is a usage error and nothing runs.
 COMMANDS: dict[str, frozenset[str]] = {
@@ -145,44 +137,16 @@ def _set(value: Any) -> bool:
     return value is not None and value is not False and value != []
 
 
-# -- the adapter -----------------------------------------------------------------------------------------
-@contextlib.contextmanager
-def _instance_attr(obj: Any, name: str, value: Any) -> Iterator[None]:
-    """Set ``obj.name`` on the instance for the block; then restore what was there, unless someone replaced it."""
-    had, previous = name in vars(obj), vars(obj).get(name)
-    setattr(obj, name, value)
-    try:
-        yield
-    finally:
-        if vars(obj).get(name) is value:
-            if had:
-                setattr(obj, name, previous)
-            else:
-                delattr(obj, name)
+class Root(Protocol):
+    """What the magics delegate to: the composition root (``root.Loaded``)."""
 
+    options: Any
+    session: Session
+    nested: bool
 
-def _compiled_as(shell: Any, number: int) -> contextlib.AbstractContextManager[None]:
-    """Compile cells run inside as cell ``number``, so their tracebacks say ``In[number]``.
+    def display(self, obj: Any) -> None: ...
 
-    ``shell.run_cell`` names a cell by the execution count, which has already moved on to the next
-    cell while this one runs.
-    """
-    original = shell.compile.cache
-
-    def cache(transformed_code: str, number_: int = 0, raw_code: str | None = None) -> str:
-        return original(transformed_code, number, raw_code=raw_code)
-
-    return _instance_attr(shell.compile, "cache", cache)
-
-
-def _semicolon_of(shell: Any, body: str) -> contextlib.AbstractContextManager[None]:
-    """IPython decides "ends with ;" from the outer cell (the magic call): ask about the body instead."""
-    dh = shell.displayhook
-
-    def quiet() -> bool:
-        return bool(dh.semicolon_at_end_of_expression(body))
-
-    return _instance_attr(dh, "quiet", quiet)
+    def show_gauge(self, where: str, *, explicit: bool = False) -> None: ...
 
 
 @magics_class
@@ -191,56 +155,11 @@ class NbmemMagics(Magics):
 
     shell: Any  # always set: the adapter is created for a shell
 
-    def __init__(self, shell: Any, options: Any, session: Session) -> None:
+    def __init__(self, shell: Any, root: Root) -> None:
         super().__init__(shell)
-        self.options = options
-        self.session = session
-        self._nested = False
-        self._quiet = False  # the measured cell is a `%cudamem clean`: its own table is its report
-        self.gauge: Any = None
-        self.flight: FlightRecorder | None = None  # this kernel's capsule on disk, fed by the session
-        self.reconnect: ReconnectRoute | None = None  # a page reloaded mid-cell gets its widgets (reconnect.py)
-        self.between = BetweenCells(getattr(shell, "kernel", None))  # where a gauge click waits for the cell
-
-    # -- events ------------------------------------------------------------------------------------
-    def pre_run_cell(self, info: Any) -> None:
-        try:
-            s = self.session
-            if self._nested or not s.monitoring or s.in_cell:
-                return
-            if getattr(info, "silent", False) or not getattr(info, "store_history", False):
-                return
-            raw = getattr(info, "raw_cell", "") or ""
-            if raw.lstrip().startswith("%%cudamem"):
-                return  # the cell magic measures this cell itself
-            own = own_command(raw)
-            if own is not None and own != "clean":
-                return  # nbmem's own command (or its refusal) moves no memory: nothing to report
-            s.begin_cell(self.shell.execution_count - 1, source=raw)
-            # A cleanup is measured, so the records add up, but its own table already said what it freed.
-            self._quiet = own == "clean"
-        except Exception as e:
-            self.session.fault("pre_run_cell", e)
-
-    def post_run_cell(self, result: Any) -> None:
-        try:
-            if self._nested:
-                return
-            if not self.session.in_cell:  # a cell nobody measured: the gauge's holder list follows it
-                if self.gauge is not None and not getattr(getattr(result, "info", None), "silent", False):
-                    self.session.refresh_holders()
-                return
-            report = self.session.end_cell(getattr(result, "error_in_exec", None))
-            quiet, self._quiet = self._quiet, False
-            if report is not None and not quiet and self.session.should_show(report):
-                self._display(report)
-                self.session.shown(report)
-        except Exception as e:
-            self.session.fault("post_run_cell", e)
-
-    def _display(self, obj: Any) -> None:
-        from IPython.display import display
-        display(obj)
+        self.root = root  # the composition root: the session, the gauge, the hooks (ipython/root.py)
+        self.options = root.options
+        self.session = root.session
 
     # -- the magic ---------------------------------------------------------------------------------
     @magic_arguments()
@@ -347,7 +266,7 @@ class NbmemMagics(Magics):
     def _measure_cell(self, body: str, args: Any) -> None:
         s = self.session
         sh = self.shell
-        if self._nested:
+        if self.root.nested:
             raise UsageError("%%cudamem cannot be nested inside another %%cudamem cell.")
         if s.in_cell:  # monitoring began this cell before we knew it was ours
             self._guarded("%%cudamem", s.end_cell)
@@ -357,18 +276,18 @@ class NbmemMagics(Magics):
             number, source=body, reset_peak=args.reset_peak or None, scan=False if args.no_scan else None,
             lines=args.lines or None, trace=True))  # one cell, measured on purpose: its exact peak
         outer = getattr(sh.displayhook, "exec_result", None)  # this cell's result, which IPython fills in
-        self._nested = True
+        self.root.nested = True
         result = None
         try:
-            with _compiled_as(sh, number), _semicolon_of(sh, body):
+            with compiled_as(sh, number), semicolon_of(sh, body):
                 result = sh.run_cell(body, store_history=False)
         finally:
-            self._nested = False
+            self.root.nested = False
             sh.displayhook.exec_result = outer  # the inner run cleared it
             error = getattr(result, "error_in_exec", None) or getattr(result, "error_before_exec", None)
             report = self._guarded("%%cudamem", lambda: s.end_cell(error))
         if report is not None and not args.quiet:
-            self._display(report)
+            self.root.display(report)
             s.shown(report)
         if error is not None:
             # The body's own run already showed the traceback (through any showtraceback you installed)
@@ -406,7 +325,7 @@ class NbmemMagics(Magics):
             ran = "The cell ran once, no more." if e.ran else "The cell did not run."
             raise UsageError(f"%%cudamem --fit: {e}. {ran}") from None
         if not args.quiet:
-            self._display(result)
+            self.root.display(result)
         return None
 
     # -- line commands -----------------------------------------------------------------------------
@@ -435,10 +354,10 @@ class NbmemMagics(Magics):
 
     # What a command shows is displayed, never returned: nbmem adds nothing to the output history (Out[n]).
     def _cmd_status(self, args: Any) -> None:
-        self._display(self.session.status())
+        self.root.display(self.session.status())
 
     def _cmd_report(self, args: Any) -> None:
-        self._display(CellTable(tuple(self.session.cell_list())))
+        self.root.display(CellTable(tuple(self.session.cell_list())))
 
     def _cmd_leaks(self, args: Any) -> None:
         if args.cell is not None and args.cell < 0:
@@ -447,61 +366,31 @@ class NbmemMagics(Magics):
             table = self.session.leaks_table(args.cell, detail=args.detail)
         except LookupError as e:
             raise UsageError(f"%cudamem leaks: {e}") from None
-        self._display(table)
+        self.root.display(table)
 
     def _cmd_lines(self, args: Any) -> None:
         try:
             lines = self.session.lines_table(args.cell)
         except LookupError as e:
             raise UsageError(f"%cudamem lines: {e}") from None
-        self._display(lines)
+        self.root.display(lines)
 
     def _cmd_plot(self, args: Any) -> None:
         from nbmem.ui.plotting import plot
 
-        self._display(plot(self.session))
+        self.root.display(plot(self.session))
 
     def _cmd_gauge(self, args: Any) -> None:
         if args.inline and args.sidebar:
             raise UsageError("%cudamem gauge: choose one of --inline or --sidebar.")
-        self.show_gauge("inline" if args.inline else "sidebar" if args.sidebar else "auto", explicit=True)
+        self.root.show_gauge("inline" if args.inline else "sidebar" if args.sidebar else "auto", explicit=True)
 
     def _cmd_clean(self, args: Any) -> None:
         try:
             report = self.session.cleanup(_cleanup_request(args, self.session.last_shown_report))
         except CleanupRefused as e:
             raise UsageError(f"%cudamem clean: {e}") from None
-        self._display(report)
-
-    # -- gauge -------------------------------------------------------------------------------------
-    def show_gauge(self, where: str, *, explicit: bool = False) -> None:
-        try:
-            from nbmem.ui.widget import show_gauge
-        except ImportError as e:  # anywidget (or its front-end packages) not installed
-            msg = (f"the live gauge needs anywidget and ipywidgets ({e}); `pip install anywidget`. "
-                   f"Everything else works without it.")
-            if explicit:
-                raise UsageError(f"%cudamem gauge: {msg}") from None
-            self.session.tell_once("no-gauge", f"nbmem: {msg}")
-            return
-        try:
-            self.gauge = show_gauge(self.session, where, previous=self.gauge, shell=self.shell, explicit=explicit)
-            # Outside a kernel (terminal IPython, an embedded shell) there is no gauge to wire up.
-            if self.gauge is not None:
-                self.gauge.between_cells = self.between
-        except Exception as e:
-            if explicit:
-                raise UsageError(f"%cudamem gauge: the gauge cannot be shown here ({e}).") from None
-            self.session.fault("gauge", e)
-
-    def close(self) -> None:
-        if self.gauge is not None:
-            try:
-                self.gauge.close()
-            except Exception:
-                pass
-            self.gauge = None
-        self.session.close()
+        self.root.display(report)
 
 
 def _unreadable(parser: Any, line: str, cell: str | None, e: BaseException) -> str:
@@ -572,82 +461,3 @@ def parse_want(spec: str, name: str) -> int:
         raise UsageError(f"%%cudamem --want takes the {name} you want to run at, a positive whole number "
                          f"(e.g. --want 512), not {spec[:40]!r}. Nothing was run.")
     return int(text)
-
-
-def _magics(shell: Any = None) -> NbmemMagics:
-    if shell is None:
-        from IPython import get_ipython
-
-        shell = get_ipython()
-    m = _ACTIVE.get(shell) if shell is not None else None
-    if m is None:
-        raise RuntimeError("nbmem is not loaded in this shell: run `%load_ext nbmem` first.")
-    return m
-
-
-def session_of(shell: Any = None) -> Session:
-    """The engine of the shell nbmem is loaded in (the Python API's way in)."""
-    return _magics(shell).session
-
-
-def load_ipython_extension(shell: Any) -> None:
-    """``%load_ext nbmem``: start the sampler, register the cell hooks and show the gauge."""
-    if shell in _ACTIVE:
-        return
-    options = Nbmem(parent=shell)
-    session = Session(ShellAdapter(shell), options.settings())
-    magics = NbmemMagics(shell, options, session)
-    try:
-        magics.flight = open_flight(session.subscribe, roots=session.adapter.roots)
-        for event, hook in magics.flight.cell_hooks(lambda: shell.execution_count - 1, session.fault).items():
-            shell.events.register(event, hook)  # every cell, measured or not: the capsule names it
-    except Exception as e:
-        session.fault("the flight recorder", e)
-    session.start()
-    magics.reconnect = reconnect_route(shell, session.cannot, session.fault, magics.between)
-    for event, hook in magics.between.hooks.items():  # every run, nested too: is a cell running now?
-        shell.events.register(event, hook)
-
-    def _changed(change: Any) -> None:
-        try:
-            session.reconfigure(options.settings())
-        except Exception as e:
-            session.fault("config", e)
-
-    options.observe(_changed)
-    shell.configurables.append(options)
-    shell.register_magics(magics)
-    shell.events.register("pre_run_cell", magics.pre_run_cell)
-    shell.events.register("post_run_cell", magics.post_run_cell)
-    _ACTIVE[shell] = magics
-    if magics.flight is not None and magics.flight.last_death is not None:
-        magics._display(magics.flight.last_death)  # the story of the last kernel's death first
-    print(session.greeting())
-    if options.gauge != "none":
-        magics.show_gauge(options.gauge)
-
-
-def unload_ipython_extension(shell: Any) -> None:
-    """``%unload_ext nbmem``: unregister everything, join the thread, close the gauge, forget records."""
-    magics = _ACTIVE.pop(shell, None)
-    if magics is None:
-        return
-    hooks = [*(magics.flight.hooks.items() if magics.flight is not None else ()), *magics.between.hooks.items()]
-    for event, fn in (("pre_run_cell", magics.pre_run_cell), ("post_run_cell", magics.post_run_cell), *hooks):
-        with contextlib.suppress(ValueError):
-            shell.events.unregister(event, fn)
-    for configurable in (magics.options, magics):  # IPython's Magics.__init__ adds itself there too
-        while configurable in shell.configurables:
-            shell.configurables.remove(configurable)
-    magics.options.unobserve_all()
-    mm = shell.magics_manager
-    for kind in ("line", "cell"):
-        if mm.magics[kind].get("cudamem") == magics.cudamem:
-            del mm.magics[kind]["cudamem"]
-    mm.registry.pop(type(magics).__name__, None)
-    magics.close()
-    magics.between.close()
-    if magics.reconnect is not None:
-        magics.reconnect.close()
-    if magics.flight is not None:
-        magics.flight.close()  # a clean end: no capsule is left to tell of a death

@@ -10,6 +10,7 @@ Deleting a name removes that name and IPython's own hidden references to the sam
 from __future__ import annotations
 
 import ast
+import contextlib
 import sys
 import traceback as _tb
 import types
@@ -330,3 +331,43 @@ class FitNamespace:
 
 
 _MISSING = object()
+
+
+# -- running a cell's body as that cell (``%%cudamem``) -----------------------------------------------
+@contextlib.contextmanager
+def _instance_attr(obj: Any, name: str, value: Any) -> Iterator[None]:
+    """Set ``obj.name`` on the instance for the block; then restore what was there, unless someone replaced it."""
+    had, previous = name in vars(obj), vars(obj).get(name)
+    setattr(obj, name, value)
+    try:
+        yield
+    finally:
+        if vars(obj).get(name) is value:
+            if had:
+                setattr(obj, name, previous)
+            else:
+                delattr(obj, name)
+
+
+def compiled_as(shell: Any, number: int) -> contextlib.AbstractContextManager[None]:
+    """Compile cells run inside as cell ``number``, so their tracebacks say ``In[number]``.
+
+    ``shell.run_cell`` names a cell by the execution count, which has already moved on to the next
+    cell while this one runs.
+    """
+    original = shell.compile.cache
+
+    def cache(transformed_code: str, number_: int = 0, raw_code: str | None = None) -> str:
+        return original(transformed_code, number, raw_code=raw_code)
+
+    return _instance_attr(shell.compile, "cache", cache)
+
+
+def semicolon_of(shell: Any, body: str) -> contextlib.AbstractContextManager[None]:
+    """IPython decides "ends with ;" from the outer cell (the magic call): ask about the body instead."""
+    dh = shell.displayhook
+
+    def quiet() -> bool:
+        return bool(dh.semicolon_at_end_of_expression(body))
+
+    return _instance_attr(dh, "quiet", quiet)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from nbmem.ipython.magics import session_of
+from nbmem.ipython.root import session_of
 from tests.conftest import ok
 
 TRAIN = ("x = torch.randn(batch, 1024, device='cuda')\n"

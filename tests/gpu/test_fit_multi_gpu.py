@@ -18,7 +18,7 @@ import torch
 from IPython.core.error import UsageError
 
 from nbmem.fitting import runner as fitting
-from nbmem.ipython.magics import session_of
+from nbmem.ipython.root import session_of
 from tests.conftest import _nvml_gpus, ok
 
 GiB, MiB = 1 << 30, 1 << 20

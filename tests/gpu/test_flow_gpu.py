@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import Any
 
 import nbmem
-from nbmem.ipython.magics import session_of
+from nbmem.ipython.root import session_of
 from nbmem.reports import UNATTRIBUTED, UNATTRIBUTED_SHORT
 from tests.conftest import ok
 

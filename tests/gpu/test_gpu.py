@@ -106,7 +106,7 @@ def test_a_kept_256mib_tensor_is_exactly_256mib(gpu):
 
 def test_nvml_used_agrees_with_nvidia_smi(gpu):
     import nbmem
-    from nbmem.ipython.magics import _ACTIVE
+    from nbmem.ipython.root import _ACTIVE
 
     sess = _ACTIVE[gpu].session
     dev = sess.probe.nvml.devices[0]
@@ -183,7 +183,7 @@ def test_device_side_assert_says_restart():
                "x[torch.tensor([10], device='cuda')] = 1\\ntorch.cuda.synchronize()")
         r = sh.run_cell(src, store_history=True)
         import nbmem
-        from nbmem.ipython.magics import _ACTIVE
+        from nbmem.ipython.root import _ACTIVE
         rep = _ACTIVE[sh].session.last_report
         print(json.dumps({"ok": r.success, "advice": " ".join(rep.advice)}))
     """)
@@ -215,7 +215,7 @@ def test_cuda_visible_devices_maps_to_the_right_nvml_device(how):
         cell("%load_ext nbmem"); cell("%cudamem on")
         cell("import torch\\nq = torch.empty(256 * 2**20, dtype=torch.uint8, device='cuda')")
         import nbmem
-        from nbmem.ipython.magics import _ACTIVE
+        from nbmem.ipython.root import _ACTIVE
         d = _ACTIVE[sh].session.probe.nvml.devices
         g = _ACTIVE[sh].session.probe.nvml.read("cuda:0", cuda_in_use=True)
         print(json.dumps({"n": len(d), "nvml_index": d[0].nvml_index, "own": g.process_used_bytes}))

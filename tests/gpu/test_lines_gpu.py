@@ -5,7 +5,7 @@ from __future__ import annotations
 import pandas as pd
 
 import nbmem
-from nbmem.ipython.magics import session_of
+from nbmem.ipython.root import session_of
 from tests.conftest import last_cell, ok, run
 from tests.gpu.test_gpu import row_of
 

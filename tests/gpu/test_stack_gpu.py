@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 import nbmem
-from nbmem.ipython.magics import session_of
+from nbmem.ipython.root import session_of
 from tests.cells import autocast_steps, checkpointed_training
 from tests.conftest import ok
 from tests.gpu.conftest import GPUS

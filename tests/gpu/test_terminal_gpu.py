@@ -3,7 +3,7 @@ columns; nbmem's own commands get no report and leave nothing in Out[]."""
 
 from __future__ import annotations
 
-from nbmem.ipython.magics import session_of
+from nbmem.ipython.root import session_of
 from nbmem.reports import CPU_CANNOT
 from tests.conftest import ok, run
 
