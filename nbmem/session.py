@@ -12,7 +12,6 @@ The work is in rooms of its own: a measured cell in ``cellwatch``, the holder sc
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 import traceback as _tb
@@ -24,8 +23,8 @@ from nbmem.cells.advice import RESTART_ADVICE
 from nbmem.cells.watch import CellWatch
 from nbmem.clean.cleaner import Cleaner
 from nbmem.clean.request import CleanupRequest
+from nbmem.fitting.notebook import fit_in_notebook
 from nbmem.fitting.prediction import FitResult
-from nbmem.fitting.runner import fit_in_notebook
 from nbmem.formatting import plural, spans
 from nbmem.holders.holdings import REFRESH_BUDGET_S, Holdings
 from nbmem.holders.owners import Rows
@@ -367,17 +366,12 @@ class Session:
         try:
             result = fit_in_notebook(self.adapter, self.probe.torch, self.holdings.scanner.type_cache, body, name,
                                      values, cell=cell, warmup=warmup, restore=restore,
-                                     budget_s=self.settings.scan_budget_s, want=want, on=on, own_used=self._own_used,
-                                     show=show)
+                                     budget_s=self.settings.scan_budget_s, want=want, on=on,
+                                     own_used=self.probe.nvml.own_used, show=show)
         finally:
             self.holdings.closed_scan = None  # the fit ran code: the next cell's baseline is scanned again
         self.last_fit = result
         return result
-
-    def _own_used(self, device: int) -> int | None:
-        """This process's memory on ``cuda:N`` as NVML lists it (a fit's measure of a CUDA context); None: unknown."""
-        procs = self.probe.nvml.processes(f"cuda:{device}", max_age_s=0.0)
-        return next((p.used_bytes for p in procs or () if p.pid == os.getpid()), None)
 
     # -- frames ------------------------------------------------------------------------------------------
     def samples(self) -> Any:

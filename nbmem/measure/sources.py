@@ -222,6 +222,12 @@ class NvmlSource:
         """Why this process's child processes cannot be told from other processes, where they cannot."""
         return self._descendants.reason
 
+    def own_used(self, device: int) -> int | None:
+        """This process's memory on ``cuda:N`` as NVML lists it (a fit's measure of a CUDA context); None: unknown."""
+        procs = self.processes(f"cuda:{device}", max_age_s=0.0)
+        return next((p.used_bytes for p in procs or () if p.pid == os.getpid()), None)
+
+
 def _text(v: Any) -> str:
     return v.decode() if isinstance(v, bytes) else str(v)
 
