@@ -25,6 +25,7 @@ from nbmem.fitting.allocator import CachingAllocatorModel, SegmentState
 from nbmem.fitting.model import Room, RunTrace
 from nbmem.fitting.multigpu import RunSet
 from nbmem.fitting.prediction import analyse
+from nbmem.fitting.search import largest_fitting
 from nbmem.fitting.sizes import fit_size
 
 MiB, GiB = 2**20, 2**30
@@ -89,7 +90,7 @@ def true_limit(body: Body, capacity: int, runs: int = 3) -> int | None:
                         alloc.free(old)
         return True
 
-    return F.largest_fitting(fits, 8)
+    return largest_fitting(fits, 8)
 
 
 def room(capacity: int, margin: int = 0) -> Room:
@@ -572,9 +573,9 @@ def test_the_result_reads_as_text_html_a_row_and_a_frame() -> None:
 
 def test_largest_fitting_stays_below_a_failure_under_the_answer() -> None:
     bad = {990}
-    assert F.largest_fitting(lambda v: v <= 1000 and v not in bad, 8) == 989
-    assert F.largest_fitting(lambda v: v <= 5, 64) == 5
-    assert F.largest_fitting(lambda v: False, 8) is None
+    assert largest_fitting(lambda v: v <= 1000 and v not in bad, 8) == 989
+    assert largest_fitting(lambda v: v <= 5, 64) == 5
+    assert largest_fitting(lambda v: False, 8) is None
 
 
 # -- the layers --------------------------------------------------------------------------------------------------

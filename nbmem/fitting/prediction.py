@@ -47,67 +47,13 @@ from typing import Any
 from nbmem.fitting.allocator import CachingAllocatorModel, SegmentState
 from nbmem.fitting.devices import DeviceFit
 from nbmem.fitting.model import ALLOC, FREE, Room, Run, RunTrace, Sim, Site, Timeline, build_timeline
+from nbmem.fitting.remedies import Remedy, accumulation
+from nbmem.fitting.remedies import expandable as expandable_segments
+from nbmem.fitting.search import SEARCH_CAP, largest_fitting
 from nbmem.fitting.sizes import fit_size
 from nbmem.formatting import Column, esc, fmt_bytes, fmt_seconds, html_table, prose, text_table
 from nbmem.reports import Shown
 from nbmem.trace.linetrace import cell_line, deepest_user_frame
-
-#: Where the search stops when nothing stops it (memory that does not grow with the value).
-SEARCH_CAP = 1 << 40
-
-
-# -- the search ------------------------------------------------------------------------------------------------------
-def largest_fitting(fits: Callable[[int], bool], start: int, cap: int = SEARCH_CAP) -> int | None:
-    """The largest value in [1, cap] for which ``fits`` holds, by doubling and bisection (None: not even 1).
-
-    A few values below the answer are checked as well; where one fails (fragmentation is not monotone in the
-    value), the search goes on below the failure, so no value at or under the answer is known to fail.
-    """
-    start = max(1, min(start, cap))
-    lo, hi = 0, cap + 1
-    v = start
-    if fits(v):
-        lo = v
-        while lo < cap:
-            v = min(cap, lo * 2)
-            if not fits(v):
-                hi = v
-                break
-            lo = v
-    else:
-        hi = v
-        v //= 2
-        while v >= 1 and not fits(v):
-            hi = v
-            v //= 2
-        if v < 1:
-            return None
-        lo = v
-    lo = _bisect(fits, lo, hi)
-    for _ in range(8):
-        below = sorted({lo - 1, int(lo * 0.99), int(lo * 0.97), int(lo * 0.95)})
-        bad = [c for c in below if 0 < c < lo and not fits(c)]
-        if not bad:
-            return lo
-        hi = bad[0]
-        lo = hi - 1
-        while lo >= 1 and not fits(lo):
-            hi, lo = lo, lo // 2 if lo > 1 else 0
-        if lo < 1:
-            return None
-        lo = _bisect(fits, lo, hi)
-    return lo
-
-
-def _bisect(fits: Callable[[int], bool], lo: int, hi: int) -> int:
-    """The largest value in [lo, hi) that fits, given that lo fits and hi does not."""
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi = mid
-    return lo
 
 
 def power_of_two_below(value: int) -> int:
@@ -137,17 +83,6 @@ class GrowthLine:
     bytes_per_unit: float
     bytes_per_unit_sq: float
     bytes_at_largest: int | None
-
-
-@dataclass(frozen=True, slots=True)
-class Remedy:
-    """A way to run a wanted value that does not fit, and the largest value it allows."""
-
-    name: str  # "gradient accumulation", "activation checkpointing", "bf16 autocast", "expandable_segments"
-    largest_value: int
-    setting: str  # what to do
-    how: str  # how the value was established, and what it costs
-    time_per_sample_ratio: float | None = None  # measured: its step's time over the plain step's, at one value
 
 
 @dataclass(frozen=True, repr=False)
@@ -403,7 +338,7 @@ def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segmen
     if built == "structure":
         scaled = _scaled_peak(parsed, segments, capacity, cap, base, all_notes)
         if want is not None and scaled.largest_value is not None and want > scaled.largest_value:
-            scaled = replace(scaled, remedies=(*_accumulation(name, scaled.largest_value, want), *measured),
+            scaled = replace(scaled, remedies=(*accumulation(name, scaled.largest_value, want), *measured),
                              notes=(*scaled.notes, *remedy_notes))
         return scaled
     if isinstance(built, str):
@@ -463,52 +398,17 @@ def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segmen
     curve = _curve(lambda v: tl.simulate(v, math.inf), values[0], max(largest, values[-1]))
     remedies: list[Remedy] = []
     if want is not None and want > largest:
-        remedies += _accumulation(name, largest, want)
+        remedies += accumulation(name, largest, want)
         remedies += measured
         all_notes += remedy_notes
         if not expandable:
-            remedies += _expandable(tl, name, largest, capacity, cap, all_notes)
+            remedies += expandable_segments(tl, name, largest, capacity, cap, all_notes)
     return replace(timeline, remedies=tuple(remedies), largest_value=largest, power_of_two=power_of_two_below(largest),
                    fixed_bytes=fixed, bytes_per_unit=per, bytes_per_unit_sq=sq,
                    peak_allocated_at_largest_bytes=at.peak_allocated_bytes,
                    peak_reserved_at_largest_bytes=at.peak_reserved_bytes,
                    peak_where=(_phase_place(tl, small.peak_at, sources), _phase_place(tl, at.peak_at, sources)),
                    lines=tuple(lines[:8]), curve=curve, notes=(*all_notes, *ASSUMPTIONS))
-
-
-#: What the allocator rounds to with expandable segments, kept free on top of the allocated peak: a 2 MiB page
-#: for each of the small and large pools of a stream, twice.
-EXPANDABLE_SLACK_BYTES = 8 << 20
-
-
-def _accumulation(name: str, largest: int, want: int) -> list[Remedy]:
-    """Gradient accumulation: ``want`` as the fewest micro-batches that each fit (from the fit itself)."""
-    steps = math.ceil(want / largest)
-    micro = math.ceil(want / steps)
-    last = want - micro * (steps - 1)
-    split = f"{name}={micro:,} × {steps} steps" + ("" if last == micro else f" (the last {last:,})")
-    return [Remedy("gradient accumulation", micro, f"{split}, loss / {steps}",
-                   f"this fit: {micro:,} ≤ {largest:,} fits (if {name} is the batch size); "
-                   f"the optimizer steps {steps}× less often")]
-
-
-def _expandable(tl: Timeline, name: str, largest: int, capacity: int, cap: int, notes: list[str]) -> list[Remedy]:
-    """``expandable_segments``: worth a restart only where the cache's reserved-but-unused memory is what does
-    not fit, i.e. where the allocated peak alone (and a page of rounding per pool) still fits."""
-    def fits(v: int) -> bool:
-        return tl.simulate(v, math.inf).peak_allocated_bytes + EXPANDABLE_SLACK_BYTES <= capacity
-
-    unfragmented = largest_fitting(fits, largest, cap)
-    if unfragmented is None or unfragmented <= largest:
-        notes.append(f"expandable_segments would not help: at {name}={largest + 1:,} the allocated memory itself "
-                     "does not fit, not the cache's reserved-but-unused memory")
-        return []
-    nxt = tl.simulate(largest + 1, math.inf)
-    return [Remedy("expandable_segments", unfragmented,
-                   "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True, then restart the kernel",
-                   f"this fit's model, not measured (+{100 * (unfragmented / largest - 1):.0f} %): at "
-                   f"{largest + 1:,} the cache reserves {fmt_bytes(nxt.peak_reserved_bytes)} for "
-                   f"{fmt_bytes(nxt.peak_allocated_bytes)} allocated")]
 
 
 def _after(at: tuple[int, int], tl: Timeline) -> tuple[int, int]:
@@ -589,5 +489,5 @@ def proportional_bound(run: RunTrace, value: int) -> int | None:
     return run.allocated_before_bytes + math.ceil(r.peak_growth_bytes * value / max(1, run.value))
 
 
-__all__ = ["ASSUMPTIONS", "FitPoint", "FitResult", "GrowthLine", "Remedy", "analyse", "largest_fitting",
+__all__ = ["ASSUMPTIONS", "FitPoint", "FitResult", "GrowthLine", "analyse",
            "power_of_two_below", "proportional_bound"]

@@ -45,8 +45,9 @@ from nbmem.fitting.multigpu import (
     synchronize,
     used_devices,
 )
-from nbmem.fitting.prediction import FitResult, Remedy, proportional_bound
+from nbmem.fitting.prediction import FitResult, proportional_bound
 from nbmem.fitting.progress import FitProgress, Show, interrupts_held, planned_runs
+from nbmem.fitting.remedies import Remedy
 from nbmem.fitting.state import FitRefused, restore_state, snapshot_state
 from nbmem.formatting import fmt_bytes
 from nbmem.measure.sources import TorchSource
