@@ -73,6 +73,18 @@ install_chromium() { # in a subshell: quiet exits on failure
     echo "installed $(/usr/bin/chromium --version 2>/dev/null)"
   )
 }
+JS_TAP=artifacts/js-tests.tap
+js_tests() { # one summary line here; node's TAP output (a few hundred lines) in $JS_TAP, failures also shown
+  local rc=0
+  mkdir -p artifacts
+  node --test js/ >"$JS_TAP" 2>&1 || rc=$?
+  count() { sed -n "s/^# $1 //p" "$JS_TAP" | tail -n 1; }
+  echo "node --test js/: $(count tests) tests, $(count pass) passed, $(count fail) failed ($(count duration_ms | cut -d. -f1) ms; its TAP output: $JS_TAP)"
+  if [ "$rc" -ne 0 ]; then
+    grep -A 25 '^ *not ok' "$JS_TAP" | head -n 80
+  fi
+  return "$rc"
+}
 pytest_stage() {
   local rc=0
   .venv/bin/python -m pytest "$@" || rc=$?
@@ -103,11 +115,11 @@ stage ruff "~1 s" .venv/bin/ruff check nbmem tests benchmarks scripts
 stage mypy "~10 s" .venv/bin/mypy
 
 if command -v node >/dev/null 2>&1; then
-  stage "js tests" "~1 s" node --test js/
+  stage "js tests" "~6 s" js_tests
 elif [ "${CI:-}" = true ]; then
-  stage "js tests" "~1 s" sh -c 'echo "node is not installed: CI must run the JavaScript tests"; exit 1'
+  stage "js tests" "~6 s" sh -c 'echo "node is not installed: CI must run the JavaScript tests"; exit 1'
 else
-  skip "js tests" "~1 s" "node is not installed (e.g. apt-get install nodejs)"
+  skip "js tests" "~6 s" "node is not installed (e.g. apt-get install nodejs)"
 fi
 
 if [ -f ../shared/leak-zoo/zoo.py ]; then
