@@ -115,3 +115,18 @@ def test_ci_runs_the_readmes_test_command() -> None:
     command = "bash scripts/test.sh"
     assert command in (ROOT / "README.md").read_text().split("```")[1], "the README's first block names it"
     assert re.search(rf"^{command}$", (ROOT / ".ci/run").read_text(), re.M), ".ci/run must run it verbatim"
+
+
+def test_one_measured_test_time_everywhere() -> None:
+    """The README and test.sh give the same measured time for a whole run, and no other estimate of it."""
+    test_sh = (ROOT / "scripts/test.sh").read_text()
+    full_run = re.findall(r'^FULL_RUN="(.+)"', test_sh, re.M)
+    assert len(full_run) == 1 and re.match(r"\d+ min \d+ s from .+ on a \d+-core", full_run[0]), full_run
+    readme = (ROOT / "README.md").read_text()
+    first_block = readme.split("```")[1]
+    test_line = next(ln for ln in first_block.splitlines() if "scripts/test.sh" in ln)
+    develop = " ".join(readme[readme.index("## Develop"):].split("\n\n")[1].split())
+    assert full_run[0] in test_line and full_run[0] in develop, develop
+    for text in (test_line, develop, test_sh):
+        times = set(re.findall(r"\d+(?:\.\d+)? min(?: \d+ s)?", text.replace(full_run[0], "")))
+        assert times <= {"3 min 10 s", "3 min", "4 min", "6 min"}, times  # stages' own: setup and pytest
