@@ -2,12 +2,19 @@
 
     python benchmarks/bench_scan.py --device cuda          # the figures for RESULTS.md (~8 min on a fast host)
     python benchmarks/bench_scan.py --device cpu --quick   # a smoke run anywhere (shapes 10x smaller)
+    git worktree add /tmp/old 278038b && python benchmarks/bench_scan.py --device cpu --against /tmp/old
+                                         # this checkout's per-cell cost against another's, side by side (issue 38)
 
 For each namespace shape, a fresh IPython shell is filled, then the same cells run interleaved, first
 without nbmem and then after ``%load_ext nbmem`` + ``%cudamem on``: a memory-moving cell (keeps 4 MiB
 more) and an empty cell. A per-cell overhead is the difference of the two medians. Also: whether the
 scan was truncated, what it found, the first cell after ``%cudamem on``, and full ``nbmem.leaks()``.
 Timings are printed, never asserted.
+
+``--against DIR`` compares this checkout's nbmem with the one in another checkout DIR (an old commit's work
+tree) on the memory-moving cell: each runs in its own process (``PYTHONPATH`` picks its ``nbmem``) with the
+same namespace, and the two take turns, one cell each (A B B A ...), so that a busy machine slows both alike;
+it prints each one's median overhead and their ratio, and whether each named ``bag`` and nothing else.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import json
 import os
 import re
 import statistics
+import subprocess
 import sys
 import textwrap
 import time
@@ -281,18 +289,145 @@ def drop(sh: InteractiveShell) -> None:
             torch.cuda.empty_cache()
 
 
+# -- two checkouts side by side ---------------------------------------------------------------------------
+PROTOCOL = "@@ "  # a child's answers on its stdout start with this; anything else there is the cells' noise
+
+
+def serve(shape: Shape, dev: str, quick: bool, reps: int) -> None:
+    """A child of ``--against``: fill, time ``reps`` cells of each kind without nbmem, load it, then answer
+    each "cell" line on stdin with one memory-moving and one empty cell's times and what the report named."""
+    import nbmem
+
+    out = sys.stdout
+
+    def say(**kw: object) -> None:
+        print(PROTOCOL + json.dumps(kw), file=out, flush=True)
+
+    def timed(src: str) -> tuple[float, float]:
+        """A cell's wall time and the CPU time of the thread that ran it (nbmem's work at the cell's end runs
+        there): the second holds still on a machine busy with other work, which stretches the first."""
+        c0 = time.thread_time()
+        wall = cell(sh, src)
+        return wall, time.thread_time() - c0
+
+    sh = new_shell()
+    without: dict[str, list[tuple[float, float]]] = {k: [] for k in KINDS}
+    with Quiet():
+        for src, fails in shape.cells(dev, quick):
+            cell(sh, src, fails=fails)
+        for src in KINDS.values():
+            cell(sh, src)
+        gc.collect()
+        for _ in range(reps):
+            for k, src in KINDS.items():
+                without[k].append(timed(src))
+        gc.collect()
+        cell(sh, "%load_ext nbmem")
+        cell(sh, "%cudamem on")
+        for src in KINDS.values():  # the first cells after `on` do one-time work
+            cell(sh, src)
+    say(nbmem=os.path.dirname(os.path.dirname(nbmem.__file__)),
+        without={k: [statistics.median(x[i] for x in v) for i in (0, 1)] for k, v in without.items()})
+    for request in sys.stdin:
+        if request.strip() != "cell":
+            break
+        seen = Seen()
+        with Quiet():
+            times = {"memory-moving cell": timed(MOVE)}
+            observe(sh, seen)
+            times["empty cell"] = timed(EMPTY)
+        say(times=times, bag=seen.with_bag, others=list(seen.others), errors=list(seen.errors))
+
+
+def commit_of(tree: str) -> str:
+    r = subprocess.run(["git", "-C", tree, "log", "-1", "--format=%h %cs"], capture_output=True, text=True)
+    return r.stdout.strip() or "not a git checkout"
+
+
+def against(shape: Shape, dev: str, quick: bool, reps: int, other: str) -> None:
+    """This checkout's nbmem and ``other``'s in two processes taking turns, one cell each (A B B A ...)."""
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    trees = {"this checkout": here, "other": os.path.abspath(other)}
+    names = {"this checkout": f"this checkout ({commit_of(here)}, with its changes)",
+             "other": f"{other} ({commit_of(other)})"}
+    label = shape.label.format(n=shape.size(quick))
+    procs: dict[str, subprocess.Popen[str]] = {}
+    for who, tree in trees.items():
+        env = {**os.environ, "PYTHONPATH": tree + os.pathsep + os.environ.get("PYTHONPATH", "")}
+        argv = [sys.executable, os.path.abspath(__file__), "--serve", shape.key, "--device", dev, "--reps", str(reps)]
+        procs[who] = subprocess.Popen(argv + (["--quick"] if quick else []), env=env, cwd=tree, text=True,
+                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+    def answer(who: str) -> dict:
+        stdout = procs[who].stdout
+        assert stdout is not None
+        for ln in stdout:
+            if ln.startswith(PROTOCOL):
+                return json.loads(ln[len(PROTOCOL):])
+        raise RuntimeError(f"{names[who]}: the child ended without answering (exit {procs[who].wait()})")
+
+    progress(f"{shape.key}: filling two shells, one per checkout ({label})")
+    ready = {who: answer(who) for who in procs}
+    for who, r in ready.items():
+        if os.path.realpath(r["nbmem"]) != os.path.realpath(trees[who]):
+            raise RuntimeError(f"{names[who]} imported nbmem from {r['nbmem']}: PYTHONPATH did not pick it")
+    progress(f"{shape.key}: {reps} turns of one cell of each kind per checkout")
+    got: dict[str, list[dict]] = {who: [] for who in procs}
+    for i in range(reps):
+        for who in (("this checkout", "other") if i % 2 == 0 else ("other", "this checkout")):
+            stdin = procs[who].stdin
+            assert stdin is not None
+            stdin.write("cell\n")
+            stdin.flush()
+            got[who].append(answer(who))
+    for p in procs.values():
+        assert p.stdin is not None
+        p.stdin.close()
+        p.wait()
+    over: dict[tuple[str, str, int], float] = {}
+    for who in procs:
+        for k in KINDS:
+            for i, what in ((0, "wall"), (1, "CPU")):
+                xs = [g["times"][k][i] for g in got[who]]
+                base = ready[who]["without"][k][i]
+                over[who, k, i] = statistics.median(xs) - base
+                line(f"per-cell overhead ({what}), {k}, {label}, {names[who]}",
+                     f"{over[who, k, i] * 1e3:.2f} ms (median with {statistics.median(xs) * 1e3:.2f}, without "
+                     f"{base * 1e3:.2f}, max with {max(xs) * 1e3:.2f}, n={reps})")
+        bag = sum(g["bag"] for g in got[who])
+        others = sorted({o for g in got[who] for o in g["others"]})
+        errors = sorted({e for g in got[who] for e in g["errors"]})
+        line(f"holders named, {label}, {names[who]}",
+             f"`bag` in {bag} of {reps} memory-moving cells; other names: {', '.join(others) or 'none'}"
+             f"{'; problems: ' + ', '.join(errors) if errors else ''}")
+    for k in KINDS:
+        for i, what in ((0, "wall"), (1, "CPU")):
+            old = over["other", k, i]
+            ratio = f"{over['this checkout', k, i] / old:.2f}x" if old > 0 else "n/a (no overhead there)"
+            line(f"per-cell overhead ratio ({what}), {k}, {label}", f"this checkout / {other}: {ratio}")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--quick", action="store_true", help="shapes 10x smaller and fewer cells, for a smoke run")
     ap.add_argument("--only", default="", help="comma list of shapes: " + ",".join(BY_KEY))
     ap.add_argument("--reps", type=int, default=0, help="cells of each kind, with and without (default 7; 3 quick)")
+    ap.add_argument("--against", metavar="DIR", default="",
+                    help="another checkout (e.g. `git worktree add /tmp/old 278038b`): its nbmem and this one's, "
+                         "side by side on the memory-moving cell (default shape: encoder; reps default 21)")
+    ap.add_argument("--serve", default="", help=argparse.SUPPRESS)  # a child of --against
     a = ap.parse_args()
-    keys = [k for k in a.only.split(",") if k] or list(BY_KEY)
+    if a.serve:
+        serve(BY_KEY[a.serve], a.device, a.quick, a.reps or 7)
+        return 0
+    keys = [k for k in a.only.split(",") if k] or (["encoder"] if a.against else list(BY_KEY))
     unknown = [k for k in keys if k not in BY_KEY]
     if unknown:
         ap.error(f"unknown shape(s) {', '.join(unknown)}; choose from {', '.join(BY_KEY)}")
-    reps = a.reps or (3 if a.quick else 7)
+    reps = a.reps or (3 if a.quick else 21 if a.against else 7)
+    if a.against and not os.path.isdir(os.path.join(a.against, "nbmem")):
+        ap.error(f"--against {a.against}: no nbmem/ there (make one: git worktree add {a.against} 278038b)")
 
     import IPython
     import torch
@@ -302,12 +437,16 @@ def main() -> int:
     if a.device == "cuda" and not torch.cuda.is_available():
         ap.error("--device cuda, but torch sees no GPU; use --device cpu")
     env = {"python": sys.version.split()[0], "torch": torch.__version__, "ipython": IPython.__version__,
-           "nbmem": nbmem.__version__, "device": a.device, "cpus": os.cpu_count(), "quick": a.quick, "reps": reps,
+           "nbmem": nbmem.__version__, "nbmem_from": os.path.dirname(nbmem.__file__),
+           "device": a.device, "cpus": os.cpu_count(), "quick": a.quick, "reps": reps,
            "gpu": torch.cuda.get_device_name(0) if a.device == "cuda" else None}
     print(json.dumps(env), flush=True)
     print("holder scan cost per cell (with minus without nbmem, medians of interleaved cells)")
     for k in keys:
-        bench_shape(BY_KEY[k], a.device, a.quick, reps)
+        if a.against:
+            against(BY_KEY[k], a.device, a.quick, reps, a.against)
+        else:
+            bench_shape(BY_KEY[k], a.device, a.quick, reps)
     line("benchmark wall time", f"{time.perf_counter() - T0:.0f} s")
     return print_summary()
 

@@ -6,6 +6,11 @@ import os
 import sys
 import time
 
+# This checkout's nbmem, not whichever one pip installed in editable mode (a second work tree shares the
+# first's .venv); an explicit PYTHONPATH picks, as bench_scan.py --against does for its two children.
+if not os.environ.get("PYTHONPATH"):
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
 from IPython.core.interactiveshell import InteractiveShell
 from traitlets.config import Config
 

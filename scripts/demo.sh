@@ -28,12 +28,12 @@ rm -f "$info"
     if [ -s "$info" ]; then
       url=$(.venv/bin/python -c 'import json, sys; i = json.load(open(sys.argv[1]))
 print(i["url"] + "lab/tree/" + sys.argv[2] + "?token=" + i["token"])' "$info" "$NOTEBOOK") || exit 0
-      printf '\n==> nbmem demo: open %s\n    (Ctrl-C twice here stops JupyterLab)\n\n' "$url"
+      printf '\n==> nbmem demo: open %s\n    (JupyterLab keeps this terminal: Ctrl-C twice here stops it, and its kernels)\n\n' "$url"
       exit 0
     fi
     kill -0 $$ 2>/dev/null || exit 0
     sleep 0.2
   done
 ) &
-echo "starting JupyterLab (~3 s) on $NOTEBOOK"
+echo "starting JupyterLab (~3 s) on $NOTEBOOK, in the foreground: Ctrl-C twice stops it"
 exec .venv/bin/jupyter lab "${args[@]}" "$@"

@@ -2,10 +2,13 @@
 # Makes .venv for the demo and the tests: torch first (the build you choose), then nbmem (editable) and the
 # pinned tools of requirements/dev.txt. Idempotent: when nothing changed since the last run it only checks (~5 s).
 #
+#   (unset)              the CPU build on a Linux machine with no NVIDIA driver (no nvidia-smi on PATH and no
+#                        /proc/driver/nvidia), as NBMEM_TORCH=cpu; anywhere else as NBMEM_TORCH=default. One line
+#                        says which it picked and why. A torch of the pinned version already in .venv is kept.
 #   NBMEM_TORCH=default  torch as pip resolves the pin in requirements/torch.txt. On plain PyPI (Linux) that
-#                        is the CUDA build: several GB. This is what you get if you set nothing.
-#   NBMEM_TORCH=cpu      the CPU build from https://download.pytorch.org/whl/cpu (a few hundred MB): for a
-#                        machine without an NVIDIA GPU. E.g. `NBMEM_TORCH=cpu bash scripts/demo.sh`.
+#                        is the CUDA build: several GB.
+#   NBMEM_TORCH=cpu      the CPU build from https://download.pytorch.org/whl/cpu (a few hundred MB), replacing
+#                        any other build in .venv. E.g. `NBMEM_TORCH=cpu bash scripts/demo.sh`.
 #   NBMEM_TORCH=skip     keep the torch already in .venv, whatever its version or build (fails if there is none).
 #   NBMEM_PYTHON=python3.12   the interpreter that makes .venv (3.11 or newer; default python3).
 #   NBMEM_DRY_RUN=1      print what would be installed and install nothing.
@@ -23,7 +26,7 @@ esac
 
 MIN_PY=3.11 # ipython 9.18.1, ipykernel 7.4.0, pandas 3.1.1, numpy 2.4.6 and matplotlib 3.11.2 (the pins) need it
 PYTHON=${NBMEM_PYTHON:-python3}
-TORCH=${NBMEM_TORCH:-default}
+TORCH=${NBMEM_TORCH:-}
 VPY=.venv/bin/python
 STAMP=.venv/.nbmem-setup # a hash of the inputs of step 3, written when it succeeded
 CPU_INDEX=https://download.pytorch.org/whl/cpu
@@ -48,9 +51,23 @@ too_old() { # too_old 3.10.13 → true when older than MIN_PY
 }
 
 case "$TORCH" in
-  default | cpu | skip) ;;
+  "" | default | cpu | skip) ;;
   *) echo "setup.sh: NBMEM_TORCH=$TORCH is not one of default, cpu, skip (bash scripts/setup.sh --help)"; exit 2 ;;
 esac
+# Nothing chosen: the build this machine can use. Without a driver the CUDA build cannot run, and on plain PyPI
+# (Linux) it is the several-GB download, so the CPU build; macOS and Windows wheels on PyPI are not CUDA builds.
+picked=""
+if [ -z "$TORCH" ]; then
+  if [ "$(uname -s)" = Linux ] && [ ! -e /proc/driver/nvidia ] && ! command -v nvidia-smi >/dev/null 2>&1; then
+    TORCH=cpu
+    picked="no NVIDIA driver here (no nvidia-smi, no /proc/driver/nvidia): the CPU build of torch (NBMEM_TORCH=default overrides)"
+  else
+    TORCH=default
+    driver=$(command -v nvidia-smi 2>/dev/null || echo /proc/driver/nvidia)
+    [ "$(uname -s)" = Linux ] || driver="not Linux"
+    picked="torch as pip resolves it ($driver; NBMEM_TORCH=cpu overrides)"
+  fi
+fi
 TORCH_PIN=$(sed -n 's/^torch==\([0-9][^ ;#]*\).*/\1/p' requirements/torch.txt)
 [ -n "$TORCH_PIN" ] || { echo "setup.sh: requirements/torch.txt has no torch==VERSION line"; exit 1; }
 
@@ -77,6 +94,7 @@ fi
 dry=""
 [ "$NBMEM_DRY_RUN" = 1 ] && dry="; dry run (NBMEM_DRY_RUN=1): nothing is installed"
 echo "nbmem setup: .venv with Python $v, torch $TORCH_PIN (NBMEM_TORCH=$TORCH)$dry"
+[ -z "$picked" ] || echo "torch: $picked"
 LOG=$(mktemp -t nbmem-setup.XXXXXX) # each quiet command's output, kept if one fails
 trap '[ "$QUIET_FAILED" = 1 ] || rm -f "$LOG"' EXIT
 
@@ -108,6 +126,9 @@ case "$TORCH" in
     if [ "$have" = "$TORCH_PIN+cpu" ]; then
       step_no=2
       echo "[2/$STEPS] torch $have (the CPU build) is installed"
+    elif [ -n "$picked" ] && { [ "$have" = "$TORCH_PIN" ] || [[ "$have" == "$TORCH_PIN+"* ]]; }; then
+      step_no=2 # picked, not asked for: a build someone installed on purpose stays
+      echo "[2/$STEPS] torch $have is installed: kept (NBMEM_TORCH=cpu replaces it with the CPU build)"
     else
       step "installing torch $TORCH_PIN, the CPU build, from download.pytorch.org" "~1 min: a ~200 MB download"
       quiet "$LOG" "${pip[@]}" --index-url "$CPU_INDEX" --extra-index-url https://pypi.org/simple "torch==$TORCH_PIN+cpu"

@@ -49,10 +49,40 @@ def test_the_cpu_build_comes_from_pytorchs_cpu_index_before_anything_else(checko
 
 
 def test_the_default_build_says_it_may_be_the_cuda_one_and_how_to_get_the_cpu_one(checkout: Path) -> None:
-    out = setup(checkout, NBMEM_DRY_RUN="1")
+    out = setup(checkout, NBMEM_DRY_RUN="1", NBMEM_TORCH="default")
     assert out.returncode == 0, out.stdout
     assert f"would run: {PIP} torch=={TORCH_PIN}\n" in out.stdout, out.stdout
     assert "CUDA build" in out.stdout and "NBMEM_TORCH=cpu" in out.stdout, out.stdout
+
+
+def no_nvidia_driver() -> bool:
+    return not Path("/proc/driver/nvidia").exists() and shutil.which("nvidia-smi") is None
+
+
+@pytest.mark.skipif(sys.platform != "linux" or not no_nvidia_driver(), reason="this machine has an NVIDIA driver")
+def test_without_an_nvidia_driver_setup_picks_the_cpu_build_and_says_so_in_one_line(checkout: Path) -> None:
+    out = setup(checkout, NBMEM_DRY_RUN="1")
+    assert out.returncode == 0, out.stdout
+    assert f"torch=={TORCH_PIN}+cpu\n" in out.stdout, out.stdout
+    said = [ln for ln in out.stdout.splitlines() if "no NVIDIA driver" in ln]
+    assert len(said) == 1 and "CPU build" in said[0] and "NBMEM_TORCH=default" in said[0], out.stdout
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="only Linux's PyPI torch is the CUDA build")
+def test_with_an_nvidia_driver_setup_leaves_the_build_to_pip(checkout: Path) -> None:
+    bin_dir = checkout / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\nexit 0\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    out = setup(checkout, NBMEM_DRY_RUN="1", PATH=f"{bin_dir}:{os.environ['PATH']}")
+    assert out.returncode == 0, out.stdout
+    assert f"would run: {PIP} torch=={TORCH_PIN}\n" in out.stdout, out.stdout
+    assert f"torch as pip resolves it ({bin_dir}/nvidia-smi; NBMEM_TORCH=cpu overrides)" in out.stdout, out.stdout
+
+
+def test_an_explicit_choice_is_not_second_guessed(checkout: Path) -> None:
+    out = setup(checkout, NBMEM_DRY_RUN="1", NBMEM_TORCH="default")
+    assert out.returncode == 0 and "+cpu" not in out.stdout and "NVIDIA driver" not in out.stdout, out.stdout
 
 
 def test_an_unknown_torch_choice_is_refused(checkout: Path) -> None:
@@ -85,3 +115,18 @@ def test_ci_runs_the_readmes_test_command() -> None:
     command = "bash scripts/test.sh"
     assert command in (ROOT / "README.md").read_text().split("```")[1], "the README's first block names it"
     assert re.search(rf"^{command}$", (ROOT / ".ci/run").read_text(), re.M), ".ci/run must run it verbatim"
+
+
+def test_one_measured_test_time_everywhere() -> None:
+    """The README and test.sh give the same measured time for a whole run, and no other estimate of it."""
+    test_sh = (ROOT / "scripts/test.sh").read_text()
+    full_run = re.findall(r'^FULL_RUN="(.+)"', test_sh, re.M)
+    assert len(full_run) == 1 and re.match(r"\d+ min \d+ s from .+ on a \d+-core", full_run[0]), full_run
+    readme = (ROOT / "README.md").read_text()
+    first_block = readme.split("```")[1]
+    test_line = next(ln for ln in first_block.splitlines() if "scripts/test.sh" in ln)
+    develop = " ".join(readme[readme.index("## Develop"):].split("\n\n")[1].split())
+    assert full_run[0] in test_line and full_run[0] in develop, develop
+    for text in (test_line, develop, test_sh):
+        times = set(re.findall(r"\d+(?:\.\d+)? min(?: \d+ s)?", text.replace(full_run[0], "")))
+        assert times <= {"3 min 10 s", "3 min", "4 min", "6 min"}, times  # stages' own: setup and pytest

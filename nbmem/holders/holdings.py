@@ -61,6 +61,7 @@ class Holdings:
         self._cells: deque[int] = deque()
         self._totals_cache: list[tuple[Scan, dict[str, int]]] = []
         self._finding_cache: dict[int, Any] = {}
+        self._row_cache: owners.RowCache = {}
         self._current = owners.Rows((), ())
         self._current_of: Scan | None = None  # the scan _current was computed from
         self.scanned_at: float | None = None  # epoch seconds of the latest scan (the gauge says how old it is)
@@ -265,7 +266,7 @@ class Holdings:
             graphs = self.scanner.graphs([sid for sid, h in cur.storages.items() if h.holds_graph],
                                          exclude=cur.storages, budget_s=s.scan_budget_s)
             self._current = owners.current_rows(cur, threshold_bytes=s.threshold_bytes, graphs=graphs,
-                                                cache=self._finding_cache)
+                                                cache=self._finding_cache, row_cache=self._row_cache)
             self._current_of = cur
         return self._current
 

@@ -68,12 +68,13 @@ def cell_rows(cur: Scan, prev: Scan | None, cell: int, *, threshold_bytes: int, 
 
 
 def current_rows(cur: Scan, *, threshold_bytes: int, graphs: Mapping[int, Graph],
-                 cache: dict[int, Any] | None = None) -> Rows:
-    """Everything held now, each owner with the cell its memory first appeared in."""
+                 cache: dict[int, Any] | None = None, row_cache: RowCache | None = None) -> Rows:
+    """Everything held now, each owner with the cell its memory first appeared in. ``row_cache`` keeps each
+    owner's row between calls, reused while its members are the same records (issue 38)."""
     held = list(cur.storages.values())
     rows, total = group(held, lambda hs: min(h.first_cell for h in hs), threshold_bytes=threshold_bytes,
                         graphs=graphs, types=cur.root_types, keepers=Keepers(cur.storages, graphs),
-                        states=cur.root_state)
+                        states=cur.root_state, row_cache=row_cache)
     # Worked out only when asked for (``leaks(detail=True)``); what it reads is the scan the session keeps anyway.
     return Rows(rows, lambda: detail_rows(rows, held, lambda hs: min(h.first_cell for h in hs),
                                           threshold_bytes=threshold_bytes, graphs=graphs, cache=cache), total)
@@ -115,16 +116,29 @@ def detail_rows(rows: Sequence[Finding], held: Sequence[Held], cell_of: Callable
     return out
 
 
+#: (owner, device) -> the row's inputs (its members, kept so that their ids stay theirs; its graphs' saved
+#: storages; the owner's type; every graph of the scan, as a hint reads them) and the row made from them.
+RowCache = dict[tuple[str, str], tuple[tuple[list[Held], frozenset[int], dict[int, int], str, Any], Finding]]
+
+
 def group(held: Sequence[Held], cell_of: Any, *, threshold_bytes: int, graphs: Mapping[int, Graph],
           types: Mapping[str, str], lost: Mapping[int, Sequence[str]] | None = None,
           gained: Mapping[int, Sequence[str]] | None = None, lines: Mapping[int, int] | None = None,
           added: Callable[[str, Sequence[Held]], bool] | None = None, keepers: Keepers | None = None,
-          states: Mapping[str, str] | None = None) -> tuple[tuple[Finding, ...], int]:
+          states: Mapping[str, str] | None = None,
+          row_cache: RowCache | None = None) -> tuple[tuple[Finding, ...], int]:
     """One row per (owner, device) whose storages and graphs together reach the threshold, largest first,
     and their bytes together (a graph several rows keep, once). ``added(owner, members)``: whether the
     members are new under an owner that held memory before (the words then say "new"); ``keepers``: every
-    holder of the scan, so that hints say what else must go; ``states``: the roots that are state."""
+    holder of the scan, so that hints say what else must go; ``states``: the roots that are state.
+    ``row_cache`` (only without ``lost``, ``gained``, ``lines``, ``added``): a row whose members are the very
+    same records as last time (the scanner makes a new ``Held`` for every storage whose paths changed), with
+    the same graphs, type and every graph's saved tensors (what a hint's "what else must go" reads), is the
+    same row; a model's thousands of members are not judged again each cell."""
     by_owner: dict[tuple[str, str], list[Held]] = {}
+    # What a hint reads beyond a row's own members: every graph, what it saves and the record of its holder.
+    graph_key = (frozenset((h, frozenset(g.saved), g.named, id(keepers.storages.get(h) if keepers else None))
+                           for h, g in graphs.items()) if row_cache is not None else None)
     for h in held:
         by_owner.setdefault((h.owner, h.device), []).append(h)
     rows: list[Finding] = []
@@ -138,8 +152,15 @@ def group(held: Sequence[Held], cell_of: Any, *, threshold_bytes: int, graphs: M
         storage = sum(h.nbytes for h in members)
         if storage + sum(saved.values()) < threshold_bytes:
             continue
-        row = _row(owner, device, members, saved, cell_of(members), graphs, types, lost or {}, gained or {},
-                   lines or {}, added is not None and added(owner, members), keepers)
+        inputs = (members, frozenset(map(id, members)), saved, types.get(owner, ""), graph_key)
+        was = row_cache.get((owner, device)) if row_cache is not None else None
+        if was is not None and was[0][1:] == inputs[1:]:
+            row = was[1]
+        else:
+            row = _row(owner, device, members, saved, cell_of(members), graphs, types, lost or {}, gained or {},
+                       lines or {}, added is not None and added(owner, members), keepers)
+        if row_cache is not None:
+            row_cache[owner, device] = (inputs, row)
         if states and states.get(owner):
             row = replace(row, state=states[owner])
         elif states and any(n in states for n in row.roots):
@@ -149,6 +170,9 @@ def group(held: Sequence[Held], cell_of: Any, *, threshold_bytes: int, graphs: M
                           hint=f"{row.hint} (`{'`, `'.join(kept)}`: the cell's state, which `--last-report` keeps)")
         saved_by[len(rows)] = set(saved)
         rows.append(row)
+    if row_cache is not None:
+        for key in [k for k in row_cache if k not in by_owner]:
+            del row_cache[key]
     _mark_shared(rows, saved_by)
     every: dict[int, int] = {}
     for (_o, _d), members in by_owner.items():
