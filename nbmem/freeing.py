@@ -61,8 +61,10 @@ class Keepers:
         names: dict[str, None] = {owner: None} if owner.isidentifier() else {}
         outputs = traceback = False
         modules: dict[str, None] = {}
-        while todo:
-            h = todo.pop()
+        i = 0
+        while i < len(todo):  # in order: the names come out as the rows' own holders rank them
+            h = todo[i]
+            i += 1
             for r, kind in zip(h.reached_from, h.reached_kinds):
                 if kind is HolderKind.NAMESPACE:
                     n = root_name(r)

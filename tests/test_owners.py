@@ -280,3 +280,12 @@ def test_a_hint_says_del_frees_it_only_where_that_name_alone_frees_it(ip):
     assert by["preds"].hint == "`del preds` frees it", "its graph saved only x, which x's row counts"
     assert by["model"].state == "model" and by["model"].hint == "`del model` frees it", "x needs no grad: W unsaved"
     assert session_of(ip).last_report.last_report_cleanup().names == ("preds", "x", "kept")
+
+
+def test_the_cell_report_and_leaks_agree_after_a_loop_binds_the_last_batch(ip):
+    ok(ip, "val_batches = [(torch.randn(512, 512), torch.randn(512, 512)) for _ in range(4)]")
+    made = rows(last_cell(ip))
+    ok(ip, "for x, y in val_batches:\n    pass")
+    now = rows()
+    assert dict(zip(made.name, made.tensors)) == dict(zip(now.name, now.tensors)) == {"val_batches": 8}, now
+    assert list(now.also_held_by.iloc[0]) == ["x", "y"] and "`%cudamem clean val_batches x y`" in now.hint.iloc[0]
