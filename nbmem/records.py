@@ -283,6 +283,7 @@ class Finding:
     members: tuple[Finding, ...] = ()  # an owner row's biggest members: a row per storage (or small group)
     more_bytes: int = 0  # an owner row's bytes in members not listed
     also_held_by: tuple[str, ...] = ()  # other owners that reach some of its memory
+    also_clears: tuple[str, ...] = ()  # "outputs", "traceback": what must be cleared with its names to free it
     state: str = ""  # what the cell meant to keep ("model", "optimizer", ...; intent.py): never offered in one click
 
     @property
@@ -344,7 +345,9 @@ def cleanup_of(f: Finding) -> CleanupOf:
     if f.kind is HolderKind.TRACEBACK:
         return CleanupOf(traceback=True)
     if f.kind is HolderKind.NAMESPACE:
-        return CleanupOf(names=f.roots)
+        # What else holds it out of a variable's reach (a displayed element, a frame's local) goes too: the
+        # row's hint names the same flags (freeing.py).
+        return CleanupOf(names=f.roots, outputs="outputs" in f.also_clears, traceback="traceback" in f.also_clears)
     return CleanupOf()
 
 

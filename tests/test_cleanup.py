@@ -354,3 +354,21 @@ def test_a_move_to_the_cpu_counts_what_left_the_gpu_and_says_what_the_host_gaine
     assert (move.freed_allocated_bytes, move.freed_reserved_bytes) == (200, 0), "not 0: the host's gain is apart"
     assert move.note == "module moved in place; 200 B more on the CPU"
     assert rep.freed_allocated_bytes == 200
+
+
+def test_last_report_frees_an_element_the_output_history_also_holds(ip):
+    # Out[n] holds losses[0], not the list: deleting `losses` alone would leave it; the hint and the one click
+    # say --outputs too. A displayed variable itself needs no flag: nbmem's delete takes IPython's references.
+    ok(ip, "lin = torch.nn.Linear(512, 512)\nlosses = [lin(torch.randn(1024, 512)).relu().sum() for _ in range(3)]")
+    ok(ip, "losses[0]")
+    report = _ACTIVE[ip].session.last_report
+    (row,) = report.findings
+    assert row.hint.endswith("`%cudamem clean losses --outputs` removes both"), row.hint
+    assert str(report).splitlines()[-1] == "`%cudamem clean --last-report` would run: losses --outputs"
+    rep = ip.run_line_magic("cudamem", "clean --last-report")
+    assert rep.freed_allocated_bytes >= 12 * MiB and "lin" in ip.user_ns
+    ok(ip, "x = torch.empty(2**20)")
+    ok(ip, "x")
+    (row,) = [r for r in nbmem.leaks().itertuples() if r.name == "x"]
+    assert row.hint == (f"the output history (Out[{last_cell(ip)}]) also holds it: `del x` alone frees nothing; "
+                        "`%cudamem clean x` removes both") and row.action == "%cudamem clean x", row

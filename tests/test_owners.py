@@ -228,3 +228,66 @@ def test_the_detail_explains_every_owner_row_even_of_many_small_tensors(ip, caps
     assert list(mine["name"]) == ["big['w']", "big['small']"] and list(mine["tensors"]) == [1, 50]
     assert mine["bytes"].sum() == rows().set_index("name").loc["big", "bytes"]
     assert set(now["owner"]) == set(rows()["name"]), "every owner row has its detail"
+
+
+# -- whose memory it is, and what frees it (issue 37) ----------------------------------------------------
+def test_state_is_told_by_the_type_alone_without_running_user_code():
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from nbmem.intent import state_of
+
+    model = torch.nn.Linear(2, 2)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    ds = TensorDataset(torch.zeros(4, 2))
+    told = [state_of(type(x)) for x in (model, opt, torch.optim.lr_scheduler.StepLR(opt, 1),
+                                        torch.amp.GradScaler("cpu", enabled=False), ds, DataLoader(ds))]
+    assert told == ["model", "optimizer", "LR scheduler", "gradient scaler", "dataset", "data loader"]
+    assert [state_of(type(x)) for x in (torch.zeros(1), [model], {"m": model})] == ["", "", ""]
+
+    class Meta(type):
+        def __getattribute__(cls, name):
+            raise AssertionError(f"user code ran: {name}")
+
+        def __subclasscheck__(cls, sub):
+            raise AssertionError("user code ran: __subclasscheck__")
+
+    class Hostile(torch.nn.Module, metaclass=type("M", (Meta, type(torch.nn.Module)), {})):
+        pass
+
+    assert state_of(Hostile) == "model"
+
+
+def test_a_loop_leftover_names_memory_after_its_container_and_state_never_passes_to_a_list():
+    from nbmem.naming import container_first
+    from nbmem.records import HolderKind
+
+    ns = HolderKind.NAMESPACE
+    assert container_first([("m.weight", ns), ("model.2.weight", ns)], lambda r: True)[0][0] == "model.2.weight"
+    # a trainer's attribute is not an element: the model keeps its memory
+    ranked = [("model.0.weight", ns), ("trainer.model.0.weight", ns)]
+    assert container_first(ranked, lambda r: True) == ranked
+    # a plain list of models is not state: the model stays the owner of its own weights
+    ranked = [("model.0.weight", ns), ("ensemble[0].0.weight", ns)]
+    assert container_first(ranked, lambda r: r == "model") == ranked
+
+
+def test_a_hint_says_del_frees_it_only_where_that_name_alone_frees_it(ip):
+    ok(ip, "model = torch.nn.Linear(512, 1024)\nx = torch.randn(2048, 512)\npreds = model(x)\n"
+           "kept = torch.randn(2048, 512)")
+    by = {r.name: r for r in session_of(ip).last_report.findings}
+    assert by["kept"].hint == "`del kept` frees it"
+    assert by["x"].hint == ("`del x` frees nothing: `x` is also saved by the graph of `preds`, so it goes with "
+                            "`preds` → `%cudamem clean x preds`")
+    assert by["preds"].hint == "`del preds` frees it", "its graph saved only x, which x's row counts"
+    assert by["model"].state == "model" and by["model"].hint == "`del model` frees it", "x needs no grad: W unsaved"
+    assert session_of(ip).last_report.last_report_cleanup().names == ("preds", "x", "kept")
+
+
+def test_the_cell_report_and_leaks_agree_after_a_loop_binds_the_last_batch(ip):
+    ok(ip, "val_batches = [(torch.randn(512, 512), torch.randn(512, 512)) for _ in range(4)]")
+    made = rows(last_cell(ip))
+    ok(ip, "for x, y in val_batches:\n    pass")
+    now = rows()
+    assert dict(zip(made.name, made.tensors)) == dict(zip(now.name, now.tensors)) == {"val_batches": 8}, now
+    assert list(now.also_held_by.iloc[0]) == ["x", "y"] and "`%cudamem clean val_batches x y`" in now.hint.iloc[0]

@@ -123,7 +123,8 @@ def follow_every_hint(name: str, dev: str) -> None:
     src = NOTEBOOKS[name].replace("{dev}", dev)
     with notebook(src) as sh:
         sess = _ACTIVE[sh].session
-        report: CellReport = sess.last_report
+        report = sess.last_report
+        assert isinstance(report, CellReport), "a single-cell notebook gets a report"
         rows = report.findings
         assert rows, str(report)
         offered = set(report.last_report_cleanup().names)

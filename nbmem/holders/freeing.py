@@ -61,15 +61,20 @@ class Keepers:
         names: dict[str, None] = {owner: None} if owner.isidentifier() else {}
         outputs = traceback = False
         modules: dict[str, None] = {}
-        while todo:
-            h = todo.pop()
+        i = 0
+        while i < len(todo):  # in order: the names come out as the rows' own holders rank them
+            h = todo[i]
+            i += 1
+            # A variable bound to the very tensor an output holds takes that output with it when nbmem deletes
+            # it (IPython's references to the same object go too): no flag is needed for it.
+            bare = any(k is HolderKind.NAMESPACE and p.isidentifier() for p, k in zip(h.holders, h.holder_kinds))
             for r, kind in zip(h.reached_from, h.reached_kinds):
                 if kind is HolderKind.NAMESPACE:
                     n = root_name(r)
                     if n.isidentifier() and not is_output_name(n):
                         names.setdefault(n)
                 elif kind is HolderKind.OUTPUT:
-                    outputs = True
+                    outputs = outputs or not (bare and r in h.holders)
                 elif kind is HolderKind.TRACEBACK:
                     traceback = True
                 elif kind is HolderKind.MODULE:

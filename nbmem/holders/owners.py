@@ -210,12 +210,23 @@ def _row(owner: str, device: str, members: list[Held], saved: Mapping[int, int],
     else:
         hint = _hint(owner, kind, members, graph_bytes, also, lost, gained)
     needs = keepers.needs(owner, members) if keepers is not None and kind is HolderKind.NAMESPACE else None
+    clears: tuple[str, ...] = ()
     if needs is not None and owner.isidentifier():
         roots = needs.names
+        clears = tuple(w for w, on in (("outputs", needs.outputs), ("traceback", needs.traceback)) if on)
+        shown_out = list(dict.fromkeys(n for h in members for n in gained.get(h.sid, ())))
+        if shown_out and needs.outputs:  # an element was displayed: deleting the owner leaves the output
+            hint = (f"displayed, so the output history ({', '.join(shown_out)}) now also holds it: `del {owner}` "
+                    f"alone frees nothing; `%cudamem clean {_needs_args(needs)}` removes both")
         plain = not any(lost.get(h.sid) or gained.get(h.sid) for h in members) and not any(
             ".<lru_cache>" in h.name for h in members)
         if plain and not Keepers.owner_alone(owner, needs):
             hint = _needs_hint(owner, needs, also, graph_bytes, len(members))
+        elif plain and any(k is HolderKind.OUTPUT for h in members for k in h.reached_kinds):
+            # The output history binds the same tensor: nbmem's delete takes IPython's references with the name.
+            outs = [o for o, k in also if k is HolderKind.OUTPUT] or ["Out"]
+            hint = (f"the output history ({outs[0]}) also holds it: `del {owner}` alone frees nothing; "
+                    f"`%cudamem clean {owner}` removes both")
         elif plain and graph_bytes and f"`del {owner}` frees it" not in hint:
             hint = f"{_graph_words(graph_bytes, len(members))}, or `del {owner}` frees it"
     line = next((lines[h.sid] for h in order if h.sid in lines), None)
@@ -224,7 +235,7 @@ def _row(owner: str, device: str, members: list[Held], saved: Mapping[int, int],
                    shown[0].view_bytes if len(members) == 1 else None, (), hint, roots, f"{device}:o:{owner}", line,
                    owner=owner, description=words, members=shown,
                    more_bytes=sum(h.nbytes + judge.graph_bytes(graphs, h.sid) for h in order[MEMBERS_SHOWN:]),
-                   also_held_by=tuple(o for o, _k in also))
+                   also_held_by=tuple(o for o, _k in also), also_clears=clears)
 
 
 def _with_line(f: Finding, line: int | None) -> Finding:

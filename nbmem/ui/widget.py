@@ -158,7 +158,8 @@ def request_for(f: Finding, action: str) -> CleanupRequest | None:
     into ``%cudamem clean`` deletes."""
     if action == "del":
         ok = f.kind is HolderKind.NAMESPACE and f.name in f.roots and not f.state
-        return CleanupRequest(names=f.roots) if ok else None
+        return CleanupRequest(names=f.roots, outputs="outputs" in f.also_clears,
+                              traceback="traceback" in f.also_clears) if ok else None
     if action == "to_cpu":
         return CleanupRequest(to_cpu=(f.name,)) if can_move_to_cpu(f) else None
     return None
@@ -173,7 +174,7 @@ def holder_rows(findings: Sequence[Finding], limit: int = TOP_HOLDERS) -> list[d
         d = request_for(f, "del")
         rows.append({"id": f.id, "name": f.name, "kind": f.kind.value, "device": f.device, "bytes": f.bytes,
                      "what": f.what(), "graph": f.holds_graph, "roots": list(f.roots), "to_cpu": can_move_to_cpu(f),
-                     "state": f.state, "del_label": ("del " + ", ".join(d.names)) if d is not None else "",
+                     "state": f.state, "del_label": d.describe() if d is not None else "",
                      "hint": f.hint,
                      "members": [{"name": m.name, "bytes": m.bytes, "what": m.what()} for m in f.members],
                      "more": f.more, "more_bytes": f.more_bytes, "also": list(f.also_held_by)})
