@@ -235,7 +235,7 @@ def test_state_is_told_by_the_type_alone_without_running_user_code():
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
-    from nbmem.intent import state_of
+    from nbmem.holders.intent import state_of
 
     model = torch.nn.Linear(2, 2)
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -259,7 +259,7 @@ def test_state_is_told_by_the_type_alone_without_running_user_code():
 
 
 def test_a_loop_leftover_names_memory_after_its_container_and_state_never_passes_to_a_list():
-    from nbmem.naming import container_first
+    from nbmem.holders.naming import container_first
     from nbmem.records import HolderKind
 
     ns = HolderKind.NAMESPACE
