@@ -109,6 +109,15 @@ def _saved(node: Any, names: dict[int, tuple[str, ...]], keep: list[Any]) -> lis
                 continue
             keep.append(x)
             out.append(x)
+    if attrs == () and t.__name__ == "AccumulateGrad":
+        # A leaf's gradient sink holds the leaf itself (a parameter): the graph keeps it alive as surely as a
+        # saved tensor, so `del model` frees nothing while a loss that used it is kept.
+        try:
+            x = node.variable
+        except Exception:
+            return out
+        keep.append(x)
+        out.append(x)
     return out
 
 
