@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The demo: sets up .venv (scripts/setup.sh; NBMEM_TORCH=cpu picks torch's CPU build), then starts JupyterLab
+# The demo: sets up .venv (scripts/setup.sh: the CPU build of torch where no NVIDIA driver is, NBMEM_TORCH overrides), then starts JupyterLab
 # with notebooks/quickstart.ipynb open and prints the URL to open. Arguments go to `jupyter lab` (e.g. --port=9999).
 # Jupyter's news pop-up is off for the demo only (scripts/demo-config); your own Jupyter settings are untouched.
 set -euo pipefail

@@ -17,6 +17,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 
 @pytest.mark.parametrize("args", [
     ["bench_scan.py", "--device", "cpu", "--quick", "--only", "small"],
+    ["bench_scan.py", "--device", "cpu", "--quick", "--only", "small", "--reps", "2", "--against", str(BENCH.parent)],
     ["bench_overhead.py", "--device", "cpu", "--quick", "--only", "cell,footprint,load", "--sizes", "10000"],
     ["bench_stack.py", "--device", "cpu", "--seconds", "1", "--pairs", "2"],
     ["bench_stack.py", "--device", "cpu", "--seconds", "1", "--pairs", "2", "--design", "runs"],

@@ -104,7 +104,7 @@ def test_an_old_python_is_refused_before_anything_is_made(checkout: Path) -> Non
 def test_a_failing_pip_stops_setup_and_names_the_command(checkout: Path) -> None:
     """The first step is real (a venv, ~5 s); pip then fails on a torch release that does not exist."""
     (checkout / "requirements/torch.txt").write_text("torch==0.0.0\n")
-    out = setup(checkout, timeout=180)
+    out = setup(checkout, timeout=180, NBMEM_TORCH="default")
     assert out.returncode != 0, out.stdout
     assert f"FAILED (exit {out.returncode}): {PIP} torch==0.0.0\n" in out.stdout, out.stdout
     assert "last lines of its output" in out.stdout and "torch==0.0.0" in out.stdout.split("last lines")[1]
