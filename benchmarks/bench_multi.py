@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import gc
 import json
 import os
@@ -447,7 +448,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         plan = (twogpu_plan(gpu, a.hold_gib) if part == "twogpu" else
                 on_plan(gpu, [f for f in a.families.split(",") if f], [s for s in a.sizes.split(",") if s]))
         used = range(n) if part == "twogpu" else (0,)
-        run_plan(plan, rows, started, a.budget_s, a.out, after=lambda used=used: gpu.settle(used))
+        run_plan(plan, rows, started, a.budget_s, a.out, after=functools.partial(gpu.settle, used))
     for part in parts:
         print_table(part, rows)
     if a.out:
