@@ -127,7 +127,7 @@ def measure_row(row: Row, fit_once: Callable[[], Any], ok: Callable[[int], bool]
 
 def run_plan(plan: Sequence[tuple[Row, Callable[[Row, float], None]]], rows: list[Row], started: float,
              budget_s: float, out: str = "", clock: Callable[[], float] = time.perf_counter,
-             after: Callable[[], None] = lambda: None) -> None:
+             after: Callable[[], None] = lambda: None, machine: str = "") -> None:
     """Each row's measurement in turn, printed as it ends; one that fails says why and the next goes on.
     ``after`` runs after each (the GPU's cache emptied)."""
     for row, measure in plan:
@@ -145,7 +145,7 @@ def run_plan(plan: Sequence[tuple[Row, Callable[[Row, float], None]]], rows: lis
                 after()
         print(f"  {line(row)}", flush=True)
         if out:
-            write_json(out, rows)
+            write_json(out, rows, machine)
 
 
 def fmt(n: int | None) -> str:
@@ -162,10 +162,11 @@ def line(r: Row) -> str:
             f"{'; ' + r.note if r.note else ''}{'; ' + r.error if r.error else ''}")
 
 
-def write_json(out: str, rows: Sequence[Row]) -> None:
+def write_json(out: str, rows: Sequence[Row], machine: str = "") -> None:
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, "bench_multi.json"), "w") as f:
-        json.dump([{**dataclasses.asdict(r), "ratio": r.ratio} for r in rows], f, indent=1)
+        json.dump({"machine": machine, "rows": [{**dataclasses.asdict(r), "ratio": r.ratio} for r in rows]}, f,
+                  indent=1)
 
 
 def print_table(part: str, rows: Sequence[Row]) -> None:
@@ -408,8 +409,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--only", default=",".join(PARTS),
                     help="comma-separated parts: twogpu (needs 2 GPUs), on (one GPU); default: both")
-    ap.add_argument("--budget-s", type=float, default=420.0,
-                    help="no row starts after this long, and no bisection step a minute after it")
+    ap.add_argument("--budget-s", type=float, default=360.0,
+                    help="for the whole run (both parts share it): no row starts after this long, and no "
+                         "bisection step a minute after it")
     ap.add_argument("--hold-gib", type=float, default=30.0, help="twogpu: what cuda:0 holds for every family")
     ap.add_argument("--families", default=",".join(ON_FAMILIES), help="on: bench_fit's families to fit")
     ap.add_argument("--sizes", default=",".join(ON_SIZES), help="on: the GPU memory sizes to answer for")
@@ -438,21 +440,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     # the devices' properties, not cudaMemGetInfo: that would make a CUDA context on each
     names = ", ".join(f"cuda:{d} {p.name} ({p.total_memory / GiB:.1f} GiB)"
                       for d, p in ((d, torch.cuda.get_device_properties(d)) for d in range(n)))
-    print(f"torch {torch.__version__}; {names}", flush=True)
+    machine = f"torch {torch.__version__}; {names}"
+    print(machine, flush=True)
     rows: list[Row] = []
     for part in parts:
         if part == "twogpu" and n < 2:
             rows += [Row("twogpu", f, error=f"not run: needs two GPUs, this machine has {n}")
                      for f in ("mlp-cuda1", "split-lm")]
             continue
-        plan = (twogpu_plan(gpu, a.hold_gib) if part == "twogpu" else
-                on_plan(gpu, [f for f in a.families.split(",") if f], [s for s in a.sizes.split(",") if s]))
+        if part == "twogpu":
+            print(f"twogpu: the real boundary is where 3 steps in a row run out of memory on any device; cuda:0 "
+                  f"holds up to {a.hold_gib:g} GiB", flush=True)
+            plan = twogpu_plan(gpu, a.hold_gib)
+        else:
+            print("on: the truth for each size is the same bisection on cuda:0 under "
+                  "torch.cuda.set_per_process_memory_fraction(size / total memory), not a GPU of that size",
+                  flush=True)
+            plan = on_plan(gpu, [f for f in a.families.split(",") if f], [s for s in a.sizes.split(",") if s])
         used = range(n) if part == "twogpu" else (0,)
-        run_plan(plan, rows, started, a.budget_s, a.out, after=functools.partial(gpu.settle, used))
+        run_plan(plan, rows, started, a.budget_s, a.out, after=functools.partial(gpu.settle, used), machine=machine)
     for part in parts:
         print_table(part, rows)
     if a.out:
-        write_json(a.out, rows)
+        write_json(a.out, rows, machine)
     print("\n=== summary ===")
     for part in parts:
         print(summary(part, rows))

@@ -148,7 +148,7 @@ def test_bench_multis_rows_go_on_after_a_failure_and_stop_at_the_budget(tmp_path
     assert d.answer == 95 and d.truth is None and d.error == "real boundary not found: time budget spent"
     assert now[0] == 200.0, "the budget (100 s) and its grace (60 s) stop the bisection at the try after"
     assert e.error == "not run: time budget spent" and e.answer is None
-    saved = json.loads((tmp_path / "bench_multi.json").read_text())
+    saved = json.loads((tmp_path / "bench_multi.json").read_text())["rows"]
     assert [r["family"] for r in saved] == ["a", "b", "c", "d", "e"] and saved[0]["ratio"] == 0.95
 
 
