@@ -71,7 +71,7 @@ def test_without_cuda_a_fit_says_it_needs_cudas_allocator_and_the_body_does_not_
     with pytest.raises(RuntimeError, match=r"fitting needs CUDA's caching allocator"):
         nbmem.fit(BODY, "batch", [8, 16], on="A100 40GB")
     assert "ran" not in nb.user_ns
-    assert session_of(nb)._own_used(0) is None, "no NVML here: the context's size is not known from it"
+    assert session_of(nb).probe.nvml.own_used(0) is None, "no NVML here: the context's size is not known from it"
 
 
 def test_the_namespace_is_put_back_after_each_run_and_the_fits_variable_restored(nb):

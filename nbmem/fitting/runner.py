@@ -549,8 +549,8 @@ def _predicted_not_to_fit(runs: Sequence[RunSet], value: int, body: _Body, cell_
     last = next((r for r in reversed(runs) if not r.oom), None)
     if last is None:
         return False
-    for d, tr in last.traces.items():
-        bound = proportional_bound(tr, value)
+    for d in used_devices([last]):  # a device the body does not allocate on limits nothing, however full it is
+        bound = proportional_bound(last.traces[d], value)
         if d in body.rooms and bound is not None and bound > body.rooms[d].capacity_bytes:
             return True
     return False
