@@ -83,7 +83,7 @@ def test_a_fit_on_cuda1_while_cuda0_is_busy_is_cuda1s_answer_and_true(blockers: 
 
     step(8)
     blockers(0, 256 * MiB)
-    blockers(1, 6 * GiB)
+    blockers(1, 12 * GiB)  # room enough that the 2 % margin (1.6 GiB) is not most of it
     held = allocated()
     res = fitting.fit(step, [1024, 2048, 4096], name="batch", modules=[model], optimizers=[opt])
     assert allocated() == held, (held, res.notes)
@@ -109,8 +109,8 @@ def test_a_model_split_by_hand_over_two_gpus_is_limited_by_the_fuller_one(blocke
         opt.zero_grad(set_to_none=True)
 
     step(8)
-    blockers(0, 4 * GiB)
-    blockers(1, 8 * GiB)
+    blockers(0, 20 * GiB)
+    blockers(1, 30 * GiB)
     held = allocated()
     res = fitting.fit(step, [512, 1024, 2048], name="batch", modules=[first, second], optimizers=[opt])
     assert allocated() == held, (held, res.notes)
@@ -143,8 +143,8 @@ def test_a_hugging_face_model_with_device_map_auto_over_two_gpus_gets_a_true_ans
         model.zero_grad(set_to_none=True)
 
     step(2)
-    blockers(0, 3 * GiB)
-    blockers(1, 3 * GiB)
+    blockers(0, 16 * GiB)
+    blockers(1, 16 * GiB)
     held = allocated()
     res = fitting.fit(step, [4, 8, 16], name="batch", modules=[model])
     assert allocated() == held, (held, res.notes)
