@@ -179,7 +179,10 @@ class Seen:
 
 
 def observe(sh: InteractiveShell, seen: Seen) -> None:
-    from nbmem.ipython.root import session_of
+    try:
+        from nbmem.ipython.root import session_of
+    except ImportError:  # an older checkout (--against), from before the house by capability
+        from nbmem.magics import session_of  # type: ignore[import-not-found,no-redef]
 
     rep = session_of(sh).last_report
     seen.cells += 1
