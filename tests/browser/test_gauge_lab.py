@@ -248,16 +248,17 @@ def test_gpu_layout_from_fake_samples(page: Any, artifacts: Path) -> None:
     loss = gauge.locator("[data-role=holder][data-id='cuda:0:b2']")
     expect(loss.locator("[data-role=graph]")).to_be_visible()
     assert gauge.locator("[data-role=holder][data-id='cuda:0:c3'] [data-action=del]").is_disabled()
-    # The del button says which variable it deletes (the owner shown, never another), before and while it
-    # asks to confirm; the row says who else holds the memory.
+    # The del button says which variables it deletes (every name the row's hint says must go for it to be freed:
+    # `loss` alone frees nothing while `losses` holds it), before and while it asks to confirm; the row says who
+    # else holds the memory.
     expect(loss.locator("[data-role=also]")).to_have_text("also held by losses")
     del_loss = loss.locator("[data-action=del]")
-    expect(del_loss).to_have_text("del loss")
+    expect(del_loss).to_have_text("del loss, losses")
     del_loss.click()
-    expect(del_loss).to_have_text("del loss?")
+    expect(del_loss).to_have_text("del loss, losses?")
     page.mouse.move(0, 0)
     page.wait_for_timeout(4200)  # the confirmation lapses without a second click
-    expect(del_loss).to_have_text("del loss")
+    expect(del_loss).to_have_text("del loss, losses")
     assert page.evaluate("window.sent") == []
 
     # "to CPU" asks twice, then sends exactly one request naming the finding, and shows it pending.
