@@ -365,6 +365,8 @@ export function scannedLabel(at, now) {
  * @property {string} id
  * @property {string} name `model`, `losses`, `Out[4]`, `<traceback train_step>`, `mymod.cache`
  * @property {string} kind "namespace" | "module" | "output" | "traceback"
+ * @property {string} [kind_label] the kind's word beside the device ("output"; "" for a variable), from the kernel
+ * @property {string} [no_del] why there is no del button and what frees it instead, from the kernel
  * @property {string} device
  * @property {number} bytes
  * @property {string} what the size in words (views, groups of small tensors, graphs)
@@ -407,34 +409,6 @@ export function scannedLabel(at, now) {
  * @property {string} more "and 12 more (1.20 GiB)", or ""
  */
 
-/** The kinds of holder besides a plain variable, as the row names them. */
-const KIND_LABELS = { output: "output", traceback: "traceback", module: "module" };
-
-/**
- * The module whose attribute a "module" holder is: its name up to the last dot before any index
- * (`pkg.sub.cache` → `pkg.sub`, `mymod.cache['k']` → `mymod`).
- * @param {string} name
- * @returns {string}
- */
-export function moduleOf(name) {
-  const head = name.split("[", 1)[0];
-  const dot = head.lastIndexOf(".");
-  return dot > 0 ? head.slice(0, dot) : head;
-}
-
-/**
- * Why a holder's del button is disabled: what frees it instead.
- * @param {Holder} x
- * @returns {string}
- */
-function whyNoDel(x) {
-  if (x.state) return `the notebook's state (${x.state}): delete it by name, %cudamem clean ${listOf(x.roots).join(" ") || x.name}`;
-  if (x.kind === "output") return "held by the output history: use “clear outputs”";
-  if (x.kind === "traceback") return "held by the last traceback: use “clear traceback”";
-  if (x.kind === "module") return `an attribute of module ${moduleOf(x.name)}: set it to None`;
-  return "no top-level name to delete";
-}
-
 /**
  * A list the kernel sent, or [] when it sent something else (an older nbmem sends nothing).
  * @template T
@@ -468,11 +442,12 @@ export function holderText(x) {
     name: x.name,
     title: x.hint || "",
     bytes: fmtBytes(x.bytes),
-    where: [x.device, KIND_LABELS[/** @type {keyof typeof KIND_LABELS} */ (x.kind)] || ""].filter(Boolean).join(" · "),
+    // Each kind's word and why it has no *del* come from the kernel (records.HOLDER_KINDS), written once there.
+    where: [x.device, x.kind_label || ""].filter(Boolean).join(" · "),
     graph: Boolean(x.graph),
     what: x.what && x.what !== "tensor" ? x.what : "",
     also: also.length ? `also held by ${also.join(", ")}` : "",
-    del: { label: delLabel, confirm: `${delLabel}?`, disabled: x.del_label ? "" : whyNoDel(x) },
+    del: { label: delLabel, confirm: `${delLabel}?`, disabled: x.del_label ? "" : x.no_del || "no top-level name to delete" },
     toCpu: {
       label: "to CPU",
       confirm: `${x.name}.cpu()?`,

@@ -3,7 +3,7 @@ import assert from "node:assert/strict";
 import { test } from "node:test";
 
 import {
-  CONFIRM_MS, SIDECAR, agoLabel, cellSpans, codeParts, diff, holderList, holderText, moduleOf, peakPercent, press, rows, scaleOf,
+  CONFIRM_MS, SIDECAR, agoLabel, cellSpans, codeParts, diff, holderList, holderText, peakPercent, press, rows, scaleOf,
   pageSidebar, scannedLabel, segments, sidebarModel, seriesMax, sparkMax, sparkPath, sparkStart, viewKind, widths, limitWarning,
 } from "./layout.js";
 
@@ -233,22 +233,23 @@ test("a row whose one member is itself has nothing to expand; members without mo
   assert.deepEqual([unsized.summary, unsized.more], ["3 members", "and 3 more"], "more without more_bytes");
 });
 
-test("the kinds that del cannot free say what does, the module kind included", () => {
-  const mod = holderText(holder({ name: "pkg.sub.cache", kind: "module", del_label: "", to_cpu: false }));
+test("the kinds that del cannot free say what does, in the kernel's words (records.HOLDER_KINDS)", () => {
+  const mod = holderText(holder({ name: "pkg.sub.cache", kind: "module", kind_label: "module", del_label: "",
+    no_del: "an attribute of module pkg.sub: set it to None", to_cpu: false }));
   assert.equal(mod.where, "cuda:0 · module");
   assert.equal(mod.del.disabled, "an attribute of module pkg.sub: set it to None");
-  assert.equal(moduleOf("mymod.cache['k'].x"), "mymod");
-  assert.equal(moduleOf("mymod"), "mymod");
-  const out = holderText(holder({ name: "Out[4]", kind: "output", del_label: "", to_cpu: false }));
+  const out = holderText(holder({ name: "Out[4]", kind: "output", kind_label: "output", del_label: "",
+    no_del: "held by the output history: use “clear outputs”", to_cpu: false }));
   assert.equal(out.where, "cuda:0 · output");
   assert.equal(out.del.disabled, "held by the output history: use “clear outputs”");
-  const tb = holderText(holder({ name: "<traceback train_step>", kind: "traceback", del_label: "", to_cpu: false }));
-  assert.equal(tb.where, "cuda:0 · traceback");
-  assert.equal(tb.del.disabled, "held by the last traceback: use “clear traceback”");
+  const old = holderText(holder({ name: "Out[4]", kind: "output", del_label: "", to_cpu: false }));
+  assert.equal(old.where, "cuda:0", "a kernel that sends no label: the device alone");
+  assert.equal(old.del.disabled, "no top-level name to delete");
 });
 
 test("the notebook's state has no del button: it says the command that deletes it by name", () => {
-  const t = holderText(holder({ name: "model", state: "model", del_label: "", roots: ["model", "opt", "sched"] }));
+  const t = holderText(holder({ name: "model", state: "model", del_label: "", roots: ["model", "opt", "sched"],
+    no_del: "the notebook's state (model): delete it by name, %cudamem clean model opt sched" }));
   assert.deepEqual(t.del, {
     label: "del", confirm: "del?",
     disabled: "the notebook's state (model): delete it by name, %cudamem clean model opt sched",

@@ -26,6 +26,51 @@ class HolderKind(StrEnum):
     MODULE = "module"  # an attribute of a module the notebook made (in sys.modules)
 
 
+@dataclass(frozen=True, slots=True)
+class KindInfo:
+    """Everything a holder kind means, in one place: how its paths rank, what frees it, and its words.
+
+    The templates take ``{path}`` (the holder's path), ``{root}`` (its top-level name) and ``{module}`` (the
+    module of a module attribute). The gauge reads ``label`` and ``no_del`` from the widget's model.
+    """
+
+    rank: int  # naming: a tensor is named by the path of the lowest rank first (a variable before an output)
+    cleans: str  # what ``%cudamem clean`` does to free it: "names", "outputs", "traceback", or "" (nothing can)
+    label: str  # its word beside a holder's device in the gauge ("" for a variable)
+    holds: str  # in "also held by ...": how another holder of this kind is named
+    kept: str  # the hint of a row this kind alone keeps
+    still: str  # "... still holds it: what frees it", after a cleanup left it
+    no_del: str  # why the gauge has no *del* for it, and what frees it instead
+
+
+HOLDER_KINDS: dict[HolderKind, KindInfo] = {
+    HolderKind.NAMESPACE: KindInfo(
+        0, "names", "", "`{path}`", "`del {root}` frees it",
+        "`{path}` still holds it: `%cudamem clean {root}` frees it", "no top-level name to delete"),
+    HolderKind.MODULE: KindInfo(
+        1, "", "module", "`{path}`", "an attribute of the module `{root}`: `del {path}` or set it to None",
+        "`{path}` still holds it: set it to None to free it", "an attribute of module {module}: set it to None"),
+    HolderKind.OUTPUT: KindInfo(
+        2, "outputs", "output", "the output history ({path})",
+        "kept by the output history{graph}: %cudamem clean --outputs, or end the line with `;`",
+        "the output history still holds it (`{path}`): `%cudamem clean --outputs` frees it",
+        "held by the output history: use “clear outputs”"),
+    HolderKind.TRACEBACK: KindInfo(
+        3, "traceback", "traceback", "the last exception's frames",
+        "kept by the last exception's frames: %cudamem clean --traceback (ends %debug for it)",
+        "the last exception's frames still hold it (`{path}`): `%cudamem clean --traceback` frees it "
+        "(ends %debug for it)", "held by the last traceback: use “clear traceback”"),
+}
+
+
+def kind_words(kind: HolderKind, field: str, path: str, graph: str = "") -> str:
+    """One of a kind's templates (``KindInfo``) filled in for ``path`` (``graph``: "(with its autograd graph, …)")."""
+    head = path.split("[", 1)[0]
+    module = head.rsplit(".", 1)[0] if "." in head else head
+    return str(getattr(HOLDER_KINDS[kind], field)).format(path=path, root=root_name(path), module=module,
+                                                          graph=graph)
+
+
 
 #: The output names IPython moves on every displayed result; a change among them is no news.
 ROTATING_OUTPUTS = ("_", "__", "___")
@@ -340,11 +385,12 @@ class CleanupOf:
 
 
 def cleanup_of(f: Finding) -> CleanupOf:
-    if f.kind is HolderKind.OUTPUT:
+    cleans = HOLDER_KINDS[f.kind].cleans
+    if cleans == "outputs":
         return CleanupOf(outputs=True)
-    if f.kind is HolderKind.TRACEBACK:
+    if cleans == "traceback":
         return CleanupOf(traceback=True)
-    if f.kind is HolderKind.NAMESPACE:
+    if cleans == "names":
         # What else holds it out of a variable's reach (a displayed element, a frame's local) goes too: the
         # row's hint names the same flags (freeing.py).
         return CleanupOf(names=f.roots, outputs="outputs" in f.also_clears, traceback="traceback" in f.also_clears)

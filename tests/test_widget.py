@@ -620,7 +620,8 @@ def test_the_del_button_says_which_variables_it_deletes(ip: Any, gauge: Gauge) -
     gauge._publisher.flush()
     row = next(h for h in gauge.holders if h["name"] == "model")
     assert row["state"] == "model" and row["del_label"] == "", "the notebook's state has no del button"
-    assert row["also"] == ["opt"] and "`%cudamem clean model opt`" in row["hint"]
+    # The losses' graphs hold the weights too (their AccumulateGrad nodes): deleting the model takes them as well.
+    assert row["also"] == ["opt"] and row["hint"].endswith("→ `%cudamem clean model opt losses loss`"), row["hint"]
     assert {m["name"] for m in row["members"]} == {"model.weight", "model.bias", "model.weight.grad",
                                                    "model.bias.grad"}
     click(gauge, request("del", row["id"]))  # an old page that still shows a del button: refused
@@ -716,3 +717,26 @@ def test_rescan_walks_everything_and_says_what_it_found(ip: Any, gauge: Gauge) -
     gauge._publisher.flush()
     assert gauge.holders == [] and gauge.action["text"].startswith("nothing above the threshold")
 
+
+
+def test_each_holder_kind_is_worded_once_and_the_gauge_is_sent_its_label_and_what_frees_it() -> None:
+    from nbmem.records import HOLDER_KINDS
+    from nbmem.ui.widget import holder_rows
+
+    assert set(HOLDER_KINDS) == set(HolderKind), "every kind has its words, rank and cleanup in one table"
+    assert sorted(i.rank for i in HOLDER_KINDS.values()) == list(range(len(HolderKind)))
+
+    def row(name: str, kind: HolderKind, **kw: Any) -> dict[str, Any]:
+        (r,) = holder_rows([Finding(1, name, (name,), kind, "cuda:0", GiB, id="id", **kw)])
+        return r
+
+    mod = row("pkg.sub.cache", HolderKind.MODULE)
+    assert (mod["kind_label"], mod["no_del"]) == ("module", "an attribute of module pkg.sub: set it to None")
+    out = row("Out[4]", HolderKind.OUTPUT)
+    assert (out["kind_label"], out["no_del"]) == ("output", "held by the output history: use “clear outputs”")
+    tb = row("<traceback step>", HolderKind.TRACEBACK)
+    assert (tb["kind_label"], tb["no_del"]) == ("traceback", "held by the last traceback: use “clear traceback”")
+    state = row("model", HolderKind.NAMESPACE, roots=("model", "opt"), state="model")
+    assert state["no_del"] == "the notebook's state (model): delete it by name, %cudamem clean model opt"
+    leak = row("x", HolderKind.NAMESPACE, roots=("x",))
+    assert (leak["kind_label"], leak["no_del"], leak["del_label"]) == ("", "", "del x")

@@ -16,7 +16,15 @@ from nbmem.holders.graphs import Graph, sharing
 from nbmem.holders.naming import MAX_HOLDERS, OPTIMIZER_STEP, container
 from nbmem.holders.scanner import Held, Scan
 from nbmem.holders.walk import ROLE_GRAD, ROLE_OPTIM, ROLE_PARAM
-from nbmem.records import CUDA_BLOCK_BYTES, ROTATING_OUTPUTS, Finding, HolderKind, is_output_name, root_name
+from nbmem.records import (
+    CUDA_BLOCK_BYTES,
+    ROTATING_OUTPUTS,
+    Finding,
+    HolderKind,
+    is_output_name,
+    kind_words,
+    root_name,
+)
 
 
 def deletable(h: Held) -> tuple[str, ...]:
@@ -40,13 +48,9 @@ def hint_for(h: Held, graph_bytes: int, *, lost: Sequence[str] = (), shared: Seq
     if ".<lru_cache>" in name:
         fn = name.split(".<lru_cache>", 1)[0]
         return f"a result cached by `{fn}` (functools.lru_cache): `{fn}.cache_clear()` frees it"
-    if h.kind is HolderKind.OUTPUT:
+    if h.kind is not HolderKind.NAMESPACE:  # an output, a frame, a module's attribute: each kind's own words
         graph = f" (with its autograd graph, {fmt_bytes(graph_bytes)})" if graph_bytes else ""
-        return f"kept by the output history{graph}: %cudamem clean --outputs, or end the line with `;`"
-    if h.kind is HolderKind.TRACEBACK:
-        return "kept by the last exception's frames: %cudamem clean --traceback (ends %debug for it)"
-    if h.kind is HolderKind.MODULE:
-        return f"an attribute of the module `{root_name(name)}`: `del {name}` or set it to None"
+        return kind_words(h.kind, "kept", name, graph)
     if shared:
         return (f"its autograd graph is shared with {', '.join(shared)}: free both (keep `.item()` or "
                 f"`.detach()` instead) or little comes back")
@@ -80,14 +84,7 @@ def hint_for(h: Held, graph_bytes: int, *, lost: Sequence[str] = (), shared: Seq
 
 def still_holds(kind: HolderKind, path: str) -> str:
     """"… but X still holds it: <what frees it>", for each kind of holder, with a step a user can take."""
-    if kind is HolderKind.TRACEBACK:
-        return (f"the last exception's frames still hold it (`{path}`): `%cudamem clean --traceback` frees it "
-                f"(ends %debug for it)")
-    if kind is HolderKind.OUTPUT:
-        return f"the output history still holds it (`{path}`): `%cudamem clean --outputs` frees it"
-    if kind is HolderKind.MODULE:
-        return f"`{path}` still holds it: set it to None to free it"
-    return f"`{path}` still holds it: `%cudamem clean {root_name(path)}` frees it"
+    return kind_words(kind, "still", path)
 
 
 def is_view(h: Held) -> bool:

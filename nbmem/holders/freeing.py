@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from nbmem.holders.graphs import Graph
 from nbmem.holders.scanner import Held
-from nbmem.records import HolderKind, is_output_name, root_name
+from nbmem.records import HOLDER_KINDS, HolderKind, is_output_name, root_name
 
 
 @dataclass(frozen=True)
@@ -69,15 +69,16 @@ class Keepers:
             # it (IPython's references to the same object go too): no flag is needed for it.
             bare = any(k is HolderKind.NAMESPACE and p.isidentifier() for p, k in zip(h.holders, h.holder_kinds))
             for r, kind in zip(h.reached_from, h.reached_kinds):
-                if kind is HolderKind.NAMESPACE:
+                cleans = HOLDER_KINDS[kind].cleans  # what frees a holder of this kind
+                if cleans == "names":
                     n = root_name(r)
                     if n.isidentifier() and not is_output_name(n):
                         names.setdefault(n)
-                elif kind is HolderKind.OUTPUT:
+                elif cleans == "outputs":
                     outputs = outputs or not (bare and r in h.holders)
-                elif kind is HolderKind.TRACEBACK:
+                elif cleans == "traceback":
                     traceback = True
-                elif kind is HolderKind.MODULE:
+                else:  # nothing nbmem deletes: a module's attribute, set to None by the user
                     modules.setdefault(r)
             for k in self.saved_in.get(h.sid, ()):
                 kh = self.storages.get(k)

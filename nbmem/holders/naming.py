@@ -13,12 +13,12 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from nbmem.holders import reach
-from nbmem.records import ROTATING_OUTPUTS, HolderKind, is_output_name, root_name
+from nbmem.records import HOLDER_KINDS, ROTATING_OUTPUTS, HolderKind, is_output_name, root_name
 
 #: Kinds of step, as a walk records them.
 L_ROOT, L_INDEX, L_KEY, L_ATTR, L_TEXT, L_TKEY = range(6)
 #: Holder order by kind: a variable names a storage before a module attribute, an output or a frame.
-KIND_RANK = {HolderKind.NAMESPACE: 0, HolderKind.MODULE: 1, HolderKind.OUTPUT: 2, HolderKind.TRACEBACK: 3}
+KIND_RANK = {kind: info.rank for kind, info in HOLDER_KINDS.items()}
 #: Most paths kept per storage.
 MAX_HOLDERS = 8
 #: Steps kept at each end of a long path; the middle is counted ("…(1,497 more)").

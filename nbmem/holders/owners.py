@@ -27,7 +27,7 @@ from nbmem.holders.graphs import sharing as graph_sharing
 from nbmem.holders.naming import MAX_HOLDERS, container, owner_of
 from nbmem.holders.scanner import Held, Scan
 from nbmem.holders.walk import ROLE_GRAD, ROLE_OPTIM, ROLE_PARAM
-from nbmem.records import Finding, HolderKind, root_name
+from nbmem.records import HOLDER_KINDS, Finding, HolderKind, kind_words, root_name
 
 #: Members listed on an owner row (the rest are counted).
 MEMBERS_SHOWN = 8
@@ -342,19 +342,18 @@ def _needs_args(needs: Needs) -> str:
 
 def _also_text(also: Also) -> str:
     """"also held by `trainer`, the output history (Out[5]) and the last exception's frames"."""
-    words = [f"`{o}`" for o, k in also if k is HolderKind.NAMESPACE or k is HolderKind.MODULE]
-    words += [f"the output history ({o})" for o, k in also if k is HolderKind.OUTPUT][:1]
-    if any(k is HolderKind.TRACEBACK for _o, k in also):
-        words.append("the last exception's frames")
+    # Each holder in its kind's words (records.HOLDER_KINDS), variables first, then one output, the frames once.
+    words = list(dict.fromkeys(kind_words(k, "holds", o) for o, k in sorted(also, key=lambda a: a[1] is
+                                                                             HolderKind.TRACEBACK)))
     return "also held by " + (", ".join(words[:-1]) + " and " + words[-1] if len(words) > 1 else words[0])
 
 
 def _clean_args(owner: str, also: Also) -> str:
     """What ``%cudamem clean`` needs to free all of it: the variables, and the hidden holders' flags."""
-    names = [owner, *(o for o, k in also if k is HolderKind.NAMESPACE and o.isidentifier())]
-    flags = [flag for flag, kind in (("--outputs", HolderKind.OUTPUT), ("--traceback", HolderKind.TRACEBACK))
-             if any(k is kind for _o, k in also)]
-    modules = [f"(and set {o} to None)" for o, k in also if k is HolderKind.MODULE]
+    cleans = [(o, HOLDER_KINDS[k].cleans) for o, k in also]
+    names = [owner, *(o for o, c in cleans if c == "names" and o.isidentifier())]
+    flags = [f"--{flag}" for flag in ("outputs", "traceback") if any(c == flag for _o, c in cleans)]
+    modules = [f"(and set {o} to None)" for o, c in cleans if not c]
     return " ".join([*names, *flags, *modules])
 
 

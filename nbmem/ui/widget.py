@@ -31,7 +31,7 @@ except ImportError as e:  # the magics turn this into "the gauge cannot be shown
 import traitlets
 
 from nbmem.clean.request import CleanupRefused, CleanupRequest
-from nbmem.records import CellRecord, Finding, HolderKind, Holders, Sample, Tick
+from nbmem.records import HOLDER_KINDS, CellRecord, Finding, HolderKind, Holders, Sample, Tick, kind_words
 from nbmem.reports import CellReport, CleanupReport, memory_name, near_limit
 from nbmem.ui.frontend import ROW_COLUMNS, bundle
 
@@ -165,6 +165,13 @@ def request_for(f: Finding, action: str) -> CleanupRequest | None:
     return None
 
 
+def no_del(f: Finding) -> str:
+    """Why a holder has no *del* button, and what frees it instead (the gauge shows it as the button's tooltip)."""
+    if f.state:
+        return f"the notebook's state ({f.state}): delete it by name, %cudamem clean {' '.join(f.roots) or f.name}"
+    return kind_words(f.kind, "no_del", f.name)
+
+
 def holder_rows(findings: Sequence[Finding], limit: int = TOP_HOLDERS) -> list[dict[str, Any]]:
     """The biggest owners of the last scan, with their members and what their buttons do, in the buttons'
     own words."""
@@ -172,7 +179,8 @@ def holder_rows(findings: Sequence[Finding], limit: int = TOP_HOLDERS) -> list[d
     rows = []
     for f in top:
         d = request_for(f, "del")
-        rows.append({"id": f.id, "name": f.name, "kind": f.kind.value, "device": f.device, "bytes": f.bytes,
+        rows.append({"id": f.id, "name": f.name, "kind": f.kind.value, "kind_label": HOLDER_KINDS[f.kind].label,
+                     "no_del": "" if d is not None else no_del(f), "device": f.device, "bytes": f.bytes,
                      "what": f.what(), "graph": f.holds_graph, "roots": list(f.roots), "to_cpu": can_move_to_cpu(f),
                      "state": f.state, "del_label": d.describe() if d is not None else "",
                      "hint": f.hint,
