@@ -413,6 +413,21 @@ def fmt(n: int | None) -> str:
     return "NA" if n is None else f"{n:,}"
 
 
+def cuda_or_say(torch: Any, fitting: Any, name: str) -> bool:
+    """Whether CUDA is here (TF32 on for the bench, as training runs it); without it, the fit's own one-line
+    refusal and a summary that says nothing was measured."""
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        return True
+    try:
+        fitting.fit(lambda v: None, [1, 2])
+    except fitting.FitRefused as e:
+        print(f"{name}: {e}")
+    print(f"\n=== summary ===\n{name}: needs CUDA (nothing measured)")
+    return False
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", default="", help="comma-separated families (default: all)")
@@ -446,15 +461,8 @@ def main() -> int:
     from nbmem.formatting import fmt_bytes
     from nbmem.ui.plotting import plot_fit
 
-    if not torch.cuda.is_available():
-        try:
-            fitting.fit(lambda v: None, [1, 2])
-        except fitting.FitRefused as e:
-            print(f"bench_fit: {e}")
-        print("\n=== summary ===\nbench_fit: needs CUDA (nothing measured)")
+    if not cuda_or_say(torch, fitting, "bench_fit"):
         return 0
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
     started = time.perf_counter()
     fams = families(torch)
     if a.only == "remedies":

@@ -43,7 +43,7 @@ from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from bench_fit import boundary, families  # noqa: E402 (benchmarks/ is not a package)
+from bench_fit import boundary, cuda_or_say, families  # noqa: E402 (benchmarks/ is not a package)
 
 GiB = 2**30
 #: A bisection step may still start this long after ``--budget-s``; a row may not.
@@ -425,15 +425,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from nbmem.fitting import runner as fitting
 
-    if not torch.cuda.is_available():
-        try:
-            fitting.fit(lambda v: None, [1, 2])
-        except fitting.FitRefused as e:
-            print(f"bench_multi: {e}")
-        print("\n=== summary ===\nbench_multi: needs CUDA (nothing measured)")
+    if not cuda_or_say(torch, fitting, "bench_multi"):
         return 0
-    torch.backends.cuda.matmul.allow_tf32 = True
-    torch.backends.cudnn.allow_tf32 = True
     started = time.perf_counter()
     gpu = Gpu(torch, fitting)
     n = torch.cuda.device_count()

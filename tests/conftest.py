@@ -53,15 +53,22 @@ def _nothing_left_behind():
     assert not nbmem_threads(), f"nbmem threads left running: {nbmem_threads()}"
 
 
-@pytest.fixture
-def shell():
-    """A fresh plain InteractiveShell (no kernel, no front end); nbmem unloaded and checked at the end."""
+def new_shell(gauge: str | None = "none") -> InteractiveShell:
+    """A fresh plain InteractiveShell (no kernel, no front end), its history in memory; ``gauge`` None: nbmem's
+    own default for the gauge setting."""
     InteractiveShell.clear_instance()
     cfg = Config()
     cfg.HistoryManager.hist_file = ":memory:"
-    cfg.Nbmem.gauge = "none"
+    if gauge is not None:
+        cfg.Nbmem.gauge = gauge
     cfg.InteractiveShell.colors = "nocolor"
-    sh = InteractiveShell.instance(config=cfg)
+    return InteractiveShell.instance(config=cfg)
+
+
+@pytest.fixture
+def shell():
+    """A fresh plain InteractiveShell (no kernel, no front end); nbmem unloaded and checked at the end."""
+    sh = new_shell()
     yield sh
     sh.run_line_magic("unload_ext", "nbmem")
     assert not nbmem_callbacks(sh), f"nbmem callbacks left registered: {nbmem_callbacks(sh)}"

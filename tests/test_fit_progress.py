@@ -25,7 +25,7 @@ torch = pytest.importorskip("torch")
 from nbmem.fitting import progress, runner  # noqa: E402
 from nbmem.fitting.progress import FitProgress  # noqa: E402
 from tests import test_fit_remedies  # noqa: E402
-from tests.test_fit_remedies import FakeSource, Net, attrs  # noqa: E402
+from tests.test_fit_remedies import FakeSource, Net, attrs, seeded_net  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -110,12 +110,7 @@ def test_a_fit_interrupted_puts_everything_back_and_says_so_in_one_line(
         stand_in: dict[str, Any], clocked: Clock) -> None:
     """Ctrl-C during a run under a remedy: the remedy undone, the training state and the RNG put back, the error
     told what was put back, and the line left final saying so."""
-    torch.manual_seed(0)
-    net = Net()
-    stand_in["net"].append(net)
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
-    weights = [p.detach().clone() for p in net.parameters()]
-    before, rng = attrs(net), torch.get_rng_state()
+    net, opt, weights, before, rng = seeded_net(stand_in)
 
     calls: list[tuple[int, bool]] = []
 

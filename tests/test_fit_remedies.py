@@ -334,14 +334,18 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     return seen
 
 
-def test_a_fit_with_want_measures_checkpointing_by_runs_under_it_and_puts_everything_back(
-        stand_in: dict[str, list[Any]]) -> None:
+def seeded_net(stand_in: dict[str, list[Any]]) -> tuple[Any, Any, list[Any], Any, Any]:
+    """A seeded ``Net`` the stand-in CUDA sees, its AdamW, and what a fit must put back: weights, attributes, RNG."""
     torch.manual_seed(0)
     net = Net()
     stand_in["net"].append(net)
     opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
-    weights = [p.detach().clone() for p in net.parameters()]
-    before, rng = attrs(net), torch.get_rng_state()
+    return net, opt, [p.detach().clone() for p in net.parameters()], attrs(net), torch.get_rng_state()
+
+
+def test_a_fit_with_want_measures_checkpointing_by_runs_under_it_and_puts_everything_back(
+        stand_in: dict[str, list[Any]]) -> None:
+    net, opt, weights, before, rng = seeded_net(stand_in)
 
     def step(b: int) -> None:
         net.train()

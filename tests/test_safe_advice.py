@@ -17,13 +17,12 @@ from typing import Any
 
 import pytest
 from IPython.core.interactiveshell import InteractiveShell
-from traitlets.config import Config
 
 from nbmem.holders.intent import state_of
 from nbmem.ipython.root import _ACTIVE
 from nbmem.records import Finding
 from nbmem.reports import CellReport
-from tests.conftest import ok
+from tests.conftest import new_shell, ok
 
 MODEL = "model = nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, {out})).to('{dev}')\n"
 NOTEBOOKS = {
@@ -69,12 +68,7 @@ COUNT = re.compile(r"^(?:list|tuple|dict|deque|set) of ([\d,]+) (?:new )?(?:scal
 @contextmanager
 def notebook(src: str) -> Iterator[InteractiveShell]:
     """A fresh shell (as the ``shell`` fixture makes it), monitored, with the notebook's cell run in it."""
-    InteractiveShell.clear_instance()
-    cfg = Config()
-    cfg.HistoryManager.hist_file = ":memory:"
-    cfg.Nbmem.gauge = "none"
-    cfg.InteractiveShell.colors = "nocolor"
-    sh = InteractiveShell.instance(config=cfg)
+    sh = new_shell()
     try:
         for cell in ("%load_ext nbmem", "%cudamem on", "import torch", src):
             ok(sh, cell)

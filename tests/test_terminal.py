@@ -15,13 +15,12 @@ from pathlib import Path
 
 import pytest
 from IPython.core.interactiveshell import InteractiveShell
-from traitlets.config import Config
 
 import nbmem
 from nbmem.ipython.root import session_of
 from nbmem.records import CellRecord
 from nbmem.reports import CPU_CANNOT, CellTable
-from tests.conftest import cpu_only, nbmem_callbacks, ok
+from tests.conftest import cpu_only, nbmem_callbacks, new_shell, ok
 from tests.test_readme import blocks
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,11 +70,7 @@ def test_the_readme_in_a_real_terminal_ipython():
 @pytest.fixture
 def default_shell():
     """An embedded InteractiveShell with nbmem's options as they come (the gauge setting too)."""
-    InteractiveShell.clear_instance()
-    cfg = Config()
-    cfg.HistoryManager.hist_file = ":memory:"
-    cfg.InteractiveShell.colors = "nocolor"
-    sh = InteractiveShell.instance(config=cfg)
+    sh = new_shell(gauge=None)
     yield sh
     sh.run_line_magic("unload_ext", "nbmem")
     assert not nbmem_callbacks(sh)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import signal
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -20,6 +19,7 @@ torch = pytest.importorskip("torch")
 
 from nbmem.fitting import remedies  # noqa: E402
 from nbmem.fitting import runner as fitting  # noqa: E402
+from tests.gpu.test_fit_remedies_gpu import attrs, fit_far_beyond  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
@@ -38,25 +38,10 @@ class Block(nn.Module):
         return x + self.ff(self.ln(x))
 
 
-@pytest.fixture
-def room() -> Iterator[None]:
-    """All of the GPU but 3 GiB held by one tensor, given back after."""
-    free, _ = torch.cuda.mem_get_info()
-    hold = torch.empty(free - 3 * GiB, dtype=torch.uint8, device="cuda")
-    yield
-    del hold
-    gc.collect()
-    torch.cuda.empty_cache()
-
-
 def adam_state(model: Any, opt: Any) -> list[Any]:
     """The optimizer's tensors, in the parameters' order and by name."""
     state = [opt.state[p] for p in model.parameters()]
     return [s[k] for s in state for k in sorted(s) if torch.is_tensor(s[k])]
-
-
-def attrs(model: Any) -> list[tuple[str, dict[str, int]]]:
-    return [(path, {k: id(v) for k, v in vars(m).items()}) for path, m in model.named_modules()]
 
 
 def test_the_gpt_shaped_sequential_gets_a_measured_checkpointing_row_never_above_its_boundary(room: None) -> None:
@@ -73,12 +58,7 @@ def test_the_gpt_shaped_sequential_gets_a_measured_checkpointing_row_never_above
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    gc.collect()
-    torch.cuda.empty_cache()
-    weights = [p.detach().clone() for p in model.parameters()]
-    before, held = attrs(model), torch.cuda.memory_allocated()
-    res = fitting.fit(step, [4, 8, 16], clean=ns.clear, name="batch", modules=[model], optimizers=[opt],
-                      want=10**7, margin_bytes=256 * MiB)
+    res, weights, before, held = fit_far_beyond(model, opt, step, ns)
     assert res.largest_value is not None, str(res)
     assert not any("no repeated blocks" in n for n in res.notes), str(res)
     by = {r.name: r for r in res.remedies}
