@@ -287,16 +287,22 @@ import sys
 sys.modules["anywidget"] = None  # as if it were not installed
 from IPython.core.interactiveshell import InteractiveShell
 from traitlets.config import Config
-from nbmem.ipython.magics import NbmemMagics
+from nbmem.ipython import root
 c = Config(); c.HistoryManager.hist_file = ":memory:"; c.Nbmem.gauge = "inline"
 sh = InteractiveShell.instance(config=c)
+sh.run_cell("%load_ext nbmem")  # a terminal-like shell: nowhere to draw a gauge, and nothing said about one
+print("TERMINAL")
+sh.run_cell("%unload_ext nbmem")
+root.in_kernel = lambda shell: True  # as in a kernel, where the gauge would be drawn
 sh.run_cell("%load_ext nbmem")
 import nbmem
 print("FAULTS", len(nbmem.status().faults))
 """
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
-    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("nbmem:")]
+    terminal, kernel = out.stdout.split("TERMINAL", 1)
+    assert "anywidget" not in terminal, "a shell without a front end is told nothing about a gauge"
+    lines = [ln for ln in kernel.splitlines() if ln.startswith("nbmem:")]
     assert any("the live gauge needs anywidget" in ln and "pip install anywidget" in ln for ln in lines), lines
     assert "internal error" not in out.stdout and out.stdout.strip().endswith("FAULTS 0")
 

@@ -486,6 +486,7 @@ def kernel_like(monkeypatch: pytest.MonkeyPatch) -> list[Any]:
     """Pretend the shell is a kernel's; collect what would be displayed."""
     shown: list[Any] = []
     monkeypatch.setattr(widget, "in_kernel", lambda shell: True)
+    monkeypatch.setattr("nbmem.ipython.root.in_kernel", lambda shell: True)
     monkeypatch.setattr("IPython.display.display", lambda *objs, **kw: shown.extend(objs))
     monkeypatch.delenv("VSCODE_PID", raising=False)
     monkeypatch.delenv("VSCODE_CWD", raising=False)

@@ -17,7 +17,7 @@ from IPython.core.error import UsageError
 from nbmem.ipython.config import Nbmem
 from nbmem.ipython.magics import NbmemMagics
 from nbmem.ipython.reconnect import BetweenCells, ReconnectRoute, reconnect_route
-from nbmem.ipython.shell import ShellAdapter
+from nbmem.ipython.shell import ShellAdapter, in_kernel
 from nbmem.ipython.usage import own_command
 from nbmem.recorder.flight import FlightRecorder, open_flight
 from nbmem.session import Session
@@ -83,6 +83,8 @@ class Loaded:
 
     # -- the gauge -------------------------------------------------------------------------------------
     def show_gauge(self, where: str, *, explicit: bool = False) -> None:
+        if not explicit and not in_kernel(self.shell):
+            return  # terminal IPython, an embedded shell: nowhere to draw it, so anywidget is not even imported
         try:
             from nbmem.ui.widget import show_gauge
         except ImportError as e:  # anywidget (or its front-end packages) not installed
