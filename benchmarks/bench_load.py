@@ -28,6 +28,8 @@ import torch
 from IPython.core.interactiveshell import InteractiveShell
 from traitlets.config import Config
 cfg = Config(); cfg.HistoryManager.hist_file = ":memory:"
+if sys.argv[2] != "default":
+    cfg.Nbmem.gauge = sys.argv[2]
 sh = InteractiveShell.instance(config=cfg)
 t0 = time.perf_counter(); sh.run_line_magic("load_ext", "nbmem"); t_load = time.perf_counter() - t0
 sh.run_line_magic("unload_ext", "nbmem")
@@ -35,8 +37,8 @@ print(json.dumps({"import_s": t_import, "load_ext_s": t_load}))
 """
 
 
-def one(tree: Path) -> dict[str, float]:
-    out = subprocess.run([sys.executable, "-c", PROBE, str(tree)], cwd=tree, capture_output=True, text=True,
+def one(tree: Path, gauge: str = "default") -> dict[str, float]:
+    out = subprocess.run([sys.executable, "-c", PROBE, str(tree), gauge], cwd=tree, capture_output=True, text=True,
                          env={"PYTHONPATH": str(tree), "PATH": "/usr/bin:/bin"}, check=True)
     return dict(json.loads(out.stdout.strip().splitlines()[-1]))
 
@@ -45,19 +47,21 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", default="5f1a762", help="the commit to compare with (default: %(default)s)")
     ap.add_argument("--tries", type=int, default=11, help="fresh interpreters per code (default: %(default)s)")
+    ap.add_argument("--gauge", default="default",
+                    help="Nbmem.gauge for both ('none': neither imports the gauge; default: as they come)")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         old = Path(tmp) / "base"
         subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", "-q", str(old), a.base], check=True)
         try:
             runs: dict[str, list[dict[str, float]]] = {"this checkout": [], a.base: []}
-            one(ROOT), one(old)  # warm the file cache for both
+            one(ROOT, a.gauge), one(old, a.gauge)  # warm the file cache for both
             for _ in range(a.tries):
-                runs["this checkout"].append(one(ROOT))
-                runs[a.base].append(one(old))
+                runs["this checkout"].append(one(ROOT, a.gauge))
+                runs[a.base].append(one(old, a.gauge))
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(old)], check=False)
-    print(f"{a.tries} fresh interpreters per code, alternating; medians (min)")
+    print(f"{a.tries} fresh interpreters per code, alternating, Nbmem.gauge {a.gauge}; medians (min)")
     med = {}
     for code, rs in runs.items():
         for k in ("import_s", "load_ext_s"):

@@ -17,14 +17,12 @@ import time
 import traceback as _tb
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nbmem.cells.advice import RESTART_ADVICE
 from nbmem.cells.watch import CellWatch
 from nbmem.clean.cleaner import Cleaner
 from nbmem.clean.request import CleanupRequest
-from nbmem.fitting.notebook import fit_in_notebook
-from nbmem.fitting.prediction import FitResult
 from nbmem.formatting import plural, spans
 from nbmem.holders.holdings import REFRESH_BUDGET_S, Holdings
 from nbmem.holders.owners import Rows
@@ -48,6 +46,9 @@ from nbmem.records import (
 from nbmem.reports import CellReport, CleanupReport, Leaks, Lines, Status, limit_line
 from nbmem.sampler import Sampler
 from nbmem.store import Store, records_frame, ticks_for
+
+if TYPE_CHECKING:
+    from nbmem.fitting.prediction import FitResult
 
 Listener = Callable[[Any], None]
 
@@ -363,6 +364,8 @@ class Session:
         """Run ``body`` once per value (a cell's source, ``name`` bound; or a function of the value) and
         predict the largest value that fits (on ``on``, another GPU, where given); the modules and optimizers
         it reaches are restored after. ``show``: where the fit's progress line goes (``fitting.progress``)."""
+        from nbmem.fitting.notebook import fit_in_notebook  # imported when a fit is asked for, not on load
+
         try:
             result = fit_in_notebook(self.adapter, self.probe.torch, self.holdings.scanner.type_cache, body, name,
                                      values, cell=cell, warmup=warmup, restore=restore,

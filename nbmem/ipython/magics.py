@@ -97,9 +97,6 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from IPython.display import display
 
 from nbmem.clean.request import CleanupRefused, CleanupRequest
-from nbmem.fitting.devices import parse_on
-from nbmem.fitting.progress import progress_line
-from nbmem.fitting.state import FitRefused
 from nbmem.ipython.shell import compiled_as, semicolon_of
 from nbmem.ipython.usage import command_refusal, option_refusal, own_command, unknown_options
 from nbmem.options import OPTION_BY_NAME
@@ -306,6 +303,11 @@ class NbmemMagics(Magics):
             return None
 
     def _fit_cell(self, body: str, args: Any) -> None:
+        # "Will it fit?" is imported when a fit is asked for: %load_ext does not pay for it.
+        from nbmem.fitting.devices import parse_on
+        from nbmem.fitting.progress import progress_line
+        from nbmem.fitting.state import FitRefused
+
         name, values, want = fit_args(args)
         self._only(args, FIT_OPTIONS, "%%cudamem --fit")
         try:
