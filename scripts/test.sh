@@ -11,7 +11,7 @@ cd "$(dirname "$0")/.."
 source scripts/lib.sh
 
 STAGES=(setup chromium ruff mypy "js tests" "leak zoo" pytest)
-FULL_RUN="10 min 41 s from a fresh clone on a 2-core VM without a GPU" # measured; setup took 3 min 10 s of it
+FULL_RUN="17 min 24 s from a fresh clone on a 2-core VM without a GPU" # measured 2026-11-26; setup took 2 min 51 s of it
 declare -A result=() took=()
 n=0
 t0=$SECONDS
@@ -129,5 +129,5 @@ else
   skip "leak zoo" "~5 s" "not found at ../shared/leak-zoo (it lives beside this repository, not in it)"
 fi
 
-stage pytest "~6 min for the whole suite, ~4 min with -m 'not slow'" pytest_stage "$@"
+stage pytest "~14 min for the whole suite, measured on 2 cores" pytest_stage "$@"
 summary
