@@ -121,6 +121,11 @@ def detail_rows(rows: Sequence[Finding], held: Sequence[Held], cell_of: Callable
 RowCache = dict[tuple[str, str], tuple[tuple[list[Held], frozenset[int], dict[int, int], str, Any], Finding]]
 
 
+def _paths_of(h: Held | None) -> tuple[Any, ...]:
+    """What a hint reads of a graph holder's record: its paths and their kinds."""
+    return () if h is None else (h.holders, h.holder_kinds, h.reached_from, h.reached_kinds)
+
+
 def group(held: Sequence[Held], cell_of: Any, *, threshold_bytes: int, graphs: Mapping[int, Graph],
           types: Mapping[str, str], lost: Mapping[int, Sequence[str]] | None = None,
           gained: Mapping[int, Sequence[str]] | None = None, lines: Mapping[int, int] | None = None,
@@ -136,8 +141,10 @@ def group(held: Sequence[Held], cell_of: Any, *, threshold_bytes: int, graphs: M
     the same graphs, type and every graph's saved tensors (what a hint's "what else must go" reads), is the
     same row; a model's thousands of members are not judged again each cell."""
     by_owner: dict[tuple[str, str], list[Held]] = {}
-    # What a hint reads beyond a row's own members: every graph, what it saves and the record of its holder.
-    graph_key = (frozenset((h, frozenset(g.saved), g.named, id(keepers.storages.get(h) if keepers else None))
+    # What a hint reads beyond a row's own members: every graph, what it saves, and its holder's paths (by value:
+    # an id of a record the cache does not keep could be a new record's at the same address).
+    graph_key = (frozenset((h, frozenset(g.saved), g.named, _paths_of(keepers.storages.get(h) if keepers is not None
+                                                                      else None))
                            for h, g in graphs.items()) if row_cache is not None else None)
     for h in held:
         by_owner.setdefault((h.owner, h.device), []).append(h)
