@@ -17,10 +17,11 @@ from IPython.core.error import UsageError
 from nbmem.ipython.config import Nbmem
 from nbmem.ipython.magics import NbmemMagics
 from nbmem.ipython.reconnect import BetweenCells, ReconnectRoute, reconnect_route
-from nbmem.ipython.shell import ShellAdapter, in_kernel
+from nbmem.ipython.shell import ShellAdapter
 from nbmem.ipython.usage import own_command
 from nbmem.recorder.flight import FlightRecorder, open_flight
 from nbmem.session import Session
+from nbmem.ui.frontend import in_kernel  # stdlib only: the gauge itself is imported where it can be drawn
 
 _ACTIVE: weakref.WeakKeyDictionary[Any, Loaded] = weakref.WeakKeyDictionary()
 

@@ -372,8 +372,3 @@ def semicolon_of(shell: Any, body: str) -> contextlib.AbstractContextManager[Non
 
     return _instance_attr(dh, "quiet", quiet)
 
-
-def in_kernel(shell: Any) -> bool:
-    """True in a Jupyter kernel (JupyterLab, Notebook, VS Code, Colab); False in terminal IPython."""
-    zmqshell = sys.modules.get("ipykernel.zmqshell")
-    return zmqshell is not None and isinstance(shell, zmqshell.ZMQInteractiveShell)

@@ -1,4 +1,5 @@
-"""The front end's files: where ``js/`` is, the gauge's one ES module, and the segment split both sides read.
+"""The front end: whether there is one (``in_kernel``), where ``js/`` is, the gauge's one ES module, and the
+segment split both sides read.
 
 ``js/segments.js`` holds the split of a device's bar as a JSON object: the gauge (``layout.js``) imports it, and
 ``segment_spec()`` parses the same text for ``nbmem.plot()``, so a new segment is written once.
@@ -9,6 +10,7 @@ from __future__ import annotations
 import functools
 import json
 import re
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -56,3 +58,9 @@ def segment_spec() -> dict[str, Any]:
     text = (js_dir() / "segments.js").read_text(encoding="utf-8")
     body = text[text.index("= {") + 2: text.rindex("}") + 1]
     return dict(json.loads(body))
+
+
+def in_kernel(shell: Any) -> bool:
+    """True in a Jupyter kernel (JupyterLab, Notebook, VS Code, Colab); False in terminal IPython."""
+    zmqshell = sys.modules.get("ipykernel.zmqshell")
+    return zmqshell is not None and isinstance(shell, zmqshell.ZMQInteractiveShell)

@@ -33,7 +33,7 @@ import traitlets
 from nbmem.clean.request import CleanupRefused, CleanupRequest
 from nbmem.records import HOLDER_KINDS, CellRecord, Finding, HolderKind, Holders, Sample, Tick, kind_words
 from nbmem.reports import CellReport, CleanupReport, memory_name, near_limit
-from nbmem.ui.frontend import ROW_COLUMNS, bundle
+from nbmem.ui.frontend import ROW_COLUMNS, bundle, in_kernel
 
 if TYPE_CHECKING:
     from nbmem.session import Session
@@ -531,12 +531,6 @@ def _req_of(content: dict[str, Any]) -> str:
 
 
 # -- where it appears ------------------------------------------------------------------------------
-def in_kernel(shell: Any) -> bool:
-    """True in a Jupyter kernel (JupyterLab, Notebook, VS Code, Colab); False in terminal IPython."""
-    zmqshell = sys.modules.get("ipykernel.zmqshell")
-    return zmqshell is not None and isinstance(shell, zmqshell.ZMQInteractiveShell)
-
-
 def auto_place(environ: Mapping[str, str] | None = None) -> str:
     """Where "auto" shows the gauge: "inline" where no page will ask for the sidebar (VS Code, Colab), else
     "auto": under the cell until a JupyterLab page asks for the sidebar (Notebook 7 does not ask).
