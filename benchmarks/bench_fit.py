@@ -4,6 +4,7 @@
     PYTHONPATH=. python3 benchmarks/bench_fit.py --only mlp --states fresh
     PYTHONPATH=. python3 benchmarks/bench_fit.py --only training     # issue 27's training setups
     PYTHONPATH=. python3 benchmarks/bench_fit.py --only remedies     # issue 27's remedies, each checked
+    PYTHONPATH=. python3 benchmarks/bench_fit.py --only stack        # issue 36: HF checkpointing + bf16, compiled
     PYTHONPATH=. python3 benchmarks/bench_fit.py --out DIR       # also writes results.json, traces, a plot
     PYTHONPATH=. python3 benchmarks/bench_fit.py --replay DIR/traces.json.gz   # no GPU: the analysis again
 
@@ -347,6 +348,25 @@ def families(torch: Any, dev: str = "cuda") -> dict[str, Family]:
         del got
         learn(opt, ns)
 
+    # -- issue 36: the rest of the 2026 stack -------------------------------------------------------------------
+    def gpt2_checkpointed(device: Any) -> Any:
+        """GPT-2 with Hugging Face's own gradient checkpointing, as a fine-tuning notebook turns it on."""
+        model = gpt2(device)
+        model.gradient_checkpointing_enable()
+        return model
+
+    def hf_bf16_body(model: Any, opt: Any, ns: dict[str, Any], b: int) -> None:
+        ns["x"] = torch.randint(0, LM_VOCAB, (b, T), device=dev)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            got = model(input_ids=ns["x"], labels=ns["x"], use_cache=False)
+        ns["out"], ns["loss"] = got.logits, got.loss
+        del got
+        learn(opt, ns)
+
+    def compiled_lm(device: Any) -> Any:
+        """The bf16 LM under ``torch.compile`` (default mode), as a notebook compiles it."""
+        return torch.compile(LM().to(device))
+
     return {
         "mlp": Family("mlp", "batch", (256, 512, 1024), mlp, mlp_body, adamw, (512,)),
         "lm-bf16": Family("lm-bf16", "batch", (8, 16, 32), lambda d: LM().to(d), lm_body, adamw),
@@ -368,10 +388,14 @@ def families(torch: Any, dev: str = "cuda") -> dict[str, Family]:
         "encoder": Family("encoder", "batch", (8, 16, 32), lambda d: Encoder().to(d), encoder_body, adamw),
         "resnet": Family("resnet", "batch", (8, 16, 32), resnet, cnn_body, sgd),
         "gpt2-hf": Family("gpt2-hf", "batch", (8, 16, 32), gpt2, hf_body, adamw),
+        "gpt2-hf-gc-bf16": Family("gpt2-hf-gc-bf16", "batch", (8, 16, 32), gpt2_checkpointed, hf_bf16_body, adamw),
+        "lm-compiled": Family("lm-compiled", "batch", (8, 16, 32), compiled_lm, lm_body, adamw),
     }
 
 #: Issue 27's training setups, run with ``--only`` (``--only training`` runs them all).
 TRAINING = ("ckpt", "ckpt-reentrant", "scaler-accum", "sched", "lora-bf16")
+#: Issue 36's stack, run with ``--only stack``: Hugging Face's own checkpointing under bf16, a compiled model.
+STACK = ("gpt2-hf-gc-bf16", "lm-compiled")
 #: Issue 27's remedies, run with ``--only remedies``: each family's plain fit and every remedy it measures.
 REMEDIES = ("lm-fp32", "encoder", "resnet", "gpt2-hf")
 
@@ -468,8 +492,9 @@ def main() -> int:
     if a.only == "remedies":
         return remedies_main(torch, fitting, fams, [f for f in a.remedy_families.split(",") if f], a.budget_s,
                              a.room_gib, started, a.out)
-    only = [g for f in a.only.split(",") if f for g in (TRAINING if f == "training" else (f,))] or [
-        f for f in fams if f not in ("lm-seq", "embedding", *TRAINING)]
+    groups = {"training": TRAINING, "stack": STACK}
+    only = [g for f in a.only.split(",") if f for g in groups.get(f, (f,))] or [
+        f for f in fams if f not in ("lm-seq", "embedding", *TRAINING, *STACK)]
     # Every family fresh first, then the sequence length and half the GPU held, then the other states: what a
     # spent time budget leaves out is the least new.
     states = [s for s in a.states.split(",") if s]

@@ -60,6 +60,16 @@ def _torch() -> Any:
     return sys.modules.get("torch")
 
 
+def graphs_compiled() -> int:
+    """How many graphs torch.compile has made in this process (dynamo's own counter; 0 where dynamo is not
+    loaded: it is never imported here). A run during which it moves paid for a compile, a one-time cost."""
+    utils = sys.modules.get("torch._dynamo.utils")
+    try:
+        return int(getattr(utils, "counters", {}).get("stats", {}).get("unique_graphs", 0))
+    except Exception:
+        return 0
+
+
 def refusal() -> str | None:
     """Why a fit cannot run in this process, in one line; None when it can."""
     t = _torch()
@@ -205,7 +215,13 @@ def _runs(body: _Body, vals: Sequence[int], warmup: bool, runs: list[RunSet], sk
     they stopped early (a value skipped, or an out-of-memory)."""
     name, notes, max_entries = body.name, body.notes, body.max_entries
     schedule = ([(vals[0], False)] if warmup else []) + [(v, True) for v in vals]
+    graphs = graphs_compiled()
     for k, (v, counted) in enumerate(schedule):
+        if k == 1 and warmup and graphs_compiled() != graphs:
+            # torch.compile made a graph for the warm-up's shape; at a second shape it makes one for every shape
+            # (dynamic): one more warm-up there, so that every counted run runs that one graph.
+            body.compiled.append(vals[1])
+            body.once(vals[1], False)
         if counted and _predicted_not_to_fit(runs, v, body, cell_files):
             skipped += [w for w, c in schedule[k:] if c]
             notes.append(f"{name}={v:,} was not run: the runs before it predict it does not fit")
@@ -220,6 +236,10 @@ def _runs(body: _Body, vals: Sequence[int], warmup: bool, runs: list[RunSet], sk
         if oom:
             notes.append(f"what the run at {name}={v:,} allocated before it ran out of memory was freed ({oom})")
             return True
+    if body.compiled:
+        at = ", ".join(f"{w:,}" for w in dict.fromkeys(body.compiled))
+        notes.append(f"torch.compile compiled a graph in the runs at {name}={at}: each of those ran again, the "
+                     "compiling run not counted, so that the runs measure the compiled steps")
     return False
 
 
@@ -405,6 +425,7 @@ class _Body:
     margin_bytes: int | None = None
     rooms: dict[int, Room] = field(default_factory=dict)
     segments: dict[int, tuple[SegmentState, ...]] = field(default_factory=dict)
+    compiled: list[int] = field(default_factory=list)  # values whose first run compiled a graph (run again)
 
     def measure(self) -> dict[int, int]:
         """Each device's room, read after the cache is given back; what is allocated on each before the runs."""
@@ -440,7 +461,7 @@ class _Body:
         error from a hook there (checkpointing's recomputation) is still on its way to the caller.
         """
         try:
-            return self._met(self._timed(value, counted))
+            return self._again_if_compiled(value, counted)
         except SystemError as e:
             if not self.stacks:
                 raise
@@ -450,7 +471,17 @@ class _Body:
         self.stacks = False
         self.notes.append(f"the run at {self.name}={value:,} lost its error under the trace's Python stacks ({why}): "
                           "the fit went on without stacks, so it cannot name the lines that grow")
-        return self._met(self._timed(value, counted))
+        return self._again_if_compiled(value, counted)
+
+    def _again_if_compiled(self, value: int, counted: bool) -> tuple[RunSet, str]:
+        """A counted run during which torch.compile compiled (a new shape) runs again at the same value: the
+        compile's own allocations (autotuning, code generation) happen once, and its graph is what later steps run."""
+        graphs = graphs_compiled()
+        got = self._met(self._timed(value, counted))
+        if counted and not got[1] and graphs_compiled() != graphs:
+            self.compiled.append(value)
+            got = self._met(self._timed(value, counted))
+        return got
 
     def _met(self, got: tuple[RunSet, str]) -> tuple[RunSet, str]:
         """A device the run allocated on for the first time in this process: its room, read now that its
