@@ -363,6 +363,24 @@ def families(torch: Any, dev: str = "cuda") -> dict[str, Family]:
         del got
         learn(opt, ns)
 
+    def gpt2_small_checkpointed(device: Any) -> Any:
+        """GPT-2 small's shape (12 layers of 768, 1,024 positions; random weights, no download), checkpointed."""
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        cfg = GPT2Config(vocab_size=LM_VOCAB, n_positions=1024, n_embd=768, n_layer=12, n_head=12, bos_token_id=0,
+                         eos_token_id=0)
+        model = GPT2LMHeadModel(cfg).to(device)
+        model.gradient_checkpointing_enable()
+        return model
+
+    def hf_long_body(model: Any, opt: Any, ns: dict[str, Any], b: int) -> None:
+        ns["x"] = torch.randint(0, LM_VOCAB, (b, 4 * T), device=dev)
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            got = model(input_ids=ns["x"], labels=ns["x"], use_cache=False)
+        ns["out"], ns["loss"] = got.logits, got.loss
+        del got
+        learn(opt, ns)
+
     def compiled_lm(device: Any) -> Any:
         """The bf16 LM under ``torch.compile`` (default mode), as a notebook compiles it."""
         return torch.compile(LM().to(device))
@@ -389,13 +407,14 @@ def families(torch: Any, dev: str = "cuda") -> dict[str, Family]:
         "resnet": Family("resnet", "batch", (8, 16, 32), resnet, cnn_body, sgd),
         "gpt2-hf": Family("gpt2-hf", "batch", (8, 16, 32), gpt2, hf_body, adamw),
         "gpt2-hf-gc-bf16": Family("gpt2-hf-gc-bf16", "batch", (8, 16, 32), gpt2_checkpointed, hf_bf16_body, adamw),
+        "gpt2s-gc-bf16": Family("gpt2s-gc-bf16", "batch", (2, 4, 8), gpt2_small_checkpointed, hf_long_body, adamw),
         "lm-compiled": Family("lm-compiled", "batch", (8, 16, 32), compiled_lm, lm_body, adamw),
     }
 
 #: Issue 27's training setups, run with ``--only`` (``--only training`` runs them all).
 TRAINING = ("ckpt", "ckpt-reentrant", "scaler-accum", "sched", "lora-bf16")
 #: Issue 36's stack, run with ``--only stack``: Hugging Face's own checkpointing under bf16, a compiled model.
-STACK = ("gpt2-hf-gc-bf16", "lm-compiled")
+STACK = ("gpt2-hf-gc-bf16", "gpt2s-gc-bf16", "lm-compiled")
 #: Issue 27's remedies, run with ``--only remedies``: each family's plain fit and every remedy it measures.
 REMEDIES = ("lm-fp32", "encoder", "resnet", "gpt2-hf")
 
