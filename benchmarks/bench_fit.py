@@ -302,6 +302,22 @@ def families(torch: Any, dev: str = "cuda") -> dict[str, Family]:
         ns["loss"] = F.cross_entropy(ns["out"].reshape(-1, LM_VOCAB), ns["x"][:, 1:].reshape(-1))
         learn(opt, ns)
 
+    class FFBlock(nn.Module):
+        """A pre-norm feed-forward block with a residual, as GPT-style notebooks write their ``Block``."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.ln = nn.LayerNorm(D)
+            self.ff = nn.Sequential(nn.Linear(D, 4 * D), nn.GELU(), nn.Linear(4 * D, D))
+
+        def forward(self, x: Any) -> Any:
+            return x + self.ff(self.ln(x))
+
+    def gpt_sequential(device: Any) -> Any:
+        """The GPT shape many notebooks write: one Sequential of an embedding, six blocks, a norm and a head."""
+        return nn.Sequential(nn.Embedding(LM_VOCAB, D), *[FFBlock() for _ in range(6)], nn.LayerNorm(D),
+                             nn.Linear(D, LM_VOCAB)).to(device)
+
     class Encoder(nn.Module):
         """torch's own TransformerEncoder (a ModuleList of TransformerEncoderLayer) and a classifier head."""
 
@@ -406,6 +422,7 @@ def families(torch: Any, dev: str = "cuda") -> dict[str, Family]:
         "encoder": Family("encoder", "batch", (8, 16, 32), lambda d: Encoder().to(d), encoder_body, adamw),
         "resnet": Family("resnet", "batch", (8, 16, 32), resnet, cnn_body, sgd),
         "gpt2-hf": Family("gpt2-hf", "batch", (8, 16, 32), gpt2, hf_body, adamw),
+        "gpt-seq": Family("gpt-seq", "batch", (8, 16, 32), gpt_sequential, lm_fp32_body, adamw),
         "gpt2-hf-gc-bf16": Family("gpt2-hf-gc-bf16", "batch", (8, 16, 32), gpt2_checkpointed, hf_bf16_body, adamw),
         "gpt2s-gc-bf16": Family("gpt2s-gc-bf16", "batch", (2, 4, 8), gpt2_small_checkpointed, hf_long_body, adamw),
         "lm-compiled": Family("lm-compiled", "batch", (8, 16, 32), compiled_lm, lm_body, adamw),
@@ -416,7 +433,7 @@ TRAINING = ("ckpt", "ckpt-reentrant", "scaler-accum", "sched", "lora-bf16")
 #: Issue 36's stack, run with ``--only stack``: Hugging Face's own checkpointing under bf16, a compiled model.
 STACK = ("gpt2-hf-gc-bf16", "gpt2s-gc-bf16", "lm-compiled")
 #: Issue 27's remedies, run with ``--only remedies``: each family's plain fit and every remedy it measures.
-REMEDIES = ("lm-fp32", "encoder", "resnet", "gpt2-hf")
+REMEDIES = ("lm-fp32", "encoder", "resnet", "gpt2-hf", "gpt-seq")
 
 
 @dataclass
