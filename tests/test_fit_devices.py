@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from nbmem.fitting import devices, multigpu, runner
+from nbmem.fitting import devices, multigpu, runner, torchcheck
 from nbmem.fitting.allocator import SegmentState
 from nbmem.fitting.devices import GB, GPUS, GiB, parse_on
 from nbmem.fitting.model import Room, RunTrace
@@ -174,6 +174,7 @@ def two_gpus(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         return RunSet(value, counted, False, traces), ""
 
     monkeypatch.setattr(runner, "_torch", lambda: Torch())
+    monkeypatch.setattr(torchcheck, "_torch", lambda: Torch())
     monkeypatch.setattr(runner, "_one_run", one_run)
     monkeypatch.setattr(runner, "context_devices", lambda t, src: [0])
     monkeypatch.setattr(multigpu, "gc", type("NoGc", (), {"collect": staticmethod(lambda: 0)}))

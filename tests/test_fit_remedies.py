@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from nbmem.fitting import multigpu, remedies, runner  # noqa: E402
+from nbmem.fitting import multigpu, remedies, runner, torchcheck  # noqa: E402
 from nbmem.fitting.model import RunTrace  # noqa: E402
 from nbmem.fitting.multigpu import RunSet  # noqa: E402
 
@@ -329,6 +329,7 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         return RunSet.single(RunTrace(value, entries, counted, 0, 0)), ""
 
     monkeypatch.setattr(runner, "_torch", lambda: FakeTorch())
+    monkeypatch.setattr(torchcheck, "_torch", lambda: FakeTorch())
     monkeypatch.setattr(runner, "_one_run", one_run)
     monkeypatch.setattr(runner, "free_cached", lambda src, devs, **kw: None)
     return seen

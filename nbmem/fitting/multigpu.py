@@ -97,6 +97,18 @@ def read_room(src: TorchSource, device: int, margin_bytes: int | None, *, new: b
     return Room(f"cuda:{device}", free, reserved, before, margin, total), segments, before
 
 
+def room_now(src: TorchSource, device: int, room: Room) -> tuple[Room, int]:
+    """The room again after runs, with their cache given back, and how much of it went outside PyTorch's
+    allocator meanwhile: free plus reserved only falls when something else took device memory, such as the code
+    of kernels CUDA loads the first time they run (a bf16 step loads others than an fp32 one) or another
+    process. The room never grows back: the fit answers for the smaller one."""
+    got = src.device_free(device)
+    if got is None:
+        return room, 0
+    lost = room.free_bytes + room.reserved_bytes - (got[0] + allocated_reserved(src, device)[1])
+    return (replace(room, free_bytes=room.free_bytes - lost), lost) if lost > 0 else (room, 0)
+
+
 def on_target(rooms: Mapping[int, Room], target: Target, own_used: Callable[[int], int | None] | None,
               margin_bytes: int | None) -> tuple[dict[int, Room], tuple[str, ...]]:
     """Each measured device's room as it would be on ``target``, and what that assumes. The CUDA context is

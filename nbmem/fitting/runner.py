@@ -19,7 +19,6 @@ for bit, after the last, also after a failure, so the training steps the fit ran
 from __future__ import annotations
 
 import os
-import sys
 import time
 import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -42,6 +41,7 @@ from nbmem.fitting.multigpu import (
     left_allocated,
     on_target,
     read_room,
+    room_now,
     synchronize,
     used_devices,
 )
@@ -49,55 +49,12 @@ from nbmem.fitting.prediction import FitResult, proportional_bound
 from nbmem.fitting.progress import FitProgress, Show, interrupts_held, planned_runs
 from nbmem.fitting.remedies import Remedy
 from nbmem.fitting.state import FitRefused, restore_state, snapshot_state
+from nbmem.fitting.torchcheck import _torch, graphs_compiled, is_out_of_memory, refusal
 from nbmem.formatting import fmt_bytes
 from nbmem.measure.sources import TorchSource
 
 #: How many allocator events one run may record; a run that fills it cannot be lined up with the others.
 DEFAULT_MAX_ENTRIES = 1_000_000
-
-
-def _torch() -> Any:
-    return sys.modules.get("torch")
-
-
-def graphs_compiled() -> int:
-    """How many graphs torch.compile has made in this process (dynamo's own counter; 0 where dynamo is not
-    loaded: it is never imported here). A run during which it moves paid for a compile, a one-time cost."""
-    utils = sys.modules.get("torch._dynamo.utils")
-    try:
-        return int(getattr(utils, "counters", {}).get("stats", {}).get("unique_graphs", 0))
-    except Exception:
-        return 0
-
-
-def refusal() -> str | None:
-    """Why a fit cannot run in this process, in one line; None when it can."""
-    t = _torch()
-    if t is None:
-        return "fitting needs CUDA's caching allocator, and torch is not imported"
-    try:
-        available = bool(t.cuda.is_available())
-    except Exception:
-        available = False
-    if not available:
-        return "fitting needs CUDA's caching allocator, and this machine has no CUDA device torch can use"
-    try:
-        backend = t.cuda.get_allocator_backend()
-    except Exception:
-        backend = "native"
-    if backend != "native":
-        return (f"fitting needs CUDA's caching allocator, and PYTORCH_CUDA_ALLOC_CONF selects {backend}, which "
-                "keeps no trace")
-    return None
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """A CUDA out-of-memory error (torch's own type, or a RuntimeError that says so from an older torch)."""
-    t = _torch()
-    oom = getattr(getattr(t, "cuda", None), "OutOfMemoryError", None)
-    if isinstance(oom, type) and isinstance(exc, oom):
-        return True
-    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
 
 
 # -- the fit --------------------------------------------------------------------------------------------------
@@ -196,6 +153,10 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
     notes += left_allocated(before, after, bool(workspaces))
     if not restore and steps:
         notes.append(f"not restored: the fit ran the body {steps} times, and whatever it trains was trained")
+    if any(body.lost.values()):
+        notes.append("the runs' kernels took " + ", ".join(f"{fmt_bytes(n)} of cuda:{d}" for d, n in body.lost.items()
+                                                           if n) + " outside PyTorch's allocator (CUDA loads a "
+                     "kernel's code the first time it runs): the answer is for the room left after them")
     rooms, said = (dict(body.rooms), ()) if target is None else on_target(body.rooms, target, own_used, margin_bytes)
     notes += said
     result = analyse_devices(runs, rooms, body.segments, gpus={d: gpu_name(t, d) for d in rooms}, name=name,
@@ -426,6 +387,7 @@ class _Body:
     rooms: dict[int, Room] = field(default_factory=dict)
     segments: dict[int, tuple[SegmentState, ...]] = field(default_factory=dict)
     compiled: list[int] = field(default_factory=list)  # values whose first run compiled a graph (run again)
+    lost: dict[int, int] = field(default_factory=dict)  # device -> what went outside the allocator in the runs
 
     def measure(self) -> dict[int, int]:
         """Each device's room, read after the cache is given back; what is allocated on each before the runs."""
@@ -508,6 +470,9 @@ class _Body:
                 self.clean()
             # A run that freed blocks older than itself can hide garbage of its own behind them: collect then.
             free_cached(self.src, self.devs, unless_back_to=None if freed_older else start)
+            for d, room in list(self.rooms.items()):  # what the run's kernels took outside the allocator: no room
+                self.rooms[d], lost = room_now(self.src, d, room)
+                self.lost[d] = self.lost.get(d, 0) + lost
 
 
 def _frees_older_blocks(entries: Sequence[Mapping[str, Any]]) -> bool:
