@@ -42,7 +42,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nbmem.fitting.allocator import CachingAllocatorModel, SegmentState
 from nbmem.fitting.devices import DeviceFit
@@ -54,6 +54,9 @@ from nbmem.fitting.sizes import fit_size
 from nbmem.formatting import Column, esc, fmt_bytes, fmt_seconds, html_table, prose, text_table
 from nbmem.reports import Shown
 from nbmem.trace.linetrace import cell_line, deepest_user_frame
+
+if TYPE_CHECKING:
+    from nbmem.fitting.hostroom import HostFit
 
 
 def power_of_two_below(value: int) -> int:
@@ -116,6 +119,7 @@ class FitResult(Shown):
     duration_s: float | None = None
     devices: tuple[DeviceFit, ...] = ()  # each device the runs allocated on, with its own answer
     capped: str = ""  # what capped the answer below the model's own, said with it ("" when nothing did)
+    host: HostFit | None = None  # host memory, where the runs keep memory there (``hostroom``)
 
     # -- for code -----------------------------------------------------------------------------------------------
     def row(self) -> dict[str, Any]:
@@ -138,6 +142,10 @@ class FitResult(Shown):
                 "restored_bytes": self.restored_bytes, "restored": list(self.restored),
                 "not_restored": list(self.not_restored), "steps_run": self.steps_run, "duration_s": self.duration_s,
                 "limited_by": self.limited_by.device if self.limited_by else None,
+                "host_limits": bool(self.host and self.host.limits),
+                "host_largest_value": (self.host.largest_value if self.host and self.host.room and
+                                       (self.host.largest_value or 0) < SEARCH_CAP else None),
+                "host_capacity_bytes": self.host.room.capacity_bytes if self.host and self.host.room else None,
                 "devices": {f.device: f.largest_value for f in self.devices}}
 
     def to_frame(self) -> Any:
@@ -229,6 +237,8 @@ class FitResult(Shown):
     def _facts(self) -> list[str]:
         facts = [f.line(self.name) for f in self.devices] if len(self.devices) > 1 else []
         facts += [self._room(), self._model(), self._where()]
+        if self.host is not None:
+            facts.append(self.host.line(self.name, self.largest_value))
         if self.restored_bytes is not None:
             facts.append(f"put back after the fit ({fmt_bytes(self.restored_bytes)} copied to host and back):")
             facts += [f"  restored: {r}" for r in self.restored]
