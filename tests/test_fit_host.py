@@ -222,3 +222,12 @@ def test_a_host_watch_measures_a_runs_pinned_and_heap_growth_and_stops_its_threa
     (use,) = watch.uses
     assert use.value == 16 and use.pinned_bytes == 8 * MiB and use.pageable_bytes == 30 * MiB
     watch.close()
+
+
+def test_nbmem_fit_refuses_a_host_limit_that_is_no_size_before_anything_runs() -> None:
+    import nbmem
+
+    ran: list[int] = []
+    with pytest.raises(ValueError, match=r"nbmem.fit: host_limit takes a memory size such as '8GiB'"):
+        nbmem.fit(ran.append, "batch", [8, 16], host_limit="lots")
+    assert not ran

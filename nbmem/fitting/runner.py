@@ -9,7 +9,7 @@ runs the cell again). The allocator's events are recorded only through ``TorchSo
 analysis (``multigpu``), and nothing here reads a device this process has no CUDA context on.
 
 A fit is the one place nbmem may change the allocator's cache: between runs it frees what each run left
-(``torch.cuda.empty_cache()``), because the user asked for the fit. It never runs a value predicted not to
+(``torch.cuda.empty_cache()``, and the pinned host cache: ``hostroom``), because the user asked for the fit. It never runs a value predicted not to
 fit, catches an out-of-memory in a run (frees what the run allocated, reports it, and stops), and with
 ``restore`` (the default) copies the training state the body reaches (``state.snapshot_state``: modules,
 optimizers, LR schedulers, gradient scalers, random generators) before the first run and puts it back, bit
