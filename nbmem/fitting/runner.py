@@ -9,8 +9,9 @@ runs the cell again). The allocator's events are recorded only through ``TorchSo
 analysis (``multigpu``), and nothing here reads a device this process has no CUDA context on.
 
 A fit is the one place nbmem may change the allocator's cache: between runs it frees what each run left
-(``torch.cuda.empty_cache()``, and the pinned host cache: ``hostroom``), because the user asked for the fit. It never runs a value predicted not to
-fit, catches an out-of-memory in a run (frees what the run allocated, reports it, and stops), and with
+(``torch.cuda.empty_cache()``, and the pinned host cache: ``hostroom``), because the user asked for the fit.
+It never runs a value predicted not to fit (on the GPU or on the host), catches an out-of-memory in a run
+(frees what the run allocated, reports it, and stops), and with
 ``restore`` (the default) copies the training state the body reaches (``state.snapshot_state``: modules,
 optimizers, LR schedulers, gradient scalers, random generators) before the first run and puts it back, bit
 for bit, after the last, also after a failure, so the training steps the fit ran leave no trace.
@@ -161,6 +162,7 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
             plain = (refined if refined is not None and max_value is None and target is None else
                      analyse_devices(runs, body.answer_rooms(target, own_used), body.segments, name=name,
                                      cell_files=cell_files, max_value=max_value, largest_only=True))
+            plain = plain if target is not None or body.host is None else with_host(plain, body.host.fit(), name)
             ran_ok = [r.value for r in runs if r.counted and not r.oom]
             if plain.largest_value is not None and want > plain.largest_value and ran_ok:
                 remedy_notes += left_out
@@ -257,6 +259,7 @@ def _measure_remedies(body: _Body, candidates: Sequence[remedies.Candidate], val
                 res = (refined if refined is not None and max_value is None and on[0] is None else
                        analyse_devices(runs, sub.answer_rooms(*on), sub.segments, name=name, max_value=max_value,
                                        largest_only=True))
+                res = res if on[0] is not None or sub.host is None else with_host(res, sub.host.fit(), name)
                 step_s = _timed_step(sub, timed) if res.largest_value is not None else None
         except Exception as e:
             why = (str(e).strip().splitlines() or [""])[0][:120]

@@ -94,7 +94,7 @@ def test_pinned_offload_under_a_small_host_room_never_runs_a_value_that_fails() 
     assert res.host is not None and res.host.room is not None and "pinned" in res.host.need.how
     assert res.host.room.source == "host_limit" and res.row()["host_limits"] is True
     # every value the fit ran fits the host room, and so does the answer: measured by a step of its own
-    for v in sorted(set(ran))[-2:] + [res.largest_value]:
+    for v in [*sorted(set(ran))[-2:], res.largest_value]:
         grown = pinned_pool_after_one_step(model, opt, v)
         assert grown <= room, (v, grown, room, text)
     # and the GPU alone would allow more: the host limits it
