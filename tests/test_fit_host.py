@@ -172,7 +172,8 @@ def fake_runs(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def fit_with(host: PinnedHost, host_room: HostRoom, vals: list[int]) -> tuple[Any, list[str]]:
     notes: list[str] = []
-    watch = HostWatch(host_room, read_pageable=lambda: 0, read_pinned=lambda: host.pool, empty_pinned=host.empty)
+    watch = HostWatch(host_room, read_pageable=lambda: 0, read_rss=lambda: GiB, read_pinned=lambda: host.pool,
+                      empty_pinned=host.empty)
     body = runner._Body(host.run, None, [0], False, 10**6, None, "batch", notes, host=watch)  # type: ignore[arg-type]
     body.rooms[0], body.segments[0] = Room("cuda:0", 80 * GiB, 0, 0, 0), ()
     runs: list[RunSet] = []
@@ -220,8 +221,18 @@ def test_a_host_watch_measures_a_runs_pinned_and_heap_growth_and_stops_its_threa
     watch.after(16, True, False)
     assert not any(t.name == "nbmem-fit-host" for t in threading.enumerate())
     (use,) = watch.uses
-    assert use.value == 16 and use.pinned_bytes == 8 * MiB and use.pageable_bytes == 30 * MiB
+    assert use.value == 16 and use.pinned_bytes == 8 * MiB and use.pageable_bytes == 30 * MiB  # the heap's
     watch.close()
+
+
+def test_off_glibc_a_runs_pageable_bytes_are_rss_less_the_pinned_pool(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(H, "heap_bytes", None)
+    pool = iter([0, 8 * MiB])
+    rss = iter([GiB, GiB + 50 * MiB] + [GiB + 20 * MiB] * 10_000)  # 50 MiB more resident, 8 of them pinned
+    watch = HostWatch(None, read_rss=lambda: next(rss), read_pinned=lambda: next(pool), empty_pinned=lambda: False)
+    watch.before()
+    watch.after(16, True, False)
+    assert watch.uses[0].pinned_bytes == 8 * MiB and watch.uses[0].pageable_bytes == 42 * MiB
 
 
 def test_nbmem_fit_refuses_a_host_limit_that_is_no_size_before_anything_runs() -> None:

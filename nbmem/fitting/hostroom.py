@@ -1,15 +1,15 @@
 """Host memory as a fit's limit: what each run adds on the host, the room there, and the largest value it allows.
 
-A body that moves memory to the host (``torch.autograd.graph.save_on_cpu``, pinned buffers, ``.cpu()`` in the
-step, a DataLoader with ``pin_memory``) can run out of host memory before the GPU's: pinned memory fails in
+A body that moves memory to the host (``torch.autograd.graph.save_on_cpu``, pinned buffers, ``.cpu()`` in the step,
+a DataLoader with ``pin_memory``) can run out of host memory before the GPU's: pinned memory fails in
 ``cudaHostAlloc`` ("CUDA error: out of memory"), pageable memory brings the kernel's OOM killer. Each run's host
-bytes are measured (``HostWatch``): the CUDA host allocator's pinned pool from its statistics (read only once
-CUDA is initialized: a fit has initialized it), and the C heap's (or, off glibc, RSS's) peak from a thread that
-samples it while the run runs. The room (``room_for``) is ``host_limit`` where the caller set one, else the
-container's memory limit (``measure.limits``), else the machine's available memory; less a margin. The model
-(``host_need``) errs high: the pinned pool rounds each block up to a power of two, so a value up to twice a run's
-may need twice its pinned bytes; heap growth is a size model (``sizes.fit_size``) through the runs. Growth below
-noise (a body that keeps nothing on the host) is no limit, and nothing is said about it.
+bytes are measured (``HostWatch``): the CUDA host allocator's pinned pool from its statistics (read only once CUDA
+is initialized: a fit has initialized it), and the peak of the C heap's bytes in use (glibc; elsewhere RSS less the
+pinned pool), from a thread that samples it while the run runs. The room (``room_for``) is ``host_limit`` where the
+caller set one, else the container's memory limit (``measure.limits``), else the machine's available memory; less a
+margin. The model (``host_need``) errs high: the pinned pool rounds each block up to a power of two, so a value up
+to twice a run's may need twice its pinned bytes; heap growth is a size model (``sizes.fit_size``) through the runs.
+Growth below noise (a body that keeps nothing on the host) is no limit, and nothing is said about it.
 """
 
 from __future__ import annotations
@@ -261,26 +261,29 @@ def _empty_pinned_cache() -> bool:
 
 
 class _Peaks:
-    """A thread that reads the heap (or RSS) while a run runs and keeps the largest reading."""
+    """A thread that reads the heap and RSS while a run runs and keeps the largest reading of each."""
 
-    def __init__(self, read: Callable[[], int | None]) -> None:
-        self.read = read
-        self.start_bytes = read() or 0
-        self.peak = self.start_bytes
+    def __init__(self, reads: Sequence[Callable[[], int | None]]) -> None:
+        self.reads = reads
+        self.start = [r() or 0 for r in reads]
+        self.peaks = list(self.start)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="nbmem-fit-host", daemon=True)
         self._thread.start()
 
+    def _read(self) -> None:
+        self.peaks = [max(p, r() or 0) for p, r in zip(self.peaks, self.reads, strict=True)]
+
     def _loop(self) -> None:
         while not self._stop.wait(SAMPLE_S):
-            self.peak = max(self.peak, self.read() or 0)
+            self._read()
 
-    def stop(self) -> int:
-        """The growth over the run: the largest reading less the first."""
+    def stop(self) -> list[int]:
+        """The growth of each over the run: its largest reading less its first."""
         self._stop.set()
         self._thread.join()
-        self.peak = max(self.peak, self.read() or 0)
-        return self.peak - self.start_bytes
+        self._read()
+        return [p - s for p, s in zip(self.peaks, self.start, strict=True)]
 
 
 @dataclass
@@ -290,10 +293,12 @@ class HostWatch:
     room: HostRoom | None
     reason: str = ""
     uses: list[HostUse] = field(default_factory=list)
-    read_pageable: Callable[[], int | None] | None = None
+    read_pageable: Callable[[], int | None] | None = None  # the C heap's bytes in use (glibc), by default
+    read_rss: Callable[[], int | None] | None = None  # RSS, by default, off glibc
     read_pinned: Callable[[], int | None] = _pinned_pool_bytes
     empty_pinned: Callable[[], bool] = _empty_pinned_cache
     _peaks: _Peaks | None = None
+    _heap: bool = True  # the run's pageable bytes are the heap's (else RSS's)
     _pinned_start: int | None = None
     _pinned_floor: int | None = None  # the pool before the first run: what a run adds is over it
 
@@ -306,18 +311,20 @@ class HostWatch:
         # Without a way to give cached blocks back, a run reuses the last ones: count what the pool holds
         # over what it held before the fit (all the runs' blocks so far: more than this run's, never less).
         self._pinned_start = pool if emptied else self._pinned_floor
-        read = self.read_pageable or heap_bytes or HostSource().rss_bytes
-        self._peaks = _Peaks(read)
+        # The heap's bytes in use are exact (malloc's, untouched pages too) where glibc tells them; RSS, where it
+        # does not, also moves with kernels loaded for new sizes and pages the heap keeps, and counts pinned pages.
+        heap = self.read_pageable or heap_bytes
+        self._heap = heap is not None
+        self._peaks = _Peaks([heap] if heap is not None else [self.read_rss or HostSource().rss_bytes])
 
     def after(self, value: int, counted: bool, oom: bool) -> None:
         """Stop measuring the run at ``value``; its host bytes join the others'."""
         peaks, self._peaks = self._peaks, None
-        grown = peaks.stop() if peaks is not None else 0
+        grown = peaks.stop() if peaks is not None else [0]
         pool, start = self.read_pinned(), self._pinned_start
         pinned = max(0, pool - start) if pool is not None and start is not None else 0
-        if self.read_pageable is None and heap_bytes is None:  # RSS counts the pinned pages too
-            grown = max(0, grown - pinned)
-        self.uses.append(HostUse(value, pinned, max(0, grown), counted, oom))
+        pageable = max(0, grown[0] if self._heap else grown[0] - pinned)
+        self.uses.append(HostUse(value, pinned, pageable, counted, oom))
 
     def close(self) -> None:
         """After the fit: a sampler still running (a run that raised) stops, and the runs' pinned cache goes."""
@@ -328,8 +335,8 @@ class HostWatch:
 
     def fresh(self) -> HostWatch:
         """The same room, for runs of their own (a remedy's)."""
-        return HostWatch(self.room, self.reason, read_pageable=self.read_pageable, read_pinned=self.read_pinned,
-                         empty_pinned=self.empty_pinned)
+        return HostWatch(self.room, self.reason, read_pageable=self.read_pageable, read_rss=self.read_rss,
+                         read_pinned=self.read_pinned, empty_pinned=self.empty_pinned)
 
     def fit(self) -> HostFit | None:
         return fit_host(host_need(self.uses), self.room, self.reason)
