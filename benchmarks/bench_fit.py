@@ -5,6 +5,7 @@
     PYTHONPATH=. python3 benchmarks/bench_fit.py --only training     # issue 27's training setups
     PYTHONPATH=. python3 benchmarks/bench_fit.py --only remedies     # issue 27's remedies, each checked
     PYTHONPATH=. python3 benchmarks/bench_fit.py --only stack        # issue 36: HF checkpointing + bf16, compiled
+    PYTHONPATH=. python3 benchmarks/bench_fit.py --only offload      # issue 36: save_on_cpu, host memory's limit
     PYTHONPATH=. python3 benchmarks/bench_fit.py --out DIR       # also writes results.json, traces, a plot
     PYTHONPATH=. python3 benchmarks/bench_fit.py --replay DIR/traces.json.gz   # no GPU: the analysis again
 
@@ -29,6 +30,14 @@ beyond what fits, so the fit measures each remedy it can apply by runs of its ow
 under each remedy (applied as the fit applies it) the real boundary by bisection, as above. ``--room-gib``
 leaves that much of the GPU free for each family (the rest held by one tensor), so the bisections run at
 smaller sizes; the margin is then the fit's rule applied to that room.
+
+``--only offload`` (issue 36): an MLP whose step offloads what autograd saves to pinned host memory
+(``torch.autograd.graph.save_on_cpu(pin_memory=True)``), fitted with host memory as a limit
+(``host_limit``: this process's RSS plus ``--host-gib``; 0: the container's limit or the machine's memory, as a
+fit without it). The real boundary by bisection over tries of three steps, each from the same state: a try fails
+on a real out-of-memory (the GPU's, or pinned host memory's: ``cudaHostAlloc`` in ``pack_to_cpu``) or, under
+``--host-gib``, where the pinned pool it grew passes the limit (the RSS at the start taken off). The row says
+which limit the fit's answer hit, and whether any of the fit's own runs failed (none may).
 """
 
 from __future__ import annotations
@@ -504,6 +513,8 @@ def main() -> int:
                     help="--only remedies: comma-separated families (default: all of them)")
     ap.add_argument("--room-gib", type=float, default=0.0,
                     help="--only remedies: leave this much of the GPU free for each family (0: all of it)")
+    ap.add_argument("--host-gib", type=float, default=16.0,
+                    help="--only offload: the host memory the runs may add (0: the machine's or container's)")
     ap.add_argument("--out", default="", help="a folder for results.json and the fits' traces")
     ap.add_argument("--replay", nargs="+", default=[], metavar="TRACES",
                     help="no GPU: nbmem's prediction again, by the analysis as it is now, from the traces.json.gz "
@@ -525,6 +536,8 @@ def main() -> int:
         return 0
     started = time.perf_counter()
     fams = families(torch)
+    if a.only == "offload":
+        return offload_main(torch, fitting, a.host_gib, started)
     if a.only == "remedies":
         return remedies_main(torch, fitting, fams, [f for f in a.remedy_families.split(",") if f], a.budget_s,
                              a.room_gib, started, a.out)
@@ -882,6 +895,91 @@ def measure(torch: Any, fitting: Any, fam: Family, state: str, row: Row, competi
                       "line_peaks": peaks, "line_room": room, "nbmem": row.nbmem, "edges": edges, "result": res})
     ns.clear()
     hold.clear()
+
+
+# -- issue 36: host memory as the limit ---------------------------------------------------------------------------
+def offload_main(torch: Any, fitting: Any, host_gib: float, started: float) -> int:
+    """The save_on_cpu row: the fit under a host limit, and the real boundary with real failures on both sides."""
+    from nbmem.fitting.state import restore_state, snapshot_state
+    from nbmem.formatting import fmt_bytes
+    from nbmem.measure.host import HostSource
+
+    nn = torch.nn
+    width, values = 4096, (1024, 2048, 4096)
+    model = nn.Sequential(*[m for _ in range(6) for m in (nn.Linear(width, width), nn.GELU())],
+                          nn.Linear(width, 10)).cuda()
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=0.9)
+    ns: dict[str, Any] = {}
+
+    def run(b: int) -> None:
+        ns["x"] = torch.randn(b, width, device="cuda")
+        ns["y"] = torch.randint(0, 10, (b,), device="cuda")
+        with torch.autograd.graph.save_on_cpu(pin_memory=True):
+            ns["loss"] = nn.functional.cross_entropy(model(ns["x"]), ns["y"])
+        ns["loss"].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    run(values[0])  # stepped: momentum buffers exist
+    ns.clear()
+    gc.collect()
+    torch.cuda.empty_cache()
+    start = snapshot_state([model], [opt])
+    rss = HostSource().rss_bytes() or 0
+    limit = int(rss + host_gib * GiB) if host_gib else None
+    said = f"host_limit {fmt_bytes(limit)} (RSS {fmt_bytes(rss)} + {host_gib:g} GiB)" if limit else "the machine's"
+    print(f"torch {torch.__version__}, {torch.cuda.get_device_name()}, {fmt_bytes(torch.cuda.mem_get_info()[1])}; "
+          f"host: {said}", flush=True)
+    t = time.perf_counter()
+    res = fitting.fit(run, values, name="batch", clean=ns.clear, modules=[model], optimizers=[opt], host_limit=limit)
+    t_fit = time.perf_counter() - t
+    print(str(res), flush=True)
+    fit_failures = [p.value for p in res.points if p.oom]
+
+    def pool() -> int:
+        return int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
+
+    how: dict[int, str] = {}
+
+    def three_in_a_row(v: int) -> bool:
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.accelerator.empty_host_cache()
+        before, why = pool(), ""
+        try:
+            for _ in range(3):
+                run(v)
+            torch.cuda.synchronize()
+        except Exception as e:
+            if not fitting.is_out_of_memory(e):
+                raise
+            why = str(e).splitlines()[0][:80]
+        finally:
+            grown = pool() - before
+            ns.clear()
+            restore_state(start)
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch.accelerator.empty_host_cache()
+        if not why and limit is not None and grown > limit - rss:
+            why = f"pinned pool {fmt_bytes(grown)} over the {fmt_bytes(limit - rss)} the limit leaves"
+        how[v] = why
+        return not why
+
+    t = time.perf_counter()
+    real, real_hi = boundary(three_in_a_row, res.largest_value or values[-1])
+    t_real = time.perf_counter() - t
+    hit = ("host memory" if res.host is not None and res.host.limits else "the GPU") if res.largest_value else "none"
+    failed_at = how.get(real_hi or -1, "")
+    print(f"\nsave_on_cpu (pinned): predicted {fmt(res.largest_value)}, real {fmt(real)} (fails at {fmt(real_hi)}: "
+          f"{failed_at or 'NA'}), {ratio(res.largest_value, real)}; the answer is limited by {hit}; "
+          f"the fit's own runs that failed: {fit_failures or 'none'}; fit {t_fit:.1f} s, real {t_real:.1f} s")
+    ok = res.largest_value is not None and real is not None and 0.9 * real <= res.largest_value <= real
+    print(f"\n=== summary ===\nbench_fit offload: save_on_cpu under {said} host memory, limited by {hit}: "
+          f"{ratio(res.largest_value, real)} of the real boundary ({'within 10 % below' if ok else 'NOT within 10 %'}"
+          f"{', ABOVE' if res.largest_value and real and res.largest_value > real else ''}); runs of the fit that "
+          f"failed: {len(fit_failures)}; {time.perf_counter() - started:.0f} s")
+    return 0
 
 
 # -- issue 27: each remedy's prediction against its real boundary -------------------------------------------------

@@ -109,7 +109,7 @@ def cleanup(names: Any = (), outputs: bool = False, traceback: bool = False, col
 
 
 def fit(body: Any, name: str, values: Any, *, restore: bool = True, warmup: bool = True,
-        want: int | None = None, on: str | None = None) -> Any:
+        want: int | None = None, on: str | None = None, host_limit: int | str | None = None) -> Any:
     """Will it fit? The largest ``name`` that ``body`` can run at on this GPU, never above the real limit.
 
     ``body`` is a cell's source (run in the notebook's namespace with ``name`` bound to each value, as
@@ -131,6 +131,11 @@ def fit(body: Any, name: str, values: Any, *, restore: bool = True, warmup: bool
     memory size (``"24GiB"``, ``"24GB"``) or a GPU's name (``"T4"``, ``"L4"``, ``"A100 40GB"``; the table is
     ``nbmem.fitting.devices.GPUS``), less a CUDA context as large as this one's.
 
+    Where the body keeps memory on the host (``save_on_cpu``, pinned buffers, ``.cpu()`` in the step), host
+    memory is a limit too: the answer fits there as well, and says when the host limits it. The room there is
+    the container's memory limit, else the machine's available memory, less a margin; ``host_limit`` (``"8GiB"``,
+    or bytes) sets the memory this kernel may use by hand. No value predicted not to fit on either is run.
+
     Returns a ``FitResult``: ``largest_value``, ``power_of_two``, ``fixed_bytes``, ``bytes_per_unit``,
     ``lines`` (where memory grows), ``room`` (the memory it fits into and the margin), ``notes``;
     ``.to_frame()`` and ``.row()`` for code. ``largest_value`` is None with ``reason`` when there is no
@@ -150,16 +155,22 @@ def fit(body: Any, name: str, values: Any, *, restore: bool = True, warmup: bool
         raise ValueError(f"nbmem.fit(want=...) takes the {name} you want to run at, a positive whole number, "
                          f"got {want!r:.40}")
     from nbmem.fitting.devices import parse_on
+    from nbmem.fitting.hostroom import parse_host_limit
 
     try:
         target = None if on is None else parse_on(on)
     except ValueError as e:
         raise ValueError(f"nbmem.fit(on=...) {e}") from None
+    try:
+        host_bytes = None if host_limit is None else parse_host_limit(host_limit)
+    except ValueError as e:
+        raise ValueError(f"nbmem.fit: {e}") from None
     sess = _session()
     if isinstance(body, str) and name not in sess.adapter.mentioned(body):
         raise ValueError(f"nbmem.fit: the body does not use `{name}`; it runs with {name} bound to each value")
     try:
-        return sess.fit(body, name, vals, warmup=warmup, restore=restore, want=want, on=target)
+        return sess.fit(body, name, vals, warmup=warmup, restore=restore, want=want, on=target,
+                        host_limit=host_bytes)
     except FitRefused as e:
         raise RuntimeError(f"nbmem.fit: {e}; {'it ran once, no more' if e.ran else 'nothing was run'}"
                            ) from None

@@ -360,7 +360,7 @@ class Session:
     # -- will it fit? -------------------------------------------------------------------------------------
     def fit(self, body: str | Callable[[int], object], name: str, values: Sequence[int], *, cell: int = 0,
             warmup: bool = True, restore: bool = True, want: int | None = None, on: Any = None,
-            show: Callable[[str, bool], None] | None = None) -> FitResult:
+            show: Callable[[str, bool], None] | None = None, host_limit: int | None = None) -> FitResult:
         """Run ``body`` once per value (a cell's source, ``name`` bound; or a function of the value) and
         predict the largest value that fits (on ``on``, another GPU, where given); the modules and optimizers
         it reaches are restored after. ``show``: where the fit's progress line goes (``fitting.progress``)."""
@@ -370,7 +370,7 @@ class Session:
             result = fit_in_notebook(self.adapter, self.probe.torch, self.holdings.scanner.type_cache, body, name,
                                      values, cell=cell, warmup=warmup, restore=restore,
                                      budget_s=self.settings.scan_budget_s, want=want, on=on,
-                                     own_used=self.probe.nvml.own_used, show=show)
+                                     own_used=self.probe.nvml.own_used, show=show, host_limit=host_limit)
         finally:
             self.holdings.closed_scan = None  # the fit ran code: the next cell's baseline is scanned again
         self.last_fit = result

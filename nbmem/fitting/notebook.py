@@ -26,7 +26,8 @@ from nbmem.records import HolderKind
 def fit_in_notebook(adapter: Any, source: TorchSource, type_cache: Any, body: str | Callable[[int], object],
                     name: str, values: Sequence[int], *, cell: int, warmup: bool, restore: bool,
                     budget_s: float | None, want: int | None = None, on: Target | str | None = None,
-                    own_used: Callable[[int], int | None] | None = None, show: Show | None = None) -> FitResult:
+                    own_used: Callable[[int], int | None] | None = None, show: Show | None = None,
+                    host_limit: int | None = None) -> FitResult:
     """A fit of a cell's source (run in the notebook's namespace, ``name`` bound, put back after each run) or
     of a function of the value; the training state it reaches (found by a walk from the names it uses) is
     what is restored. ``adapter`` is the IPython adapter (``shell.ShellAdapter``)."""
@@ -50,7 +51,7 @@ def fit_in_notebook(adapter: Any, source: TorchSource, type_cache: Any, body: st
         result = fit(runner, values, source=source, name=name, clean=clean, warmup=warmup, modules=found.modules,
                      optimizers=found.optimizers, others=found.others, iterators=found.iterators, restore=restore,
                      stacks=True, cell_files=files, sources=lines, want=want, on=on, own_used=own_used,
-                     show=show)
+                     show=show, host_limit=host_limit)
         if restore and nothing:
             result = replace(result, notes=("no model, optimizer, LR scheduler or gradient scaler was found under the "
                                             "names the cell uses or the functions it calls: only the random "

@@ -42,18 +42,21 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from nbmem.fitting.allocator import CachingAllocatorModel, SegmentState
 from nbmem.fitting.devices import DeviceFit
-from nbmem.fitting.model import ALLOC, FREE, Room, Run, RunTrace, Sim, Site, Timeline, build_timeline
+from nbmem.fitting.model import ALLOC, FREE, MARGIN_FRACTION, Room, Run, RunTrace, Sim, Site, Timeline, build_timeline
 from nbmem.fitting.remedies import Remedy, accumulation
 from nbmem.fitting.remedies import expandable as expandable_segments
-from nbmem.fitting.search import SEARCH_CAP, largest_fitting
+from nbmem.fitting.search import SEARCH_CAP, below_failure, largest_fitting
 from nbmem.fitting.sizes import fit_size
 from nbmem.formatting import Column, esc, fmt_bytes, fmt_seconds, html_table, prose, text_table
 from nbmem.reports import Shown
 from nbmem.trace.linetrace import cell_line, deepest_user_frame
+
+if TYPE_CHECKING:
+    from nbmem.fitting.hostroom import HostFit
 
 
 def power_of_two_below(value: int) -> int:
@@ -115,6 +118,8 @@ class FitResult(Shown):
     steps_run: int = 0
     duration_s: float | None = None
     devices: tuple[DeviceFit, ...] = ()  # each device the runs allocated on, with its own answer
+    capped: str = ""  # what capped the answer below the model's own, said with it ("" when nothing did)
+    host: HostFit | None = None  # host memory, where the runs keep memory there (``hostroom``)
 
     # -- for code -----------------------------------------------------------------------------------------------
     def row(self) -> dict[str, Any]:
@@ -137,6 +142,10 @@ class FitResult(Shown):
                 "restored_bytes": self.restored_bytes, "restored": list(self.restored),
                 "not_restored": list(self.not_restored), "steps_run": self.steps_run, "duration_s": self.duration_s,
                 "limited_by": self.limited_by.device if self.limited_by else None,
+                "host_limits": bool(self.host and self.host.limits),
+                "host_largest_value": (self.host.largest_value if self.host and self.host.room and
+                                       (self.host.largest_value or 0) < SEARCH_CAP else None),
+                "host_capacity_bytes": self.host.room.capacity_bytes if self.host and self.host.room else None,
                 "devices": {f.device: f.largest_value for f in self.devices}}
 
     def to_frame(self) -> Any:
@@ -167,7 +176,8 @@ class FitResult(Shown):
         wanted = "" if self.want is None else (f"; {self.want:,} fits" if self.want <= self.largest_value else
                                                f"; {self.want:,} does not fit")
         by = "" if self.limited_by is None else f"; limited by {self.limited_by.label}"
-        return f"largest {self.name} that fits: {self.largest_value:,}{pow2}{wanted}{by}"
+        capped = f"; {self.capped}" if self.capped else ""
+        return f"largest {self.name} that fits: {self.largest_value:,}{pow2}{wanted}{by}{capped}"
 
     def _room(self) -> str:
         r = self.room
@@ -227,6 +237,8 @@ class FitResult(Shown):
     def _facts(self) -> list[str]:
         facts = [f.line(self.name) for f in self.devices] if len(self.devices) > 1 else []
         facts += [self._room(), self._model(), self._where()]
+        if self.host is not None:
+            facts.append(self.host.line(self.name, self.largest_value))
         if self.restored_bytes is not None:
             facts.append(f"put back after the fit ({fmt_bytes(self.restored_bytes)} copied to host and back):")
             facts += [f"  restored: {r}" for r in self.restored]
@@ -328,22 +340,30 @@ def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segmen
                    for p in parsed) + tuple(FitPoint(v, None, None, skipped=True) for v in skipped)
     values = tuple(sorted({r.value for r in runs if r.counted and not r.oom}))
     all_notes = list(notes)
-    oom_values = [r.value for r in runs if r.oom]
-    cap = min([SEARCH_CAP, *(v - 1 for v in oom_values)] + ([max_value] if max_value else []))
-    if oom_values:
-        all_notes.append(f"{name}={min(oom_values):,} ran out of memory in its run: the prediction stays below it")
+    failed = min((r.value for r in runs if r.oom), default=None)
+    cap = min([SEARCH_CAP] + ([failed - 1] if failed is not None else []) + ([max_value] if max_value else []))
     base = FitResult(name=name, device=room.device, values=values, points=points, room=room, want=want)
     built = build_timeline(parsed, segments)
     capacity = room.capacity_bytes
     if built == "structure":
-        scaled = _scaled_peak(parsed, segments, capacity, cap, base, all_notes)
+        scaled = _scaled_peak(parsed, segments, capacity, cap, base, all_notes, failed)
         if want is not None and scaled.largest_value is not None and want > scaled.largest_value:
             scaled = replace(scaled, remedies=(*accumulation(name, scaled.largest_value, want), *measured),
                              notes=(*scaled.notes, *remedy_notes))
         return scaled
     if isinstance(built, str):
+        if failed is not None:
+            all_notes.append(f"{name}={failed:,} ran out of memory in its run")
         return replace(base, reason=built, notes=tuple(all_notes))
     tl = built
+    capped, below = "", SEARCH_CAP  # the cap a failed run puts on the answer, and the clause that says so
+    if failed is not None:
+        got, capped = _below_failure(lambda v: tl.simulate(v, math.inf).peak_reserved_bytes, failed, room, name,
+                                       all_notes)
+        if got is None:
+            return replace(base, method="timeline", reason=capped, notes=tuple(all_notes))
+        below = got
+        cap = min(cap, below)
     all_notes += tl.notes
     if len(values) == 2:
         all_notes.append("two values show linear growth only: a third value would show growth that speeds up "
@@ -378,8 +398,9 @@ def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segmen
         return replace(timeline, reason=why, notes=tuple(all_notes))
     if max_value is not None and largest >= max_value:
         all_notes.append(f"{name}={max_value:,}, the largest value asked about, fits: larger ones were not searched")
+    capped = capped if largest >= below else ""
     if largest_only:
-        return replace(timeline, largest_value=largest, notes=tuple(all_notes))
+        return replace(timeline, largest_value=largest, notes=tuple(all_notes), capped=capped)
     at = ups.get(largest) or tl.simulate(largest, capacity)
     if at.ties:  # the report's reserved peak is the larger of the two orders'
         at = max(at, tl.simulate(largest, capacity, descending=True), key=lambda s: s.peak_reserved_bytes)
@@ -404,11 +425,36 @@ def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segmen
         if not expandable:
             remedies += expandable_segments(tl, name, largest, capacity, cap, all_notes)
     return replace(timeline, remedies=tuple(remedies), largest_value=largest, power_of_two=power_of_two_below(largest),
+                   capped=capped,
                    fixed_bytes=fixed, bytes_per_unit=per, bytes_per_unit_sq=sq,
                    peak_allocated_at_largest_bytes=at.peak_allocated_bytes,
                    peak_reserved_at_largest_bytes=at.peak_reserved_bytes,
                    peak_where=(_phase_place(tl, small.peak_at, sources), _phase_place(tl, at.peak_at, sources)),
                    lines=tuple(lines[:8]), curve=curve, notes=(*all_notes, *ASSUMPTIONS))
+
+
+def _below_failure(peak: Callable[[int], float], failed: int, room: Room, name: str,
+                   notes: list[str]) -> tuple[int | None, str]:
+    """The cap a run that failed at ``failed`` puts on the answer, and the clause that says so (or, with no
+    value under it, why there is no answer).
+
+    The failed run says the room is no larger than what the model gives that value; the answer keeps the margin
+    a prediction keeps below the room, below that: the room's margin, and never less than ``MARGIN_FRACTION``
+    (a margin set by hand can be nil, and the model was wrong at that value).
+    """
+    at = peak(failed)
+    margin = max(room.margin_bytes, math.ceil(MARGIN_FRACTION * at))
+    below = below_failure(peak, failed, margin)
+    share = f"{100 * margin / max(1.0, at):.0f} %"
+    if below is None:
+        why = (f"{name}={failed:,} ran out of memory in its run, and no smaller {name} is modelled to need "
+               f"{fmt_bytes(margin)} ({share}) less")
+        notes.append(why)
+        return None, why
+    notes.append(f"{name}={failed:,} ran out of memory in its run: the answer stays under what the model gives it "
+                 f"({fmt_bytes(at)} reserved) by the margin a prediction keeps, {fmt_bytes(margin)} ({share}): "
+                 f"at most {below:,}")
+    return below, f"capped below the failed run at {failed:,}, with the {share} margin"
 
 
 def _after(at: tuple[int, int], tl: Timeline) -> tuple[int, int]:
@@ -438,7 +484,7 @@ def _curve(sim: Callable[[int], Sim], lo: int, hi: int, points: int = 24) -> tup
 
 
 def _scaled_peak(runs: Sequence[Run], segments: Sequence[SegmentState], capacity: int, cap: int,
-                 base: FitResult, notes: list[str]) -> FitResult:
+                 base: FitResult, notes: list[str], failed: int | None) -> FitResult:
     """When the runs do not share one structure: the largest run's peak, scaled conservatively."""
     steady = [r for r in runs if r.counted and not r.oom]
     model = fit_size((r.value, r.peak_growth_bytes) for r in steady)
@@ -466,6 +512,14 @@ def _scaled_peak(runs: Sequence[Run], segments: Sequence[SegmentState], capacity
                  "value to the next: the prediction scales the largest run's peak in proportion to the value "
                  "(conservative)")
     scaled = replace(base, method="scaled peak", notes=tuple(notes))
+    capped, below = "", SEARCH_CAP
+    if failed is not None and base.room is not None:
+        got, capped = _below_failure(lambda v: start_reserved + overhead * growth(v), failed, base.room, base.name,
+                                       notes)
+        if got is None:
+            return replace(scaled, reason=capped, notes=tuple(notes))
+        below = got
+        cap = min(cap, below)
     largest = largest_fitting(lambda v: start_reserved + overhead * growth(v) <= capacity, vn, cap)
     if largest is None:
         return replace(scaled, reason=f"even {base.name}=1 does not fit into {fmt_bytes(capacity)}")
@@ -475,7 +529,8 @@ def _scaled_peak(runs: Sequence[Run], segments: Sequence[SegmentState], capacity
     grid = sorted({max(1, round(lo * (1.25 * largest / lo) ** (k / 23))) for k in range(24)})
     curve = tuple((v, int(start_reserved + growth(v)), int(start_reserved + overhead * growth(v))) for v in grid)
     return replace(scaled, largest_value=largest, power_of_two=power_of_two_below(largest),
-                   fixed_bytes=float(start_reserved), bytes_per_unit=gn / vn, bytes_per_unit_sq=0.0,
+                   capped=capped if largest >= below else "", fixed_bytes=float(start_reserved),
+                   bytes_per_unit=gn / vn, bytes_per_unit_sq=0.0,
                    peak_reserved_at_largest_bytes=int(start_reserved + overhead * growth(largest)), curve=curve,
                    notes=(*notes, *ASSUMPTIONS))
 

@@ -9,8 +9,9 @@ runs the cell again). The allocator's events are recorded only through ``TorchSo
 analysis (``multigpu``), and nothing here reads a device this process has no CUDA context on.
 
 A fit is the one place nbmem may change the allocator's cache: between runs it frees what each run left
-(``torch.cuda.empty_cache()``), because the user asked for the fit. It never runs a value predicted not to
-fit, catches an out-of-memory in a run (frees what the run allocated, reports it, and stops), and with
+(``torch.cuda.empty_cache()``, and the pinned host cache: ``hostroom``), because the user asked for the fit.
+It never runs a value predicted not to fit (on the GPU or on the host), catches an out-of-memory in a run
+(frees what the run allocated, reports it, and stops), and with
 ``restore`` (the default) copies the training state the body reaches (``state.snapshot_state``: modules,
 optimizers, LR schedulers, gradient scalers, random generators) before the first run and puts it back, bit
 for bit, after the last, also after a failure, so the training steps the fit ran leave no trace.
@@ -28,6 +29,7 @@ from typing import Any
 from nbmem.fitting import remedies
 from nbmem.fitting.allocator import SegmentState
 from nbmem.fitting.devices import Target, parse_on
+from nbmem.fitting.hostroom import HostWatch, room_for, with_host
 from nbmem.fitting.model import Room, RunTrace
 from nbmem.fitting.multigpu import (
     NOTHING_ON_CUDA,
@@ -65,7 +67,7 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
         cell_files: frozenset[str] = frozenset(), sources: Mapping[int, str] | None = None,
         max_value: int | None = None, want: int | None = None, max_entries: int = DEFAULT_MAX_ENTRIES,
         on: Target | str | None = None, own_used: Callable[[int], int | None] | None = None,
-        show: Show | None = None) -> FitResult:
+        show: Show | None = None, host_limit: int | None = None) -> FitResult:
     """Run ``run(value)`` at each value (ascending) under the allocator's trace and predict the largest that fits.
 
     Every device the runs allocate on is measured, each against its own room, and the answer is the largest
@@ -81,6 +83,9 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
     (``remedies.candidates``: applied for those runs only, and undone), ``expandable_segments`` from the model.
     ``on``: another GPU (``devices.parse_on``): the same runs, the answer for that GPU's memory in place of each
     device's (``own_used(device)``: this process's memory there as NVML lists it, for the CUDA context's size).
+    Host memory is a limit too where the runs keep memory there (``hostroom``: pinned or pageable), against
+    ``host_limit`` (bytes this process may use) where given, else the container's limit or the machine's memory;
+    no value predicted not to fit on the host is run either.
     A body that raises anything but CUDA's out-of-memory error stops the fit (cleaned up and
     restored) and the error propagates, told what was put back; one that allocates on no CUDA device is refused.
     """
@@ -111,7 +116,7 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
     skipped: list[int] = []
     notes: list[str] = []
     body = _Body(progress.watch(run), src, context_devices(t, src), stacks, max_entries, clean, name, notes,
-                 margin_bytes=margin_bytes)
+                 margin_bytes=margin_bytes, host=HostWatch(*room_for(host_limit)))
     failed: BaseException | None = None
     before: dict[int, int] = {}
     try:
@@ -124,6 +129,7 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
             plain = (refined if refined is not None and max_value is None and target is None else
                      analyse_devices(runs, body.answer_rooms(target, own_used), body.segments, name=name,
                                      cell_files=cell_files, max_value=max_value, largest_only=True))
+            plain = plain if target is not None or body.host is None else with_host(plain, body.host.fit(), name)
             ran_ok = [r.value for r in runs if r.counted and not r.oom]
             if plain.largest_value is not None and want > plain.largest_value and ran_ok:
                 remedy_notes += left_out
@@ -142,6 +148,8 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
             saved = None
             devs = body.every_device()
             free_cached(src, devs)
+            if body.host is not None:
+                body.host.close()
             if failed is not None:
                 _say_what_was_put_back(failed, src, devs, before, lines, steps)
             progress.done(failed)  # the line goes, or stays saying that an interrupted fit put everything back
@@ -163,6 +171,8 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
                              cell_files=cell_files, sources=sources, max_value=max_value, notes=notes,
                              skipped=skipped, want=want, expandable=_expandable_on(), measured=measured,
                              remedy_notes=remedy_notes)
+    if body.host is not None and target is None:  # another GPU's answer is for another machine's host too
+        result = with_host(result, body.host.fit(), name)
     if target is not None:
         here = ", ".join(body.rooms[d].device for d in used_devices(runs) if d in body.rooms)
         result = replace(result, device=f"{target.label}, as measured on {here}")
@@ -178,14 +188,15 @@ def _runs(body: _Body, vals: Sequence[int], warmup: bool, runs: list[RunSet], sk
     schedule = ([(vals[0], False)] if warmup else []) + [(v, True) for v in vals]
     graphs = graphs_compiled()
     for k, (v, counted) in enumerate(schedule):
-        if k == 1 and warmup and graphs_compiled() != graphs:
+        if k == 1 and warmup and graphs_compiled() != graphs and not (body.host and body.host.over(vals[1], name)):
             # torch.compile made a graph for the warm-up's shape; at a second shape it makes one for every shape
             # (dynamic): one more warm-up there, so that every counted run runs that one graph.
             body.compiled.append(vals[1])
             body.once(vals[1], False)
-        if counted and _predicted_not_to_fit(runs, v, body, cell_files):
+        on_host = body.host.over(v, name) if counted and body.host is not None else ""
+        if on_host or (counted and _predicted_not_to_fit(runs, v, body, cell_files)):
             skipped += [w for w, c in schedule[k:] if c]
-            notes.append(f"{name}={v:,} was not run: the runs before it predict it does not fit")
+            notes.append(f"{name}={v:,} was not run: {on_host or 'the runs before it predict it does not fit'}")
             return True
         trace, oom = body.once(v, counted)
         runs.append(trace)
@@ -217,7 +228,7 @@ def _measure_remedies(body: _Body, candidates: Sequence[remedies.Candidate], val
     out: list[Remedy] = []
     for c in candidates:
         sub = _Body(c.wrap(body.run), body.src, list(body.devs), False, body.max_entries, body.clean, name, [],
-                    margin_bytes=body.margin_bytes)
+                    margin_bytes=body.margin_bytes, host=body.host.fresh() if body.host is not None else None)
         runs: list[RunSet] = []
         started = time.perf_counter()
         try:
@@ -229,6 +240,7 @@ def _measure_remedies(body: _Body, candidates: Sequence[remedies.Candidate], val
                 res = (refined if refined is not None and max_value is None and on[0] is None else
                        analyse_devices(runs, sub.answer_rooms(*on), sub.segments, name=name, max_value=max_value,
                                        largest_only=True))
+                res = res if on[0] is not None or sub.host is None else with_host(res, sub.host.fit(), name)
                 step_s = _timed_step(sub, timed) if res.largest_value is not None else None
         except Exception as e:
             why = (str(e).strip().splitlines() or [""])[0][:120]
@@ -388,6 +400,7 @@ class _Body:
     segments: dict[int, tuple[SegmentState, ...]] = field(default_factory=dict)
     compiled: list[int] = field(default_factory=list)  # values whose first run compiled a graph (run again)
     lost: dict[int, int] = field(default_factory=dict)  # device -> what went outside the allocator in the runs
+    host: HostWatch | None = None  # each run's host bytes, and the room there
 
     def measure(self) -> dict[int, int]:
         """Each device's room, read after the cache is given back; what is allocated on each before the runs."""
@@ -411,8 +424,9 @@ class _Body:
 
     def analyse(self, runs: Sequence[RunSet], cell_files: frozenset[str]) -> FitResult:
         """The largest value only, against this machine's devices: what the runs ask between them."""
-        return analyse_devices(runs, self.rooms, self.segments, name=self.name, cell_files=cell_files,
-                               largest_only=True)
+        res = analyse_devices(runs, self.rooms, self.segments, name=self.name, cell_files=cell_files,
+                              largest_only=True)
+        return res if self.host is None else with_host(res, self.host.fit(), self.name)
 
     def once(self, value: int, counted: bool) -> tuple[RunSet, str]:
         """One run, timed; afterwards, whatever happened, the namespace put back and the cache given back.
@@ -460,11 +474,16 @@ class _Body:
         self.ran += 1
         start = self.allocated()
         freed_older = True  # until the run's trace says otherwise
+        oom = "an error"  # until the run returns
+        if self.host is not None:
+            self.host.before()
         try:
             trace, oom = _one_run(self.run, value, counted, self.src, self.devs, self.stacks, self.max_entries)
             freed_older = any(_frees_older_blocks(tr.entries) for tr in trace.traces.values())
             return trace, oom
         finally:
+            if self.host is not None:
+                self.host.after(value, counted, bool(oom))
             self.durations[value] = time.perf_counter() - started
             if self.clean is not None:
                 self.clean()

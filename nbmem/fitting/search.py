@@ -1,7 +1,9 @@
 """The search every fit answer comes from: the largest value for which a prediction says "fits".
 
 Doubling and bisection over whole values, with a few values under the answer checked again, because what fits
-need not be monotone in the value (fragmentation): no value at or under the answer is known to fail.
+need not be monotone in the value (fragmentation): no value at or under the answer is known to fail. A failure
+there is a prediction's, which already keeps the margin below the room; a real run that failed caps the answer
+with that margin too (``below_failure``), never at the failing value minus one.
 """
 
 from __future__ import annotations
@@ -52,6 +54,18 @@ def largest_fitting(fits: Callable[[int], bool], start: int, cap: int = SEARCH_C
             return None
         lo = _bisect(fits, lo, hi)
     return lo
+
+
+def below_failure(peak: Callable[[int], float], failed: int, margin_bytes: float) -> int | None:
+    """The largest value under ``failed`` whose modelled ``peak`` is ``margin_bytes`` below the failed value's.
+
+    A run that failed at ``failed`` says the room is no larger than what that value asks for; the answer keeps
+    the margin a prediction keeps below the room, below that (None: no value does).
+    """
+    if failed <= 1:
+        return None
+    limit = peak(failed) - margin_bytes
+    return largest_fitting(lambda v: peak(v) <= limit, max(1, failed // 2), failed - 1)
 
 
 def _bisect(fits: Callable[[int], bool], lo: int, hi: int) -> int:

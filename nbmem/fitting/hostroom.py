@@ -1,0 +1,354 @@
+"""Host memory as a fit's limit: what each run adds on the host, the room there, and the largest value it allows.
+
+A body that moves memory to the host (``torch.autograd.graph.save_on_cpu``, pinned buffers, ``.cpu()`` in the step,
+a DataLoader with ``pin_memory``) can run out of host memory before the GPU's: pinned memory fails in
+``cudaHostAlloc`` ("CUDA error: out of memory"), pageable memory brings the kernel's OOM killer. Each run's host
+bytes are measured (``HostWatch``): the CUDA host allocator's pinned pool from its statistics (read only once CUDA
+is initialized: a fit has initialized it), and the peak of the C heap's bytes in use (glibc; elsewhere RSS less the
+pinned pool), from a thread that samples it while the run runs. The room (``room_for``) is ``host_limit`` where the
+caller set one, else the container's memory limit (``measure.limits``), else the machine's available memory; less a
+margin. The model (``host_need``) errs high: the pinned pool rounds each block up to a power of two, so a value up
+to twice a run's may need twice its pinned bytes; heap growth is a size model (``sizes.fit_size``) through the runs.
+Growth below noise (a body that keeps nothing on the host) is no limit, and nothing is said about it.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from nbmem.fitting.search import SEARCH_CAP, largest_fitting
+from nbmem.fitting.sizes import fit_size
+from nbmem.formatting import fmt_bytes
+from nbmem.measure.host import HostSource, heap_bytes
+
+#: Heap (or RSS) growth with the value below this, between the smallest and the largest run, is noise: Python
+#: objects, autograd's graph, kernels loaded for new sizes. Pinned bytes are exact: any growth counts.
+HOST_NOISE_BYTES = 8 << 20
+#: A pinned buffer of the same size at every value, smaller than this, is no limit worth a line.
+PINNED_FIXED_BYTES = 1 << 20
+#: The margin kept below the host room: other processes, the page cache the kernel will not give up, and
+#: what the notebook allocates after the fit.
+HOST_MARGIN_FRACTION = 0.05
+MIN_HOST_MARGIN_BYTES = 256 << 20
+#: How often the run's heap and RSS are read while it runs (the activations a step keeps on the host live from
+#: its forward to its backward: far longer than this).
+SAMPLE_S = 0.002
+
+
+# -- the room and the model (pure) ---------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class HostRoom:
+    """The host memory a fit's runs may add to: the limit that applies, what is in use before them, a margin."""
+
+    limit_bytes: int
+    used_bytes: int
+    margin_bytes: int
+    source: str  # which limit, as a person reads it
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.limit_bytes - self.used_bytes - self.margin_bytes
+
+    def text(self) -> str:
+        pct = 100 * self.margin_bytes / max(1, self.limit_bytes)
+        return (f"{fmt_bytes(self.capacity_bytes)} room: {self.source} {fmt_bytes(self.limit_bytes)} − "
+                f"{fmt_bytes(self.used_bytes)} in use − {fmt_bytes(self.margin_bytes)} margin ({pct:.0f} %)")
+
+
+def host_margin_bytes(limit_bytes: int) -> int:
+    return max(MIN_HOST_MARGIN_BYTES, int(HOST_MARGIN_FRACTION * limit_bytes))
+
+
+@dataclass(frozen=True, slots=True)
+class HostUse:
+    """What one run added on the host: the pinned pool's growth and the heap's (or RSS's) peak growth."""
+
+    value: int
+    pinned_bytes: int  # 0 where torch has no pinned statistics
+    pageable_bytes: int
+    counted: bool = True
+    oom: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class HostNeed:
+    """The model of a body's host bytes over the value: ``at(v)`` errs high."""
+
+    pinned: tuple[tuple[int, int], ...]  # (value, pinned bytes) of each run; () where pinned does not grow
+    pageable: Any  # a ``SizeModel`` through the heap growth, or None where it does not grow
+    pinned_fixed: bool  # the pool was the same at values spanning 2× or more: a buffer, not growth
+    how: str
+
+    def at(self, value: int) -> int:
+        pinned = 0
+        if self.pinned:
+            pinned = (max(b for _, b in self.pinned) if self.pinned_fixed else
+                      min(b * _pow2_ceil(value / v) for v, b in self.pinned))
+        return pinned + (self.pageable.at(value) if self.pageable is not None else 0)
+
+
+def _pow2_ceil(ratio: float) -> int:
+    """The power of two at or above ``ratio``, 1 at or below 1: a block of b bytes at v is at most
+    b × this at ``ratio`` × v, once rounded up to a power of two (b is one)."""
+    return 1 if ratio <= 1 else 1 << math.ceil(math.log2(ratio) - 1e-12)
+
+
+def host_need(uses: Sequence[HostUse]) -> HostNeed | None:
+    """The host bytes the runs show, as a model over the value; None where they do not grow beyond noise."""
+    ok = [u for u in uses if not u.oom]
+    if not ok:
+        return None
+    vals = sorted({u.value for u in ok})
+    pinned: dict[int, int] = {}
+    for u in ok:
+        pinned[u.value] = max(u.pinned_bytes, pinned.get(u.value, 0))
+    fixed = len(set(pinned.values())) == 1 and vals[-1] >= 2 * vals[0]
+    # Pinned bytes are exact, and a few at small values can be a lot at the answer: any growth counts, and a
+    # pinned buffer the same at every value only where it is not a sliver (a scalar copied to the host).
+    grows_pinned = any(b > 0 for b in pinned.values()) and not (fixed and max(pinned.values()) < PINNED_FIXED_BYTES)
+    heap: dict[int, int] = {}
+    for u in ok:
+        heap[u.value] = max(u.pageable_bytes, heap.get(u.value, 0))
+    counted = {u.value for u in ok if u.counted}
+    points = [(v, heap[v]) for v in vals if v in counted] or [(v, heap[v]) for v in vals]
+    grows_heap = (points[-1][1] - points[0][1] >= HOST_NOISE_BYTES if len(points) >= 2
+                  else points[0][1] >= 4 * HOST_NOISE_BYTES)
+    if not grows_pinned and not grows_heap:
+        return None
+    hows = (["pinned memory (the CUDA host allocator's statistics)"] if grows_pinned else []) + (
+        [f"pageable memory ({'the C heap' if heap_bytes is not None else 'RSS'})"] if grows_heap else [])
+    return HostNeed(tuple(sorted(pinned.items())) if grows_pinned else (),
+                    fit_size(points) if grows_heap else None, fixed, " and ".join(hows))
+
+
+@dataclass(frozen=True, slots=True)
+class HostFit:
+    """The host side of a fit's answer: the room there, and the largest value it allows."""
+
+    room: HostRoom | None  # None: the room is unknown
+    need: HostNeed
+    largest_value: int | None  # None: not even the smallest value; SEARCH_CAP or more: no limit
+    gpu_largest_value: int | None = None  # the answer on the GPU alone, where the host limits it
+    reason: str = ""  # why the room is unknown
+
+    @property
+    def limits(self) -> bool:
+        return self.gpu_largest_value is not None
+
+    def line(self, name: str, at: int | None) -> str:
+        """One line for the report: what the runs add on the host and whether it limits the answer."""
+        per = ""
+        top = max((v for v, _ in self.need.pinned), default=None)
+        if top is not None and not self.need.pinned_fixed:
+            per = f"{fmt_bytes(self.need.at(top) / top)} per {name}"
+        elif self.need.pageable is not None:
+            per = f"{fmt_bytes(self.need.pageable.per_unit_bytes)} per {name}"
+        grows = f"the runs add {per or 'a fixed amount'} on the host, in {self.need.how}"
+        if self.room is None:
+            return f"host memory not checked: {grows}, and the room there is unknown ({self.reason})"
+        if self.limits and self.largest_value is not None:
+            on_gpu = (f"{self.gpu_largest_value:,}" if self.gpu_largest_value is not None and
+                      self.gpu_largest_value < SEARCH_CAP else "any value")
+            need = fmt_bytes(self.need.at(self.largest_value))
+            return (f"limited by host memory: {self.room.text()}; {grows}, {need} at {self.largest_value:,} (the GPU "
+                    f"alone would allow {on_gpu})")
+        if at is None:
+            return f"host memory: {self.room.text()}; {grows}"
+        return f"host memory: {self.room.text()}; {grows}, {fmt_bytes(self.need.at(at))} at {at:,}: it fits"
+
+    def over(self, value: int) -> bool:
+        return self.room is not None and self.need.at(value) > self.room.capacity_bytes
+
+
+def fit_host(need: HostNeed | None, room: HostRoom | None, reason: str = "") -> HostFit | None:
+    """The largest value whose host bytes fit ``room`` (None where the runs keep nothing on the host)."""
+    if need is None:
+        return None
+    if room is None:
+        return HostFit(None, need, SEARCH_CAP, reason=reason or "unknown")
+    capacity = room.capacity_bytes
+    start = max((v for v, _ in need.pinned), default=1)
+    return HostFit(room, need, largest_fitting(lambda v: need.at(v) <= capacity, start))
+
+
+def with_host(result: Any, host: HostFit | None, name: str) -> Any:
+    """A ``FitResult`` whose answer is the largest value that fits on the GPU and on the host, saying which
+    limits it (``host``: the host side; None leaves the result as it is)."""
+    if host is None or host.room is None:
+        return result if host is None else replace(result, host=host)
+    gpu = result.largest_value
+    if gpu is None and not result.reason.startswith("its memory does not grow"):
+        return replace(result, host=host)  # no answer on the GPU: its reason stands
+    if host.largest_value is None:
+        return replace(result, largest_value=None, power_of_two=None, capped="",
+                       host=replace(host, gpu_largest_value=gpu),
+                       reason=f"not even {name}=1 fits into host memory ({host.room.text()})")
+    if gpu is None and host.largest_value < SEARCH_CAP:
+        gpu = SEARCH_CAP  # the GPU sets no limit: the host's is the answer
+    if gpu is None or host.largest_value >= gpu:
+        return replace(result, host=host)
+    largest = host.largest_value
+    return replace(result, largest_value=largest, power_of_two=1 << (largest.bit_length() - 1), reason="",
+                   capped="limited by host memory", host=replace(host, gpu_largest_value=gpu))
+
+
+# -- the room, read ------------------------------------------------------------------------------------------------
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(gib|gb|g|mib|mb|m|tib|tb|t)\s*$", re.IGNORECASE)
+_UNITS = {"gib": 1 << 30, "g": 1 << 30, "gb": 10**9, "mib": 1 << 20, "m": 1 << 20, "mb": 10**6, "tib": 1 << 40,
+          "t": 1 << 40, "tb": 10**12}
+
+
+def parse_host_limit(spec: object) -> int:
+    """``host_limit`` in bytes: a whole number of bytes or a size (``"8GiB"``, ``"8GB"``, ``"8000MiB"``)."""
+    if isinstance(spec, int) and not isinstance(spec, bool) and spec > 0:
+        return spec
+    m = _SIZE.match(spec) if isinstance(spec, str) else None
+    if m is None:
+        raise ValueError(f"host_limit takes a memory size such as '8GiB', '8GB' or '8000MiB' (or bytes), "
+                         f"got {spec!r:.40}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def room_for(host_limit: int | None, source: HostSource | None = None) -> tuple[HostRoom | None, str]:
+    """The host room a fit's runs may add to, read now; or None and why it is unknown.
+
+    ``host_limit`` (bytes): the memory this process may use, set by hand (its RSS now is in use). Otherwise the
+    container's limit where one applies (what its cgroup charges is in use), else the machine's memory (all
+    but what the kernel calls available is in use).
+    """
+    src = source or HostSource()
+    if host_limit is not None:
+        rss = src.rss_bytes()
+        if rss is None:
+            return None, "this process's RSS could not be read"
+        return HostRoom(host_limit, rss, host_margin_bytes(host_limit), "host_limit"), ""
+    total, used, lim = src.memory()
+    if total is None or used is None:
+        return None, lim.reason or "neither the container's limit nor the machine's memory could be read"
+    what = f"the container's memory limit ({lim.source})" if lim.applies else "the machine's memory"
+    return HostRoom(total, used, host_margin_bytes(total), what), ""
+
+
+# -- the runs, measured --------------------------------------------------------------------------------------------
+def _pinned_pool_bytes() -> int | None:
+    """The CUDA host allocator's pool (blocks in use and cached), where CUDA is initialized; None elsewhere."""
+    t = sys.modules.get("torch")
+    try:
+        if t is None or not t.cuda.is_initialized():
+            return None
+        return int(t.cuda.host_memory_stats().get("allocated_bytes.current", 0))
+    except Exception:
+        return None
+
+
+def _empty_pinned_cache() -> bool:
+    """Give the host allocator's cached pinned blocks back (the fit's own runs made them), where torch can."""
+    t = sys.modules.get("torch")
+    empty = getattr(getattr(t, "accelerator", None), "empty_host_cache", None)
+    if t is None or empty is None or not t.cuda.is_initialized():
+        return False
+    try:
+        empty()
+    except Exception:
+        return False
+    return True
+
+
+class _Peaks:
+    """A thread that reads the heap and RSS while a run runs and keeps the largest reading of each."""
+
+    def __init__(self, reads: Sequence[Callable[[], int | None]]) -> None:
+        self.reads = reads
+        self.start = [r() or 0 for r in reads]
+        self.peaks = list(self.start)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="nbmem-fit-host", daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        self.peaks = [max(p, r() or 0) for p, r in zip(self.peaks, self.reads, strict=True)]
+
+    def _loop(self) -> None:
+        while not self._stop.wait(SAMPLE_S):
+            self._read()
+
+    def stop(self) -> list[int]:
+        """The growth of each over the run: its largest reading less its first."""
+        self._stop.set()
+        self._thread.join()
+        self._read()
+        return [p - s for p, s in zip(self.peaks, self.start, strict=True)]
+
+
+@dataclass
+class HostWatch:
+    """A fit's host side: the room, read before the runs, and each run's host bytes (``before``/``after``)."""
+
+    room: HostRoom | None
+    reason: str = ""
+    uses: list[HostUse] = field(default_factory=list)
+    read_pageable: Callable[[], int | None] | None = None  # the C heap's bytes in use (glibc), by default
+    read_rss: Callable[[], int | None] | None = None  # RSS, by default, off glibc
+    read_pinned: Callable[[], int | None] = _pinned_pool_bytes
+    empty_pinned: Callable[[], bool] = _empty_pinned_cache
+    _peaks: _Peaks | None = None
+    _heap: bool = True  # the run's pageable bytes are the heap's (else RSS's)
+    _pinned_start: int | None = None
+    _pinned_floor: int | None = None  # the pool before the first run: what a run adds is over it
+
+    def before(self) -> None:
+        """Start measuring a run: the cached pinned blocks given back first, so its pool is its own."""
+        emptied = self.empty_pinned()
+        pool = self.read_pinned()
+        if self._pinned_floor is None:
+            self._pinned_floor = pool
+        # Without a way to give cached blocks back, a run reuses the last ones: count what the pool holds
+        # over what it held before the fit (all the runs' blocks so far: more than this run's, never less).
+        self._pinned_start = pool if emptied else self._pinned_floor
+        # The heap's bytes in use are exact (malloc's, untouched pages too) where glibc tells them; RSS, where it
+        # does not, also moves with kernels loaded for new sizes and pages the heap keeps, and counts pinned pages.
+        heap = self.read_pageable or heap_bytes
+        self._heap = heap is not None
+        self._peaks = _Peaks([heap] if heap is not None else [self.read_rss or HostSource().rss_bytes])
+
+    def after(self, value: int, counted: bool, oom: bool) -> None:
+        """Stop measuring the run at ``value``; its host bytes join the others'."""
+        peaks, self._peaks = self._peaks, None
+        grown = peaks.stop() if peaks is not None else [0]
+        pool, start = self.read_pinned(), self._pinned_start
+        pinned = max(0, pool - start) if pool is not None and start is not None else 0
+        pageable = max(0, grown[0] if self._heap else grown[0] - pinned)
+        self.uses.append(HostUse(value, pinned, pageable, counted, oom))
+
+    def close(self) -> None:
+        """After the fit: a sampler still running (a run that raised) stops, and the runs' pinned cache goes."""
+        if self._peaks is not None:
+            self._peaks.stop()
+            self._peaks = None
+        self.empty_pinned()
+
+    def fresh(self) -> HostWatch:
+        """The same room, for runs of their own (a remedy's)."""
+        return HostWatch(self.room, self.reason, read_pageable=self.read_pageable, read_rss=self.read_rss,
+                         read_pinned=self.read_pinned, empty_pinned=self.empty_pinned)
+
+    def fit(self) -> HostFit | None:
+        return fit_host(host_need(self.uses), self.room, self.reason)
+
+    def over(self, value: int, name: str) -> str:
+        """Why ``value`` is predicted not to fit into host memory ("" where it fits, or the runs cannot tell)."""
+        need = host_need(self.uses)
+        if need is None or self.room is None or need.at(value) <= self.room.capacity_bytes:
+            return ""
+        return (f"the runs before it predict {fmt_bytes(need.at(value))} of {need.how} at {name}={value:,}, over "
+                f"the host's {self.room.text()}")
+
+
+__all__ = ["HOST_NOISE_BYTES", "HostFit", "HostNeed", "HostRoom", "HostUse", "HostWatch", "fit_host", "host_need",
+           "parse_host_limit", "room_for", "with_host"]
