@@ -140,12 +140,30 @@ def test_a_fit_interrupted_puts_everything_back_and_says_so_in_one_line(
     assert text == f"nbmem fit interrupted at batch=8 after {clocked.now:.2f} s: {told}"
 
 
+class Workspaces(FakeSource):
+    """The allocator with cuBLAS's workspaces: the body's first matrix product makes 4 MiB of them, which stay
+    allocated until they are cleared."""
+
+    def __init__(self) -> None:
+        self.workspace_bytes = 0
+        self.cleared = 0
+
+    def read(self, device: int) -> Any:
+        return type("Reading", (), {"allocated_bytes": self.workspace_bytes, "reserved_bytes": self.workspace_bytes})()
+
+    def clear_cublas_workspaces(self) -> bool:
+        self.cleared += 1
+        self.workspace_bytes = 0
+        return True
+
+
 @pytest.mark.parametrize("first", [KeyboardInterrupt, None])
 def test_ctrl_c_again_while_the_fit_puts_things_back_waits_until_they_are_back(
         stand_in: dict[str, Any], clocked: Clock, monkeypatch: pytest.MonkeyPatch, first: type[BaseException] | None
 ) -> None:
-    """A real SIGINT in the middle of putting the training state back: the state is all back first; then a fit that
-    ended well is interrupted, and one already interrupted stays so (the press dropped, the first one's line kept)."""
+    """A real SIGINT in the middle of putting the training state back: the state is all back first, and cuBLAS's
+    workspaces given back; then a fit that ended well stops, saying so in its error and its line, and one already
+    interrupted stays so (the press dropped, the first one's line kept)."""
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     torch.manual_seed(0)
     net = Net()
@@ -159,9 +177,12 @@ def test_ctrl_c_again_while_the_fit_puts_things_back_waits_until_they_are_back(
         return put_back(saved)
 
     monkeypatch.setattr(runner, "restore_state", restore_pressed)
+    src = Workspaces()
 
     def step(b: int) -> None:
+        clocked.now += 0.5
         net(torch.randn(b, 8)).square().mean().backward()
+        src.workspace_bytes = 4 << 20
         opt.step()
         opt.zero_grad(set_to_none=True)
         if first is not None and b == 16:
@@ -169,31 +190,41 @@ def test_ctrl_c_again_while_the_fit_puts_things_back_waits_until_they_are_back(
 
     shown = Shown()
     with pytest.raises(KeyboardInterrupt) as e:
-        runner.fit(step, [8, 16, 32], source=FakeSource(), name="batch", modules=[net], optimizers=[opt],  # type: ignore[arg-type]
+        runner.fit(step, [8, 16, 32], source=src, name="batch", modules=[net], optimizers=[opt],  # type: ignore[arg-type]
                    margin_bytes=0, show=shown)
     assert all(torch.equal(w, p) for w, p in zip(weights, net.parameters(), strict=True)) and not opt.state
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "Python's handler is back"
+    text, final = shown.calls[-1]
     if first is None:
-        assert not getattr(e.value, "__notes__", None) and e.value.__context__ is None, "raised after, on its own"
+        runs = len(stand_in["runs"])
+        assert src.cleared == 1 and src.workspace_bytes == 0, "cuBLAS's workspaces went before the fit stopped"
+        told = (f"stopped after {runs} runs of the body; training state put back; memory allocated is back where "
+                "it was")
+        assert e.value.__notes__ == [f"nbmem fit: {told}"] and e.value.__context__ is None
+        assert final and text == f"nbmem fit interrupted at batch={stand_in['runs'][-1][0]:,} after " \
+                                 f"{clocked.now:.2f} s: {told}", "the line stays, saying so"
     else:
         assert e.value.__notes__[0].startswith("nbmem fit: stopped after 3 runs of the body; training state put back")
-        assert shown.calls[-1][1] and shown.calls[-1][0].startswith("nbmem fit interrupted at batch=16")
+        assert final and text.startswith("nbmem fit interrupted at batch=16")
 
 
 def test_a_handler_of_the_notebooks_is_left_alone_and_other_threads_are_not_held() -> None:
     seen: list[int] = []
     mine = signal.signal(signal.SIGINT, lambda signum, frame: seen.append(signum))
     try:
-        with progress.interrupts_held():
+        with progress.interrupts_held() as held:
             signal.raise_signal(signal.SIGINT)
         assert seen == [signal.SIGINT], "the notebook's own handler ran, as it would have without the fit"
+        assert not held.pressed, "and the fit was not told of a press it never held"
     finally:
         signal.signal(signal.SIGINT, mine)
-    with pytest.raises(KeyboardInterrupt), progress.interrupts_held(raise_after=True):
-        pass_through = []
+    went_on = []
+    with progress.interrupts_held() as held:
         signal.raise_signal(signal.SIGINT)
-        pass_through.append("the block went on to its end")
-    assert pass_through == ["the block went on to its end"]
+        went_on.append("the block went on to its end")
+        os.kill(os.getpid(), signal.SIGINT)
+    assert went_on == ["the block went on to its end"] and held.count == 2, "both presses kept, none raised"
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     untouched: list[bool] = []
     t = threading.Thread(target=lambda: untouched.append(_handler_untouched_in_a_thread()))
     t.start()
