@@ -91,15 +91,20 @@ def test_a_run_that_will_take_long_is_said_before_it_starts_with_its_time(
     net = Net()
     stand_in["net"].append(net)
 
+    shown = Shown()
+    on_screen: dict[int, str] = {}  # what the line said as each run began
+
     def step(b: int) -> None:
+        on_screen[b] = shown.calls[-1][0] if shown.calls else ""
         clocked.now += 0.25 * b  # 8 s at 32: the run nearer the answer, at 72, takes 18 s
         net(torch.randn(b, 8)).sum().backward()
 
-    shown = Shown()
     runner.fit(step, [8, 16, 32], source=FakeSource(), name="batch", modules=[net], margin_bytes=0,  # type: ignore[arg-type]
                show=shown)
     ran = [v for v, _ in stand_in["runs"]]
     assert ran[4] == 72, ran
+    assert on_screen[72].endswith("batch=72 · 16.00 s so far · this run will take about 18 s"), (
+        "said before the long run starts, with how long it will take")
     said = [t for t, _ in shown.calls if "this run will take" in t]
     assert said and said[0].startswith("nbmem fit: run 5 of 5–7 · batch=72 · 16.00 s so far")
     assert said[0].endswith(" · this run will take about 18 s")
