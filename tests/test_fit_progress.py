@@ -9,7 +9,6 @@ import io
 import json
 import os
 import signal
-import subprocess
 import sys
 import textwrap
 import threading
@@ -367,24 +366,6 @@ def test_in_a_jupyter_kernel_a_fits_line_is_one_output_updated_in_place_and_empt
     results = [m for m in got if m["msg_type"] in ("display_data", "execute_result")
                and m["content"]["data"].get("text/plain") == "'fitted'"]
     assert results and got.index(results[0]) > max(got.index(m) for m in got if m["msg_type"] == "update_display_data")
-
-
-# -- the adapter: terminal IPython -------------------------------------------------------------------------------------
-def test_terminal_ipython_draws_a_fits_line_with_carriage_returns_on_its_stdout() -> None:
-    """A real ``ipython`` in a terminal: ``%%cudamem --fit`` hands the fit a line drawn on stdout (the fit itself is
-    stood in for, as it needs CUDA: it drives the line it is handed as the runner does)."""
-    cells = (f"exec({FIT_STOOD_IN!r})\nip = get_ipython()\nprint(type(ip).__name__)\n"
-             "ip.run_line_magic('load_ext', 'nbmem')\n"
-             "ip.run_cell('%%cudamem --fit batch=8,16\\nx = batch', store_history=True)\nNone")
-    proc = subprocess.run(
-        [sys.executable, "-m", "IPython", "--no-banner", "--colors=nocolor", "--HistoryManager.hist_file=:memory:",
-         "-c", cells], capture_output=True, cwd=ROOT, timeout=120)  # bytes: text mode would read \r as a newline
-    assert proc.returncode == 0, proc.stderr
-    out = proc.stdout.decode()
-    assert out.startswith("TerminalInteractiveShell\n"), out[:200]
-    drawn = "\rnbmem fit: run 2 of 2–3 · batch=16 · 4.00 s so far"
-    assert drawn in out and "\r" + " " * (len(drawn) - 1) + "\r" in out, repr(out[-600:])
-    assert "fitted" in out.split(drawn, 1)[1], "the result comes after the line is gone"
 
 
 @pytest.mark.parametrize("raises", [KeyboardInterrupt, SystemExit])
