@@ -287,6 +287,10 @@ def test_on_a_terminal_the_line_is_written_over_itself_cut_to_the_width_and_eras
     show("nbmem fit: run 1", False)
     show("interrupted", True)
     assert out.getvalue().endswith("\rinterrupted     \n"), "a final line stays, and the prompt comes below it"
+    out = io.StringIO()
+    show = progress.terminal_line(lambda: out, width=lambda: 30)
+    show("nbmem fit interrupted at batch=8: training state put back", True)
+    assert out.getvalue() == "\rnbmem fit interrupted at batch=8: training state put back\n", "whole: not written over"
 
 
 def test_in_a_kernel_the_line_is_one_output_updated_in_place(shell: Any) -> None:

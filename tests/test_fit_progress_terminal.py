@@ -8,6 +8,7 @@ import fcntl
 import os
 import re
 import select
+import signal
 import struct
 import subprocess
 import sys
@@ -35,10 +36,11 @@ CELLS = [
 ]
 
 
-def on_a_terminal(cells: list[str], timeout_s: float = 120) -> bytes:
+def on_a_terminal(cells: list[str], timeout_s: float = 120, ctrl_c_at: str | None = None) -> bytes:
     """What a terminal IPython writes for ``cells`` typed at its prompt, byte for byte: each line typed once the
     prompt for it is there, as a person does, on a pseudo-terminal ``COLUMNS`` wide (the width the line is cut
-    to comes from it, as on a user's terminal)."""
+    to comes from it, as on a user's terminal). ``ctrl_c_at``: Ctrl-C is pressed once this text is shown (the
+    terminal's SIGINT to IPython)."""
     main, sub = os.openpty()
     fcntl.ioctl(sub, termios.TIOCSWINSZ, struct.pack("HHHH", 40, COLUMNS, 0, 0))
     env = {k: v for k, v in os.environ.items() if k not in ("COLUMNS", "LINES")}
@@ -55,6 +57,9 @@ def on_a_terminal(cells: list[str], timeout_s: float = 120) -> bytes:
         while time.monotonic() < deadline:
             if typed and PROMPT.search(out.decode(errors="replace")[-40:]):
                 os.write(main, typed.pop(0).encode() + b"\n")
+            if ctrl_c_at is not None and ctrl_c_at.encode() in out:
+                os.kill(proc.pid, signal.SIGINT)
+                ctrl_c_at = None
             ready, _, _ = select.select([main], [], [], 0.2)
             if not ready:
                 if proc.poll() is not None:
@@ -128,3 +133,16 @@ def test_a_fits_line_is_written_over_itself_on_a_terminal_and_gone_when_the_fit_
     assert not any("nbmem fit: run" in ln for ln in shown), "nothing of the line is left on the screen"
     after = shown.index("In [5]: print('after the fit')")
     assert after > report and shown[after + 1] == "after the fit", "the next cell runs as usual"
+
+
+def test_ctrl_c_during_a_fit_on_a_terminal_leaves_one_whole_line_saying_what_was_put_back() -> None:
+    cells = [*CELLS[:3], "w0 = model.weight.detach().clone()", CELLS[3], "print('weights put back:', "
+             "torch.equal(w0, model.weight))"]
+    raw = on_a_terminal(cells, ctrl_c_at="batch=8 ").decode()
+    shown = screen(raw.replace("\r\n", "\n"))
+    line = next(i for i, ln in enumerate(shown) if "nbmem fit interrupted" in ln)
+    assert re.fullmatch(r"nbmem fit interrupted at batch=8 after [\d.]+ s: stopped after 5 runs of the body; "
+                        r"training state put back; memory allocated is back where it was", shown[line]), shown[line]
+    assert shown[line - 1] == "   ...:", "where the line was, whole (a final line is not cut to the width)"
+    assert "KeyboardInterrupt" in shown[line + 2], "then IPython's own report of the interrupt"
+    assert "weights put back: True" in shown[line:]

@@ -154,13 +154,14 @@ def progress_line(display: Callable[..., Any] | None, fault: Callable[[Exception
 
 def terminal_line(stream: Callable[[], TextIO] = lambda: sys.stdout, width: Callable[[], int] | None = None) -> Show:
     """The line on a terminal: written over itself with ``\\r``, cut to the terminal's width (a line that wraps
-    cannot be written over), erased at the end or left with a newline when final. ``stream`` is read at each
-    update (IPython may swap ``sys.stdout``)."""
+    cannot be written over), erased at the end or left whole with a newline when final (it is not written over
+    again, and an interrupted fit's says what it put back). ``stream`` is read at each update (IPython may swap
+    ``sys.stdout``)."""
     cols = width or (lambda: shutil.get_terminal_size().columns)
     last = [0]
 
     def show(text: str, final: bool) -> None:
-        text = text[:max(cols() - 1, 20)]
+        text = text if final else text[:max(cols() - 1, 20)]
         out = stream()
         out.write("\r" + text + " " * max(last[0] - len(text), 0) + ("\r" if not text else "\n" if final else ""))
         out.flush()
