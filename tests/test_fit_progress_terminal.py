@@ -145,4 +145,6 @@ def test_ctrl_c_during_a_fit_on_a_terminal_leaves_one_whole_line_saying_what_was
                         r"training state put back; memory allocated is back where it was", shown[line]), shown[line]
     assert shown[line - 1] == "   ...:", "where the line was, whole (a final line is not cut to the width)"
     assert "KeyboardInterrupt" in shown[line + 2], "then IPython's own report of the interrupt"
+    below = "\n".join(shown[line + 1:])
+    assert "fitting" not in below and "session.py" not in below, "not a way through nbmem's insides"
     assert "weights put back: True" in shown[line:]

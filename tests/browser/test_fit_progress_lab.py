@@ -90,3 +90,34 @@ def test_a_fits_line_is_one_output_under_the_cell_updated_in_place_and_gone_at_t
     nb.cells.nth(FIT).screenshot(path=str(artifacts / "fit-progress-lab-done.png"))
     assert shot
     assert not errors, errors
+
+
+def test_a_fit_interrupted_from_the_toolbar_leaves_its_line_saying_what_it_put_back(
+        lab: Any, page: Any, artifacts: Path) -> None:
+    cells = [*CELLS[:3], "w0 = model.weight.detach().clone()", CELLS[FIT],
+             "print('weights put back:', torch.equal(w0, model.weight))"]
+    nb_path = lab.root / "fit_interrupted.ipynb"
+    _notebook(nb_path)
+    book = nbformat.read(nb_path, as_version=4)
+    book.cells = [nbformat.v4.new_code_cell(src) for src in cells]
+    nbformat.write(book, nb_path)
+    page.set_default_timeout(30_000)
+    page.goto(lab.url("/lab/tree/fit_interrupted.ipynb?reset"))
+    page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for()
+    nb = Cells(page)
+    for i in range(4):
+        nb.run(i)
+    fit = 4
+    before = nb.start(fit)
+    line = nb.cells.nth(fit).locator(".jp-OutputArea-child").first
+    expect(line).to_contain_text("batch=8 ", timeout=60_000)
+    page.locator(".jp-NotebookPanel-toolbar [data-jp-item-name=interrupt]").click()  # the ■ button
+    nb.wait(fit, before)
+    expect(line).to_have_text(re.compile(
+        r"^nbmem fit interrupted at batch=8 after [\d.]+ s: stopped after 5 runs of the body; training state put "
+        r"back; memory allocated is back where it was$"))
+    expect(nb.cells.nth(fit).locator(".jp-OutputArea")).to_contain_text("KeyboardInterrupt")
+    assert "fitting" not in nb.output(fit), "the interrupt's traceback is not a way through nbmem's insides"
+    nb.cells.nth(fit).screenshot(path=str(artifacts / "fit-progress-lab-interrupted.png"))
+    nb.run(fit + 1)
+    assert "weights put back: True" in nb.output(fit + 1)
