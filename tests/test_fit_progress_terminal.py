@@ -21,6 +21,8 @@ import pytest
 
 pytest.importorskip("torch")
 
+pytestmark = pytest.mark.slow  # a real IPython, and a fit of about 8 s each
+
 ROOT = Path(__file__).resolve().parents[1]
 COLUMNS = 100
 
