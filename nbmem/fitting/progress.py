@@ -5,7 +5,8 @@ counted ones, those that check the growth near the answer, those under a remedy,
 ``step``: which run of about how many, at which value, and the time so far. Before a run that will take long
 (its time scaled from the run at the largest value so far, as the runner's own budget for more runs does),
 the line says how long. ``done`` erases the line, or leaves it final where the fit was interrupted, saying what
-was put back; while the fit puts things back, a second Ctrl-C waits (``interrupts_held``).
+was put back; while the fit puts things back, a second Ctrl-C waits (``interrupts_held``), and the fit stops once
+everything is back, saying so.
 
 Where the line goes is the adapter's: it hands a ``show(text, final)`` callback (``progress_line``: IPython's
 ``display`` updated in place in a kernel, ``\r`` on a terminal's stdout otherwise; ``guarded``, so that a failing
@@ -106,24 +107,38 @@ class FitProgress:
         return f"{most}" if least >= most else f"{least}–{most}"
 
 
+class Presses:
+    """The Ctrl-C presses ``interrupts_held`` kept from its block."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    @property
+    def pressed(self) -> bool:
+        return self.count > 0
+
+
 @contextmanager
-def interrupts_held(*, raise_after: bool = True) -> Iterator[None]:
+def interrupts_held() -> Iterator[Presses]:
     """Ctrl-C pressed inside the block waits until the block is done: a fit putting the training state back is
-    never stopped halfway by a second press. The press is raised after the block (``raise_after``), or dropped
-    where the fit is already stopping with an error. Only in the main thread, and only where Python's own
-    handler is the one installed (a handler of the notebook's or the kernel's is left alone)."""
+    never stopped halfway by a second press. The presses are counted, not raised: the caller finishes what it
+    was doing, says so, and raises ``KeyboardInterrupt`` itself (or drops the press where the fit is already
+    stopping with an error). Only in the main thread, and only where Python's own handler is the one installed
+    (a handler of the notebook's or the kernel's is left alone, and sees the press as it would without the fit)."""
+    presses = Presses()
     if threading.current_thread() is not threading.main_thread() or (
             signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
-        yield
+        yield presses
         return
-    pressed: list[int] = []
-    signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
+
+    def held(signum: int, frame: object) -> None:
+        presses.count += 1
+
+    signal.signal(signal.SIGINT, held)
     try:
-        yield
+        yield presses
     finally:
         signal.signal(signal.SIGINT, signal.default_int_handler)
-    if pressed and raise_after:
-        raise KeyboardInterrupt
 
 
 def _about(s: float) -> str:
@@ -139,13 +154,14 @@ def progress_line(display: Callable[..., Any] | None, fault: Callable[[Exception
 
 def terminal_line(stream: Callable[[], TextIO] = lambda: sys.stdout, width: Callable[[], int] | None = None) -> Show:
     """The line on a terminal: written over itself with ``\\r``, cut to the terminal's width (a line that wraps
-    cannot be written over), erased at the end or left with a newline when final. ``stream`` is read at each
-    update (IPython may swap ``sys.stdout``)."""
+    cannot be written over), erased at the end or left whole with a newline when final (it is not written over
+    again, and an interrupted fit's says what it put back). ``stream`` is read at each update (IPython may swap
+    ``sys.stdout``)."""
     cols = width or (lambda: shutil.get_terminal_size().columns)
     last = [0]
 
     def show(text: str, final: bool) -> None:
-        text = text[:max(cols() - 1, 20)]
+        text = text if final else text[:max(cols() - 1, 20)]
         out = stream()
         out.write("\r" + text + " " * max(last[0] - len(text), 0) + ("\r" if not text else "\n" if final else ""))
         out.flush()
@@ -186,5 +202,5 @@ def guarded(show: Show, fault: Callable[[Exception], object]) -> Show:
     return safe
 
 
-__all__ = ["LONG_S", "QUIET_S", "FitProgress", "Show", "display_line", "guarded", "interrupts_held", "planned_runs",
-           "progress_line", "terminal_line"]
+__all__ = ["LONG_S", "QUIET_S", "FitProgress", "Presses", "Show", "display_line", "guarded", "interrupts_held",
+           "planned_runs", "progress_line", "terminal_line"]

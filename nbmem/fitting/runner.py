@@ -142,7 +142,9 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
     finally:
         candidates = []  # they hold the modules: no reference is kept past the fit
         steps = body.ran + sum(others_ran)
-        with interrupts_held(raise_after=failed is None):  # Ctrl-C again waits until everything is back
+        ended_well = failed is None
+        stopped: KeyboardInterrupt | None = None
+        with interrupts_held() as held:  # Ctrl-C now waits until everything is back, cuBLAS's workspaces too
             restored = restore_state(saved) if saved is not None else None
             lines = (tuple(saved.restored), tuple(saved.not_restored)) if saved is not None else ((), ())
             saved = None
@@ -150,12 +152,17 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
             free_cached(src, devs)
             if body.host is not None:
                 body.host.close()
+            if ended_well:
+                before = {d: before.get(d, 0) for d in devs}  # a device the runs were first to use had nothing on it
+                after, workspaces = give_back_workspaces(src, before)
+                if held.pressed:  # the fit stops, as asked, now that everything is back, and says so
+                    failed = stopped = KeyboardInterrupt()
             if failed is not None:
                 _say_what_was_put_back(failed, src, devs, before, lines, steps)
             progress.done(failed)  # the line goes, or stays saying that an interrupted fit put everything back
         failed = None
-    before = {d: before.get(d, 0) for d in devs}  # a device the runs were the first to use had nothing on it
-    after, workspaces = give_back_workspaces(src, before)
+        if ended_well and held.pressed:  # a press while the fit already stops with an error adds nothing
+            raise stopped or KeyboardInterrupt()
     if workspaces:
         notes.append(workspaces)
     notes += left_allocated(before, after, bool(workspaces))

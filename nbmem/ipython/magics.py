@@ -326,6 +326,9 @@ class NbmemMagics(Magics):
         except FitRefused as e:
             ran = "The cell ran once, no more." if e.ran else "The cell did not run."
             raise UsageError(f"%%cudamem --fit: {e}. {ran}") from None
+        except KeyboardInterrupt as e:
+            # Where it stopped and what it put back is said (the line, the note): the way there is nbmem's insides.
+            raise e.with_traceback(None) from None
         if not args.quiet:
             self.root.display(result)
         return None
