@@ -900,6 +900,7 @@ def measure(torch: Any, fitting: Any, fam: Family, state: str, row: Row, competi
 # -- issue 36: host memory as the limit ---------------------------------------------------------------------------
 def offload_main(torch: Any, fitting: Any, host_gib: float, started: float) -> int:
     """The save_on_cpu row: the fit under a host limit, and the real boundary with real failures on both sides."""
+    from nbmem.fitting.hostroom import empty_pinned_cache
     from nbmem.fitting.state import restore_state, snapshot_state
     from nbmem.formatting import fmt_bytes
     from nbmem.measure.host import HostSource
@@ -944,7 +945,7 @@ def offload_main(torch: Any, fitting: Any, host_gib: float, started: float) -> i
     def three_in_a_row(v: int) -> bool:
         gc.collect()
         torch.cuda.empty_cache()
-        torch.accelerator.empty_host_cache()
+        empty_pinned_cache()
         before, why = pool(), ""
         try:
             for _ in range(3):
@@ -960,7 +961,7 @@ def offload_main(torch: Any, fitting: Any, host_gib: float, started: float) -> i
             restore_state(start)
             gc.collect()
             torch.cuda.empty_cache()
-            torch.accelerator.empty_host_cache()
+            empty_pinned_cache()
         if not why and limit is not None and grown > limit - rss:
             why = f"pinned pool {fmt_bytes(grown)} over the {fmt_bytes(limit - rss)} the limit leaves"
         how[v] = why

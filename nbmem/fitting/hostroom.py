@@ -247,10 +247,12 @@ def _pinned_pool_bytes() -> int | None:
         return None
 
 
-def _empty_pinned_cache() -> bool:
+def empty_pinned_cache() -> bool:
     """Give the host allocator's cached pinned blocks back (the fit's own runs made them), where torch can."""
     t = sys.modules.get("torch")
-    empty = getattr(getattr(t, "accelerator", None), "empty_host_cache", None)
+    # torch 2.13's public name; torch 2.11 has only the binding under it
+    empty = (getattr(getattr(t, "accelerator", None), "empty_host_cache", None)
+             or getattr(getattr(t, "_C", None), "_host_emptyCache", None))
     if t is None or empty is None or not t.cuda.is_initialized():
         return False
     try:
@@ -350,5 +352,5 @@ class HostWatch:
                 f"the host's {self.room.text()}")
 
 
-__all__ = ["HOST_NOISE_BYTES", "HostFit", "HostNeed", "HostRoom", "HostUse", "HostWatch", "fit_host", "host_need",
-           "parse_host_limit", "room_for", "with_host"]
+__all__ = ["HOST_NOISE_BYTES", "HostFit", "HostNeed", "HostRoom", "HostUse", "HostWatch", "empty_pinned_cache",
+           "fit_host", "host_need", "parse_host_limit", "room_for", "with_host"]

@@ -95,8 +95,11 @@ class Run:
         level = peak = 0
         segments = seg_peak = 0
         self.peak_event = -1
+        self.oom_demand_bytes: int | None = None  # what the process asked of the device when it ran out
         for e in trace.entries:
             action = e.get("action")
+            if action == "oom" and trace.reserved_before_bytes is not None:
+                self.oom_demand_bytes = trace.reserved_before_bytes + segments + int(e.get("size", 0))
             if action == "segment_alloc" or action == "segment_map":
                 segments += int(e.get("size", 0))
                 seg_peak = max(seg_peak, segments)

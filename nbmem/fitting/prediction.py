@@ -359,7 +359,7 @@ def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segmen
     capped, below = "", SEARCH_CAP  # the cap a failed run puts on the answer, and the clause that says so
     if failed is not None:
         got, capped = _below_failure(lambda v: tl.simulate(v, math.inf).peak_reserved_bytes, failed, room, name,
-                                       all_notes)
+                                       all_notes, _asked(parsed, failed))
         if got is None:
             return replace(base, method="timeline", reason=capped, notes=tuple(all_notes))
         below = got
@@ -433,25 +433,35 @@ def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segmen
                    lines=tuple(lines[:8]), curve=curve, notes=(*all_notes, *ASSUMPTIONS))
 
 
+def _asked(parsed: Sequence[Run], failed: int) -> int | None:
+    """What the run that failed had reserved and asked for more when the device had no more: the room is
+    smaller than that, whatever the model gives the value (a request no small run showed can be far larger)."""
+    return max((r.oom_demand_bytes for r in parsed if r.oom and r.value == failed and r.oom_demand_bytes is not None),
+               default=None)
+
+
 def _below_failure(peak: Callable[[int], float], failed: int, room: Room, name: str,
-                   notes: list[str]) -> tuple[int | None, str]:
+                   notes: list[str], asked: int | None = None) -> tuple[int | None, str]:
     """The cap a run that failed at ``failed`` puts on the answer, and the clause that says so (or, with no
     value under it, why there is no answer).
 
-    The failed run says the room is no larger than what the model gives that value; the answer keeps the margin
+    The failed run says the room is no larger than what the model gives that value, nor than what the run had
+    reserved and asked for when the device had no more (``asked``); the answer keeps the margin
     a prediction keeps below the room, below that: the room's margin, and never less than ``MARGIN_FRACTION``
     (a margin set by hand can be nil, and the model was wrong at that value).
     """
-    at = peak(failed)
-    margin = max(room.margin_bytes, math.ceil(MARGIN_FRACTION * at))
-    below = below_failure(peak, failed, margin)
+    modelled = peak(failed)
+    at = max(modelled, asked or 0)
+    margin = max(room.margin_bytes, math.ceil(MARGIN_FRACTION * modelled))
+    what = "what the model gives it" if at == modelled else "what it had reserved and asked for when it failed"
+    below = below_failure(peak, failed, margin, at)
     share = f"{100 * margin / max(1.0, at):.0f} %"
     if below is None:
         why = (f"{name}={failed:,} ran out of memory in its run, and no smaller {name} is modelled to need "
                f"{fmt_bytes(margin)} ({share}) less")
         notes.append(why)
         return None, why
-    notes.append(f"{name}={failed:,} ran out of memory in its run: the answer stays under what the model gives it "
+    notes.append(f"{name}={failed:,} ran out of memory in its run: the answer stays under {what} "
                  f"({fmt_bytes(at)} reserved) by the margin a prediction keeps, {fmt_bytes(margin)} ({share}): "
                  f"at most {below:,}")
     return below, f"capped below the failed run at {failed:,}, with the {share} margin"
@@ -515,7 +525,7 @@ def _scaled_peak(runs: Sequence[Run], segments: Sequence[SegmentState], capacity
     capped, below = "", SEARCH_CAP
     if failed is not None and base.room is not None:
         got, capped = _below_failure(lambda v: start_reserved + overhead * growth(v), failed, base.room, base.name,
-                                       notes)
+                                       notes, _asked(runs, failed))
         if got is None:
             return replace(scaled, reason=capped, notes=tuple(notes))
         below = got

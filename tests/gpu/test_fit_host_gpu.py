@@ -17,7 +17,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from nbmem.fitting import runner as fitting  # noqa: E402
-from nbmem.fitting.hostroom import host_margin_bytes  # noqa: E402
+from nbmem.fitting.hostroom import empty_pinned_cache, host_margin_bytes  # noqa: E402
 from nbmem.measure.host import HostSource  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -54,7 +54,7 @@ def step(model: Any, opt: Any, ns: dict[str, Any], batch: int, how: str) -> None
 def pinned_pool_after_one_step(model: Any, opt: Any, batch: int) -> int:
     """The pinned pool one fresh step at ``batch`` grows to (the cache given back before and after)."""
     torch.cuda.synchronize()
-    torch.accelerator.empty_host_cache()
+    empty_pinned_cache()
     before = int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0))
     ns: dict[str, Any] = {}
     step(model, opt, ns, batch, "pinned")
@@ -62,7 +62,7 @@ def pinned_pool_after_one_step(model: Any, opt: Any, batch: int) -> int:
     grown = int(torch.cuda.host_memory_stats().get("allocated_bytes.current", 0)) - before
     ns.clear()
     gc.collect()
-    torch.accelerator.empty_host_cache()
+    empty_pinned_cache()
     return grown
 
 
