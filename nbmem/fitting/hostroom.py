@@ -298,7 +298,7 @@ class HostWatch:
     read_pageable: Callable[[], int | None] | None = None  # the C heap's bytes in use (glibc), by default
     read_rss: Callable[[], int | None] | None = None  # RSS, by default, off glibc
     read_pinned: Callable[[], int | None] = _pinned_pool_bytes
-    empty_pinned: Callable[[], bool] = _empty_pinned_cache
+    empty_pinned: Callable[[], bool] = empty_pinned_cache
     _peaks: _Peaks | None = None
     _heap: bool = True  # the run's pageable bytes are the heap's (else RSS's)
     _pinned_start: int | None = None
