@@ -3,7 +3,7 @@ built by the real gauge from the real sampler (NVML, torch's allocator), and kep
 
 A browser cannot run on the GPU machine (nothing can be installed there), so the gauge's state is recorded
 here and drawn in JupyterLab by ``tests/browser/test_gauge_two_gpus_lab.py`` from
-``tests/data/gauge_two_gpus.json``. With ``NBMEM_RECORD_DIR`` set, this test writes that file there.
+``docs/img/gauge-two-gpus.json``. With ``NBMEM_RECORD_DIR`` set, this test writes that file there.
 
     NBMEM_RECORD_DIR=/tmp python -m pytest -q tests/gpu/test_gauge_two_gpus_gpu.py
 """
@@ -60,7 +60,7 @@ def test_the_gauge_shows_each_gpus_own_workers_as_this_notebooks_children(gpu: A
         out = os.environ.get("NBMEM_RECORD_DIR")
         if out:
             models = {d.name: d.model for d in session.devices()}
-            Path(out, "gauge_two_gpus.json").write_text(json.dumps(
+            Path(out, "gauge-two-gpus.json").write_text(json.dumps(
                 {"recorded_on": models, "workers": {str(p): f"cuda:{d}" for p, d in dev_of.items()},
                  "state": state}, default=str))
     finally:
