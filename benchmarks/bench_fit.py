@@ -1059,6 +1059,7 @@ def measure_remedies(torch: Any, fitting: Any, fam: Family, rows: list[RemedyRow
     from nbmem.fitting import multigpu, remedies
     from nbmem.fitting.model import margin_bytes_for
     from nbmem.fitting.state import restore_state, snapshot_state
+    from nbmem.formatting import fmt_bytes
     from nbmem.measure.sources import TorchSource
 
     hold: list[Any] = []
@@ -1093,6 +1094,14 @@ def measure_remedies(torch: Any, fitting: Any, fam: Family, rows: list[RemedyRow
 
     if saved is not None:
         multigpu.analyse = capture
+
+    def outside() -> int:
+        """Free plus reserved: it falls only when something outside the allocator takes device memory (the code
+        of kernels CUDA loads on first use), which the fit cannot see coming; printed as it goes."""
+        torch.cuda.synchronize()
+        return int(torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved())
+
+    drift = [("before the fit", outside())]
     before = torch.cuda.memory_allocated()
     t = time.perf_counter()
     try:
@@ -1101,6 +1110,7 @@ def measure_remedies(torch: Any, fitting: Any, fam: Family, rows: list[RemedyRow
     finally:
         multigpu.analyse = real_analyse
     t_fit = time.perf_counter() - t
+    drift.append(("after the fit", outside()))
     fits = list(analysed.values())  # in the order their lists were first analysed: plain, then each remedy's
     after = torch.cuda.memory_allocated()
     print(str(res), flush=True)
@@ -1159,6 +1169,7 @@ def measure_remedies(torch: Any, fitting: Any, fam: Family, rows: list[RemedyRow
 
         t = time.perf_counter()
         row.real, row.real_hi = boundary(three_in_a_row, row.predicted or fam.values[-1])
+        drift.append((f"after the {label} bisection", outside()))
         fitting.give_back_workspaces(TorchSource(), {torch.cuda.current_device(): before})  # as after the training rows
         if saved is not None and label in by_name:
             runs, room, segments = by_name[label]
@@ -1173,6 +1184,8 @@ def measure_remedies(torch: Any, fitting: Any, fam: Family, rows: list[RemedyRow
         row.step_s = step_s.get(row.real) if row.real is not None else None
         print(f"  {fam.name}/{label}: predicted {fmt(row.predicted)}, real {fmt(row.real)} "
               f"({ratio(row.predicted, row.real)})", flush=True)
+    print(f"  {fam.name}: free + reserved " + ", ".join(f"{fmt_bytes(b - drift[0][1], signed=True)} {at}"
+                                                     for at, b in drift[1:]) + " (against before the fit)", flush=True)
     ns.clear()
     hold.clear()
 
