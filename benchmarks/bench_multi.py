@@ -14,7 +14,9 @@
 
 ``on``: a fit with ``on="16GiB"`` and ``on="24GiB"`` on the whole GPU, for bench_fit's MLP, small transformer LM
 and CNN (fresh: model and optimizer made). The truth for that size is the same bisection on this GPU under
-``torch.cuda.set_per_process_memory_fraction(size / total)``, which caps this process's allocator at that size.
+``torch.cuda.set_per_process_memory_fraction((size - context) / total)``, which caps this process's allocator at
+that size less this process's CUDA context (NVML's figure beyond the allocator's): a GPU of that size holds the
+context too.
 
 - answer: ``nbmem.fitting.runner.fit`` at three small values (warm-up included), state restored afterwards;
 - real boundary: the largest value for which the body runs 3 times in a row without CUDA out of memory (on any
@@ -45,7 +47,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_fit import boundary, cuda_or_say, families  # noqa: E402 (benchmarks/ is not a package)
 
-GiB = 2**30
+GiB, MiB = 2**30, 2**20
 #: A bisection step may still start this long after ``--budget-s``; a row may not.
 GRACE_S = 60.0
 ON_SIZES = ("16GiB", "24GiB")
@@ -396,9 +398,14 @@ def on_plan(gpu: Gpu, names: Sequence[str], sizes: Sequence[str]) -> list[tuple[
             def step(v: int) -> None:
                 fam.body(model, opt, ns, v)
 
-            row.note = f"truth: set_per_process_memory_fraction({target / GiB:g} GiB / {total / GiB:.1f} GiB)"
+            # A GPU of that size holds this process's CUDA context too; the fraction caps only the allocator, so
+            # the context (NVML's figure for this process beyond what its allocator reserves) comes off the size.
+            used = own_used(0) if nvml.devices else None
+            context = max(0, used - torch.cuda.memory_reserved(0)) if used is not None else 0
+            row.note = (f"truth: set_per_process_memory_fraction(({target / GiB:g} GiB - {context / MiB:.0f} MiB "
+                        f"context) / {total / GiB:.1f} GiB)")
             gpu.fit_and_truth(row, step, fam.values, ns, [model], opt, (0,), hard, fam.others(model, opt), on=size,
-                              own_used=own_used if nvml.devices else None, fraction_of=target)
+                              own_used=own_used if nvml.devices else None, fraction_of=target - context)
 
         return go
 
