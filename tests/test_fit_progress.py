@@ -78,7 +78,7 @@ def test_each_run_of_a_fit_is_a_step_of_the_line_and_the_line_goes_when_the_fit_
     ran = [v for v, _ in stand_in["runs"]]
     assert ran[:4] == [8, 8, 16, 32] and len(ran) > 4, "the warm-up, the values, and runs nearer the answer"
     assert res.largest_value is not None
-    lines = [t for t, final in shown.calls if not final]
+    lines = [t for t, final in shown.calls if not final and " · batch=" in t]  # a line per run (not the totals)
     assert len(lines) == len(ran) - 2 and shown.calls[-1] == ("", True), "quiet for the first second; gone at the end"
     assert lines[0] == "nbmem fit: run 3 of 4–7 · batch=16 · 1.60 s so far"
     assert lines[1].startswith("nbmem fit: run 4 of 4–7 · batch=32 · 3.20 s so far")
@@ -108,6 +108,42 @@ def test_a_run_that_will_take_long_is_said_before_it_starts_with_its_time(
     assert said and said[0].startswith("nbmem fit: run 5 of 5–7 · batch=72 · 16.00 s so far")
     assert said[0].endswith(" · this run will take about 18 s")
     assert not any("will take" in t for t, _ in shown.calls[:3]), "runs estimated shorter are not"
+
+
+def test_the_runs_near_the_answer_are_said_before_they_start_with_their_time_in_all(
+        stand_in: dict[str, Any], clocked: Clock) -> None:
+    """Each of them takes under ``LONG_S``, together more: the line says so before the first, and while they run."""
+    net = Net()
+    stand_in["net"].append(net)
+    shown = Shown()
+    on_screen: dict[int, str] = {}
+
+    def step(b: int) -> None:
+        on_screen[b] = shown.calls[-1][0] if shown.calls else ""
+        clocked.now += 0.12 * b  # 3.84 s at 32; the runs nearer the answer, at 72 and beyond, 8.6 s and more each
+        net(torch.randn(b, 8)).sum().backward()
+
+    runner.fit(step, [8, 16, 32], source=FakeSource(), name="batch", modules=[net], margin_bytes=0,  # type: ignore[arg-type]
+               show=shown)
+    ran = [v for v, _ in stand_in["runs"]]
+    assert len(ran) > 4 and ran[4] > 32, ran
+    first_near = on_screen[ran[4]]
+    assert "the runs near the answer will take about" in first_near and first_near.endswith(" in all"), first_near
+    assert "this run will take" not in first_near, "each run alone is short"
+    assert not any("near the answer" in on_screen[v] for v in ran[:4]), "not before the runs it is about"
+
+
+def test_ahead_says_nothing_for_runs_that_are_short_together() -> None:
+    shown = Shown()
+    clock = Clock()
+    p = FitProgress(shown, "batch", 4, 7, clock=clock)
+    p.step(10)
+    clock.now += 2.0
+    p.step(20)
+    p.ahead([30, 40], "the runs near the answer")  # 6 s + 8 s: 14 s, under LONG_S
+    assert not any("near the answer" in t for t, _ in shown.calls)
+    p.ahead([30, 40, 50], "the runs near the answer")  # 24 s
+    assert shown.calls[-1][0].endswith("the runs near the answer will take about 24 s in all"), shown.calls[-1]
 
 
 def test_a_fit_interrupted_puts_everything_back_and_says_so_in_one_line(

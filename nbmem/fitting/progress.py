@@ -55,6 +55,7 @@ class FitProgress:
         self.shown = False
         self._at: tuple[int, float] | None = None  # the run under way: its value, its start
         self._took: dict[int, float] = {}  # each value's last run, start to the next start
+        self._ahead = ""  # what the runs about to come will take, where that is long
 
     def watch(self, run: Callable[[int], object]) -> Callable[[int], object]:
         """``run`` that says each of its runs first."""
@@ -77,8 +78,21 @@ class FitProgress:
         text = f"nbmem fit: run {self.runs} of {self._of()} · {self.name}={value:,} · {so_far} so far"
         if expected is not None and expected > LONG_S:
             text += f" · this run will take about {_about(expected)}"
+        elif self._ahead:
+            text += f" · {self._ahead}"
         self.show(text, False)
         self.shown = True
+
+    def ahead(self, values: list[int], what: str) -> None:
+        """Runs at ``values`` come next: where together they will take longer than ``LONG_S``, the line says so
+        before the first starts, and keeps saying it while they run."""
+        times = [self.expected_s(v) for v in values]
+        total = sum(t for t in times if t is not None)
+        self._ahead = f"{what} will take about {_about(total)} in all" if total > LONG_S else ""
+        if self._ahead and self.show is not None and self._at is not None:
+            self.show(f"nbmem fit: run {self.runs} of {self._of()} · {fmt_seconds(self.clock() - self.started)} "
+                      f"so far · {self._ahead}", False)
+            self.shown = True
 
     def expected_s(self, value: int) -> float | None:
         """How long a run at ``value`` will take: the last run at the largest value so far, scaled to it (None

@@ -116,7 +116,7 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
     skipped: list[int] = []
     notes: list[str] = []
     body = _Body(progress.watch(run), src, context_devices(t, src), stacks, max_entries, clean, name, notes,
-                 margin_bytes=margin_bytes, host=HostWatch(*room_for(host_limit)))
+                 margin_bytes=margin_bytes, host=HostWatch(*room_for(host_limit)), progress=progress)
     failed: BaseException | None = None
     before: dict[int, int] = {}
     try:
@@ -324,6 +324,14 @@ def _refine(body: _Body, runs: list[RunSet], cell_files: frozenset[str]) -> FitR
     made = executed = 0
     first: int | None = None
     res: FitResult | None = body.analyse(runs, cell_files)
+    ok = [r.value for r in runs if r.counted and not r.oom]
+    if res is not None and res.largest_value is not None and ok and body.progress is not None:
+        # the runs this makes at most, halfway and on towards the prediction, each within its time budget
+        top, took, v, plan = max(ok), durations.get(max(ok), 0.0), max(ok), []
+        for _ in range(REFINE_RUNS):
+            v = min((v + res.largest_value) // 2, int(top * REFINE_SECONDS / max(took, 1e-6)))
+            plan.append(v)
+        body.progress.ahead(plan, "the runs near the answer")
     while res is not None and executed < REFINE_RUNS:
         ok = [r.value for r in runs if r.counted and not r.oom]
         top = max(ok)
@@ -405,6 +413,7 @@ class _Body:
     margin_bytes: int | None = None
     rooms: dict[int, Room] = field(default_factory=dict)
     segments: dict[int, tuple[SegmentState, ...]] = field(default_factory=dict)
+    progress: FitProgress | None = None  # the fit's line, told what the runs near the answer will take
     compiled: list[int] = field(default_factory=list)  # values whose first run compiled a graph (run again)
     lost: dict[int, int] = field(default_factory=dict)  # device -> what went outside the allocator in the runs
     host: HostWatch | None = None  # each run's host bytes, and the room there
