@@ -43,6 +43,8 @@ def nb(ip):
     ("--fit batch=8,16 --on 24", r"--on takes a memory size"),
     ("--fit batch=8,16 --on 100MB", r"--on takes a memory size .*too small for a GPU"),
     ("--fit batch=8,16 --on L4 --lines", r"does not take --lines"),
+    ("--host-limit 8GiB", r"--host-limit goes with --fit"),
+    ("--fit batch=8,16 --host-limit lots", r"--host-limit: host_limit takes a memory size such as '8GiB'.*'lots'"),
 ])
 def test_a_bad_fit_is_refused_in_one_line_and_the_cell_does_not_run(nb, line, message):
     with pytest.raises(UsageError, match=message) as e:
@@ -65,7 +67,7 @@ def test_without_cuda_a_fit_says_it_needs_cudas_allocator_and_the_body_does_not_
         nbmem.fit(BODY, "batch", [8])
     with pytest.raises(LookupError, match="no fit has run yet"):
         nbmem.plot_fit()
-    for on in ("L4", '"A100 40GB"', "24GiB"):  # a good --on gets as far as the usual refusal
+    for on in ("L4", '"A100 40GB"', "24GiB", "L4 --host-limit 8GiB"):  # a good --on gets as far as the usual refusal
         with pytest.raises(UsageError, match=r"fitting needs CUDA's caching allocator.*The cell did not run"):
             nb.run_cell_magic("cudamem", f"--fit batch=8,16,32 --on {on}", BODY)
     with pytest.raises(RuntimeError, match=r"fitting needs CUDA's caching allocator"):

@@ -7,7 +7,7 @@ Load it once per kernel with ``%load_ext nbmem``.
 keep the memory it added alive.
 
     %%cudamem [--lines] [--reset-peak] [--no-scan] [--quiet]
-    %%cudamem --fit NAME=V1,V2[,...] [--no-restore] [--want N] [--on SIZE|GPU]
+    %%cudamem --fit NAME=V1,V2[,...] [--no-restore] [--want N] [--on SIZE|GPU] [--host-limit SIZE]
                                              will it fit? the largest NAME this cell can run at
 
 ``%cudamem`` (a line) takes a command; each command accepts only its own options:
@@ -116,9 +116,10 @@ COMMANDS: dict[str, frozenset[str]] = {
     "plot": frozenset(),
     "lines": frozenset({"cell"}),
 }
-CELL_OPTIONS = frozenset({"reset_peak", "no_scan", "quiet", "lines", "fit", "no_restore", "want", "on_gpu"})
+CELL_OPTIONS = frozenset({"reset_peak", "no_scan", "quiet", "lines", "fit", "no_restore", "want", "on_gpu",
+                          "host_limit"})
 #: What --fit goes with: it runs the cell several times, so a cell's own measurement options do not apply.
-FIT_OPTIONS = frozenset({"fit", "no_restore", "quiet", "want", "on_gpu"})
+FIT_OPTIONS = frozenset({"fit", "no_restore", "quiet", "want", "on_gpu", "host_limit"})
 _FIT = re.compile(r"\s*([A-Za-z_]\w*)\s*=\s*(\S+)\s*\Z")
 _FLAG_NAMES = {"names": "NAME", "reset_peak": "--reset-peak", "no_scan": "--no-scan", "quiet": "--quiet",
                "lines": "--lines",
@@ -126,7 +127,7 @@ _FLAG_NAMES = {"names": "NAME", "reset_peak": "--reset-peak", "no_scan": "--no-s
                "to_cpu": "--to-cpu", "compiled": "--compiled", "no_collect": "--no-collect",
                "no_empty_cache": "--no-empty-cache",
                "inline": "--inline", "sidebar": "--sidebar", "detail": "--detail", "fit": "--fit",
-               "no_restore": "--no-restore", "want": "--want", "on_gpu": "--on"}
+               "no_restore": "--no-restore", "want": "--want", "on_gpu": "--on", "host_limit": "--host-limit"}
 
 
 def _set(value: Any) -> bool:
@@ -182,6 +183,9 @@ class NbmemMagics(Magics):
     @argument("--on", dest="on_gpu", default=None, metavar="SIZE|GPU",
               help="With --fit: the answer for another GPU, from the same runs: a memory size (24GiB, 24GB) or a "
                    "GPU's name (T4, L4, \"A100 40GB\", ...), less a CUDA context as large as this one's.")
+    @argument("--host-limit", dest="host_limit", default=None, metavar="SIZE",
+              help="With --fit: the host memory this process may use (8GiB, 8GB), where the cell keeps memory on the "
+                   "host (save_on_cpu, pinned buffers, .cpu()); default: the container's limit, else the machine's.")
     @argument("--cell", type=int, default=None, help="With `leaks`: what cell N added; with `lines`: cell N's lines.")
     @argument("--detail", action="store_true",
               help="With `leaks`: a row per tensor instead of a row per owner (the name you typed).")
@@ -240,7 +244,8 @@ class NbmemMagics(Magics):
                 raise UsageError(f"%%cudamem takes options only, not {args.command!r}: put `%%cudamem` alone "
                                  f"on the first line, or use the line form `%cudamem {args.command}`.")
             self._only(args, CELL_OPTIONS, "%%cudamem")
-            if args.fit is not None or args.no_restore or args.want is not None or args.on_gpu is not None:
+            if (args.fit is not None or args.no_restore or args.want is not None or args.on_gpu is not None
+                    or args.host_limit is not None):
                 return self._fit_cell(cell, args)
             return self._measure_cell(cell, args)
         if args.command is None:
@@ -305,6 +310,7 @@ class NbmemMagics(Magics):
     def _fit_cell(self, body: str, args: Any) -> None:
         # "Will it fit?" is imported when a fit is asked for: %load_ext does not pay for it.
         from nbmem.fitting.devices import parse_on
+        from nbmem.fitting.hostroom import parse_host_limit
         from nbmem.fitting.progress import progress_line
         from nbmem.fitting.state import FitRefused
 
@@ -314,13 +320,18 @@ class NbmemMagics(Magics):
             on = None if args.on_gpu is None else parse_on(args.on_gpu)
         except ValueError as e:
             raise UsageError(f"%%cudamem --on {e}. Nothing was run.") from None
+        try:
+            host_limit = None if args.host_limit is None else parse_host_limit(args.host_limit)
+        except ValueError as e:
+            raise UsageError(f"%%cudamem --host-limit: {e}. Nothing was run.") from None
         if name not in self.session.adapter.mentioned(body):
             raise UsageError(f"%%cudamem --fit: the cell does not use `{name}`: a fit binds {name} to each value "
                              f"and runs the cell, so its code must read it (e.g. `x = torch.randn({name}, 512)`). "
                              "Nothing was run.")
         try:
             result = self.session.fit(body, name, values, cell=self.shell.execution_count - 1,
-                                      restore=not args.no_restore, want=want, on=on, show=progress_line(  # in place
+                                      restore=not args.no_restore, want=want, on=on, host_limit=host_limit,
+                                      show=progress_line(  # in place
                                           display if getattr(self.shell, "kernel", None) is not None else None,
                                           lambda e: self.session.fault("fit progress", e)))
         except FitRefused as e:
@@ -453,7 +464,8 @@ def parse_fit(spec: str) -> tuple[str, tuple[int, ...]]:
 def fit_args(args: Any) -> tuple[str, tuple[int, ...], int | None]:
     """The name, values and wanted value of ``%%cudamem --fit ... [--want N]``; a UsageError otherwise."""
     if args.fit is None:
-        flag = "--no-restore" if args.no_restore else "--want" if args.want is not None else "--on"
+        flag = ("--no-restore" if args.no_restore else "--want" if args.want is not None else
+                "--on" if args.on_gpu is not None else "--host-limit")
         raise UsageError(f"%%cudamem: {flag} goes with --fit NAME=V1,V2,... Nothing was run.")
     name, values = parse_fit(args.fit)
     return name, values, None if args.want is None else parse_want(args.want, name)
