@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from nbmem.holders import owners
+from nbmem.holders import findings as judge
+from nbmem.holders import grouping, owners, scanner
 from nbmem.ipython.root import session_of
 from tests.conftest import ok
 
@@ -66,3 +67,75 @@ def test_a_reused_row_is_the_row_a_fresh_judgement_makes(ip, cell):
     ok(ip, cell)
     ok(ip, "pass")
     assert session_of(ip).findings() == fresh(ip), cell
+
+
+CELLS = [
+    "alias = model[0].weight",
+    "del opt",
+    "model[3].weight.data = torch.zeros(4096, 256)",
+    "model = torch.nn.Sequential(*list(model)[:8])",
+    "bag.append(torch.empty(2**20)); bag2 = bag",
+    "bag.clear()",
+    "x = torch.randn(64, 256)\nloss = model(x).sum()",
+    "out = model(torch.randn(64, 256))",
+    "del bag",
+]
+
+
+@pytest.mark.parametrize("cell", CELLS)
+def test_a_cell_judged_from_the_storages_it_changed_names_what_a_judgement_of_every_storage_names(ip, cell):
+    ok(ip, MODEL)
+    ok(ip, MOVE)
+    h = session_of(ip).holdings
+    prev = h.closed_scan
+    ok(ip, cell)
+    cur = h.closed_scan
+    assert prev is not None and cur is not None and cur is not prev
+    changed = h.scanner.updates.changed(prev, cur)
+    assert changed is not None  # judged from the storages it changed, not from every storage
+    graphs = h.scanner.graphs(judge.graph_candidates(cur, prev), exclude=cur.storages)
+    assert judge.graph_candidates(cur, prev, changed) == judge.graph_candidates(cur, prev)
+    whole = owners.cell_rows(cur, prev, ip.execution_count - 1, graphs=graphs, lines={},
+                             threshold_bytes=session_of(ip).settings.threshold_bytes)
+    got = h.of_cell(ip.execution_count - 1)
+    assert got is not None
+    assert got.owners == whole.owners and got.detail == whole.detail, cell
+
+
+def test_the_scanner_knows_which_records_changed_between_two_of_its_scans_and_says_when_it_does_not(ip):
+    ok(ip, MODEL)
+    h = session_of(ip).holdings
+    scans = [h.closed_scan]
+    ok(ip, "def drop():\n    bag[0] = None")  # frees a storage through a root the cell does not name
+    for cell in [MOVE, MOVE, "drop()", "del opt", "bag.clear()", MOVE, "model[1].weight.data = torch.zeros(256, 256)"]:
+        ok(ip, cell)
+        scans.append(h.closed_scan)
+    for i, prev in enumerate(scans):
+        for cur in scans[i:]:
+            assert prev is not None and cur is not None
+            changed = h.scanner.updates.changed(prev, cur)
+            assert changed is not None
+            differ = {s for s in {*prev.storages, *cur.storages} if prev.storages.get(s) is not cur.storages.get(s)}
+            assert differ <= changed, (differ - changed)
+    old = scans[0]
+    assert old is not None and h.scanner.updates.changed(None, old) is None
+    for _ in range(scanner.CHANGES_KEPT):
+        ok(ip, MOVE)
+    assert h.scanner.updates.changed(old, h.closed_scan) is None  # older than what the scanner remembers
+    other = scanner.Scanner(lambda: None)
+    assert other.updates.changed(old, old) is None  # another scanner's scans
+
+
+def test_a_cell_that_changes_one_owner_regroups_only_that_owner(ip):
+    ok(ip, MODEL)
+    ok(ip, MOVE)
+    before = dict(session_of(ip).holdings._grouping.of(session_of(ip).holdings.last_scan, None).groups)
+    session_of(ip).findings()
+    ok(ip, MOVE)
+    session_of(ip).findings()
+    h = session_of(ip).holdings
+    after = h._grouping.of(h.last_scan, None).groups
+    assert after["model", "cpu"].members is before["model", "cpu"].members  # the same list: not regrouped
+    assert after["bag", "cpu"].members is not before["bag", "cpu"].members
+    assert len(after["bag", "cpu"].members) == 2
+    assert list(after) == list(grouping.grouped(h.last_scan.storages.values()).groups)

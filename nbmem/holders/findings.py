@@ -8,7 +8,7 @@ graph several findings keep alive is named under each of them. ``owners`` groups
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from nbmem.formatting import fmt_bytes
@@ -188,7 +188,8 @@ class Changes:
     gained: dict[int, list[str]]  # storage id -> output-history names it gained (``Out[5]``, ``_5``)
 
 
-def changes(cur: Scan, prev: Scan | None, *, threshold_bytes: int, graphs: Mapping[int, Graph]) -> Changes:
+def changes(cur: Scan, prev: Scan | None, *, threshold_bytes: int, graphs: Mapping[int, Graph],
+            changed: Collection[int] | None = None) -> Changes:
     """What a cell changed: new storages; memory whose variable was deleted while something else keeps it;
     memory the output history now also keeps (``x`` displayed: ``del x`` alone no longer frees it).
 
@@ -198,14 +199,23 @@ def changes(cur: Scan, prev: Scan | None, *, threshold_bytes: int, graphs: Mappi
     new name for memory that was already there (a loop variable bound to the last batch): it adds
     nothing. A variable that reached the memory only through an object another name still holds (an
     iterator over a dataset still named) kept nothing of its own: losing it is not news either.
+
+    ``changed``, when known (``Scanner.changed``): the storages whose records differ between the two scans;
+    the others are the same records, so only these are looked at (a model's thousands are not, issue 38).
     """
     prev_storages = prev.storages if prev is not None else {}
+    looked = cur.storages if changed is None else _in_order(cur.storages, changed)
+    # The storages that were under a new storage's paths: looked up only for the paths of new storages, so a
+    # cell that adds one tensor beside a model's thousands does not index all of theirs (issue 38).
+    new_paths = {p for sid, h in looked.items() if sid not in prev_storages for p in h.holders}
     prev_at: dict[str, Held] = {}
-    for h in prev_storages.values():
-        for p in h.holders:
-            prev_at.setdefault(p, h)
+    if new_paths:
+        for h in prev_storages.values():
+            for p in h.holders:
+                if p in new_paths:
+                    prev_at.setdefault(p, h)
     out = Changes([], {}, {})
-    for sid, h in cur.storages.items():
+    for sid, h in looked.items():
         before = prev_storages.get(sid)
         if before is h:
             continue  # a storage nobody re-walked: the same record, nothing new
@@ -256,11 +266,20 @@ def _through_kept(lost: str, kept: Sequence[str]) -> bool:
     return False
 
 
-def graph_candidates(cur: Scan, prev: Scan | None) -> list[int]:
-    """Storages whose graphs a cell's findings may need: new ones, and those whose holders changed."""
+def _in_order(storages: Mapping[int, Held], sids: Collection[int]) -> dict[int, Held]:
+    """The records of ``sids`` still in ``storages``, in the scan's own order (a cell's rows come out in the
+    same order however they were found)."""
+    if len(sids) <= 1:
+        return {sid: storages[sid] for sid in sids if sid in storages}
+    return {sid: h for sid, h in storages.items() if sid in sids}
+
+
+def graph_candidates(cur: Scan, prev: Scan | None, changed: Collection[int] | None = None) -> list[int]:
+    """Storages whose graphs a cell's findings may need: new ones, and those whose holders changed.
+    ``changed``: as for ``changes``."""
     prev_storages = prev.storages if prev is not None else {}
     out = []
-    for sid, h in cur.storages.items():
+    for sid, h in (cur.storages if changed is None else _in_order(cur.storages, changed)).items():
         before = prev_storages.get(sid)
         if h.holds_graph and before is not h and (before is None or before.roots != h.roots):
             out.append(sid)

@@ -18,6 +18,7 @@ from typing import Any
 from nbmem.formatting import fmt_bytes
 from nbmem.holders import findings as judge
 from nbmem.holders import owners, pools
+from nbmem.holders.grouping import Grouping
 from nbmem.holders.scanner import Scan, Scanner
 from nbmem.measure.host import heap_bytes
 from nbmem.measure.sources import Probe
@@ -62,6 +63,7 @@ class Holdings:
         self._totals_cache: list[tuple[Scan, dict[str, int]]] = []
         self._finding_cache: dict[int, Any] = {}
         self._row_cache: owners.RowCache = {}
+        self._grouping = Grouping()  # the latest scan looked at whole, by owner
         self._current = owners.Rows((), ())
         self._current_of: Scan | None = None  # the scan _current was computed from
         self.scanned_at: float | None = None  # epoch seconds of the latest scan (the gauge says how old it is)
@@ -163,10 +165,13 @@ class Holdings:
         changed = cur is not prev  # the same scan object: nothing could have changed, nothing to redo
         if changed:
             s = self.settings
-            graphs = self.scanner.graphs(judge.graph_candidates(cur, prev), exclude=cur.storages,
+            touched = self.scanner.updates.changed(prev, cur)
+            graphs = self.scanner.graphs(judge.graph_candidates(cur, prev, touched), exclude=cur.storages,
                                          budget_s=s.scan_budget_s)
+            had = ({o for o, _d in self._grouping.of(prev, None).groups}
+                   if prev is not None and self._grouping.scan is prev else None)
             found = owners.cell_rows(cur, prev, cell, threshold_bytes=s.threshold_bytes, graphs=graphs,
-                                     lines=_alloc_lines(cur, replays))
+                                     lines=_alloc_lines(cur, replays), changed=touched, owners_before=had)
             self._current_of = None  # everything held now: computed when someone looks
         self._remember(cell, found)
         return cur, found, changed
@@ -184,21 +189,23 @@ class Holdings:
         # (a gradient, a swapped storage), and at last every other root.
         for walk in ("invalid", "rest"):
             left = budget - (time.perf_counter() - t0)
-            if left <= 0 or cur.truncated or not self._unexplained(base, before, after, cur):
+            if left <= 0 or cur.truncated or not self._unexplained(base, before, after, cur, mark[1]):
                 break
             cur = self.rescan(cell=cell, walk=walk, budget_s=left, mark=mark)
         return cur
 
-    def _unexplained(self, base: Baseline, before: Boundary, after: Boundary, cur: Scan) -> bool:
+    def _unexplained(self, base: Baseline, before: Boundary, after: Boundary, cur: Scan, h1: int | None) -> bool:
         """Whether memory grew by at least the threshold more than the storages the scan found.
 
         CUDA's allocator says exactly what was allocated. The CPU has no such counter: the C heap is a
         proxy that also grows for non-tensor data, so it counts only while young tensors that no walked
         root reaches are alive, or when a collection promoted the cell's objects out of the young
-        generations (then they cannot be checked).
+        generations (then they cannot be checked). ``h1`` is the C heap as the cell left it (read once, when
+        the cell closed: reading it walks every arena, and what the scan itself allocated is not the cell's).
         """
         t = self.settings.threshold_bytes
-        self.scanner.graphs(judge.graph_candidates(cur, base.scan), exclude=cur.storages)
+        self.scanner.graphs(judge.graph_candidates(cur, base.scan, self.scanner.updates.changed(base.scan, cur)),
+                            exclude=cur.storages)
         now = self.tensor_bytes(cur)
         then = base.tensor_bytes or {}
 
@@ -209,7 +216,6 @@ class Holdings:
             a0 = before.allocator.get(dev)
             if a1 is not None and a1.allocated_bytes - (a0.allocated_bytes if a0 else 0) - found(dev) >= t:
                 return True
-        h1 = heap_bytes() if heap_bytes else None
         if h1 is None or base.heap_bytes is None or h1 - base.heap_bytes - found("cpu") < t:
             return False
         if collections() != base.gen_collections:
@@ -265,8 +271,10 @@ class Holdings:
             s = self.settings
             graphs = self.scanner.graphs([sid for sid, h in cur.storages.items() if h.holds_graph],
                                          exclude=cur.storages, budget_s=s.scan_budget_s)
+            by_owner = self._grouping.of(cur, self.scanner.updates.changed(self._grouping.scan, cur))
             self._current = owners.current_rows(cur, threshold_bytes=s.threshold_bytes, graphs=graphs,
-                                                cache=self._finding_cache, row_cache=self._row_cache)
+                                                cache=self._finding_cache, row_cache=self._row_cache,
+                                                by_owner=by_owner)
             self._current_of = cur
         return self._current
 

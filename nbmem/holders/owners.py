@@ -14,7 +14,7 @@ of 2 MiB. The per-storage rows (``findings``) stay available as each owner's mem
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
@@ -24,6 +24,7 @@ from nbmem.holders import findings as judge
 from nbmem.holders.freeing import Keepers, Needs
 from nbmem.holders.graphs import Graph
 from nbmem.holders.graphs import sharing as graph_sharing
+from nbmem.holders.grouping import Grouped, Key, grouped
 from nbmem.holders.naming import MAX_HOLDERS, container, owner_of
 from nbmem.holders.scanner import Held, Scan
 from nbmem.holders.walk import ROLE_GRAD, ROLE_OPTIM, ROLE_PARAM
@@ -53,14 +54,22 @@ class Rows:
 
 
 def cell_rows(cur: Scan, prev: Scan | None, cell: int, *, threshold_bytes: int, graphs: Mapping[int, Graph],
-              lines: Mapping[int, int]) -> Rows:
-    """What ``cell`` added: its owners over the threshold, and the per-storage rows behind them."""
-    c = judge.changes(cur, prev, threshold_bytes=threshold_bytes, graphs=graphs)
+              lines: Mapping[int, int], changed: Collection[int] | None = None,
+              owners_before: Collection[str] | None = None) -> Rows:
+    """What ``cell`` added: its owners over the threshold, and the per-storage rows behind them. ``changed``:
+    the storages whose records differ between ``prev`` and ``cur`` (``Scanner.changed``), when known;
+    ``owners_before``: the owners ``prev`` held memory under, when known (both spare a pass over every storage)."""
+    c = judge.changes(cur, prev, threshold_bytes=threshold_bytes, graphs=graphs, changed=changed)
     before = prev.storages if prev is not None else {}
-    grown = frozenset(h.owner for h in before.values())
+    grown: set[str] = set(owners_before) if owners_before is not None else set()
+
+    def added(owner: str, members: Sequence[Held]) -> bool:
+        if not grown:  # the owners that held memory before: worked out only if a row asks
+            grown.update(h.owner for h in before.values())
+        return owner in grown and not any(h.sid in before for h in members)
+
     rows, total = group(c.candidates, lambda _hs: cell, threshold_bytes=threshold_bytes, graphs=graphs,
-                        types=cur.root_types, lost=c.lost, gained=c.gained, lines=lines,
-                        added=lambda o, hs: o in grown and not any(h.sid in before for h in hs),
+                        types=cur.root_types, lost=c.lost, gained=c.gained, lines=lines, added=added,
                         keepers=Keepers(cur.storages, graphs), states=cur.root_state)
     detail = detail_rows(rows, c.candidates, lambda _hs: cell, threshold_bytes=threshold_bytes, graphs=graphs,
                          lost=c.lost, gained=c.gained)
@@ -68,15 +77,17 @@ def cell_rows(cur: Scan, prev: Scan | None, cell: int, *, threshold_bytes: int, 
 
 
 def current_rows(cur: Scan, *, threshold_bytes: int, graphs: Mapping[int, Graph],
-                 cache: dict[int, Any] | None = None, row_cache: RowCache | None = None) -> Rows:
+                 cache: dict[int, Any] | None = None, row_cache: RowCache | None = None,
+                 by_owner: Grouped | None = None) -> Rows:
     """Everything held now, each owner with the cell its memory first appeared in. ``row_cache`` keeps each
-    owner's row between calls, reused while its members are the same records (issue 38)."""
-    held = list(cur.storages.values())
-    rows, total = group(held, lambda hs: min(h.first_cell for h in hs), threshold_bytes=threshold_bytes,
+    owner's row between calls, reused while its members are the same records; ``by_owner``: ``cur``'s storages
+    already grouped (``grouping.Grouping``), so that a cell that changed one owner regroups only it (issue 38)."""
+    rows, total = group(by_owner if by_owner is not None else list(cur.storages.values()),
+                        lambda hs: min(h.first_cell for h in hs), threshold_bytes=threshold_bytes,
                         graphs=graphs, types=cur.root_types, keepers=Keepers(cur.storages, graphs),
                         states=cur.root_state, row_cache=row_cache)
     # Worked out only when asked for (``leaks(detail=True)``); what it reads is the scan the session keeps anyway.
-    return Rows(rows, lambda: detail_rows(rows, held, lambda hs: min(h.first_cell for h in hs),
+    return Rows(rows, lambda: detail_rows(rows, list(cur.storages.values()), lambda hs: min(h.first_cell for h in hs),
                                           threshold_bytes=threshold_bytes, graphs=graphs, cache=cache), total)
 
 
@@ -118,7 +129,7 @@ def detail_rows(rows: Sequence[Finding], held: Sequence[Held], cell_of: Callable
 
 #: (owner, device) -> the row's inputs (its members, kept so that their ids stay theirs; its graphs' saved
 #: storages; the owner's type; every graph of the scan, as a hint reads them) and the row made from them.
-RowCache = dict[tuple[str, str], tuple[tuple[list[Held], frozenset[int], dict[int, int], str, Any], Finding]]
+RowCache = dict[tuple[str, str], tuple[tuple[list[Held], dict[int, int], str, Any], Finding]]
 
 
 def _paths_of(h: Held | None) -> tuple[Any, ...]:
@@ -126,42 +137,49 @@ def _paths_of(h: Held | None) -> tuple[Any, ...]:
     return () if h is None else (h.holders, h.holder_kinds, h.reached_from, h.reached_kinds)
 
 
-def group(held: Sequence[Held], cell_of: Any, *, threshold_bytes: int, graphs: Mapping[int, Graph],
+def _same_records(a: list[Held], b: list[Held]) -> bool:
+    """Whether two member lists hold the very same records: the same list (a ``Grouping`` makes a new one
+    whenever a member changes), or the same objects (``a`` is kept alive by the cache, so its ids are its own)."""
+    return a is b or (len(a) == len(b) and frozenset(map(id, a)) == frozenset(map(id, b)))
+
+
+def group(held: Sequence[Held] | Grouped, cell_of: Any, *, threshold_bytes: int, graphs: Mapping[int, Graph],
           types: Mapping[str, str], lost: Mapping[int, Sequence[str]] | None = None,
           gained: Mapping[int, Sequence[str]] | None = None, lines: Mapping[int, int] | None = None,
           added: Callable[[str, Sequence[Held]], bool] | None = None, keepers: Keepers | None = None,
           states: Mapping[str, str] | None = None,
           row_cache: RowCache | None = None) -> tuple[tuple[Finding, ...], int]:
     """One row per (owner, device) whose storages and graphs together reach the threshold, largest first,
-    and their bytes together (a graph several rows keep, once). ``added(owner, members)``: whether the
+    and their bytes together (a graph several rows keep, once). ``held``: the storages, or the same already
+    grouped (``grouping.Grouping`` keeps a scan's groups between cells). ``added(owner, members)``: whether the
     members are new under an owner that held memory before (the words then say "new"); ``keepers``: every
     holder of the scan, so that hints say what else must go; ``states``: the roots that are state.
     ``row_cache`` (only without ``lost``, ``gained``, ``lines``, ``added``): a row whose members are the very
     same records as last time (the scanner makes a new ``Held`` for every storage whose paths changed), with
     the same graphs, type and every graph's saved tensors (what a hint's "what else must go" reads), is the
     same row; a model's thousands of members are not judged again each cell."""
-    by_owner: dict[tuple[str, str], list[Held]] = {}
+    by = held if isinstance(held, Grouped) else grouped(held)
     # What a hint reads beyond a row's own members: every graph, what it saves, and its holder's paths (by value:
     # an id of a record the cache does not keep could be a new record's at the same address).
     graph_key = (frozenset((h, frozenset(g.saved), g.named, _paths_of(keepers.storages.get(h) if keepers is not None
                                                                       else None))
                            for h, g in graphs.items()) if row_cache is not None else None)
-    for h in held:
-        by_owner.setdefault((h.owner, h.device), []).append(h)
+    saved_of: dict[Key, dict[int, int]] = {}  # the graph storages each owner's members keep
+    for sid, g in graphs.items():
+        h = by.storages.get(sid)
+        if h is not None:
+            saved_of.setdefault((h.owner, h.device), {}).update(g.saved)
     rows: list[Finding] = []
     saved_by: dict[int, set[int]] = {}  # row -> the graph storages it keeps
-    for (owner, device), members in by_owner.items():
-        saved: dict[int, int] = {}
-        for h in members:
-            g = graphs.get(h.sid)
-            if g is not None:
-                saved.update(g.saved)
-        storage = sum(h.nbytes for h in members)
-        if storage + sum(saved.values()) < threshold_bytes:
+    sizes: dict[int, int] = {}  # those storages' bytes
+    for (owner, device), grp in by.groups.items():
+        members = grp.members
+        saved = saved_of.get((owner, device), {})
+        if grp.nbytes + sum(saved.values()) < threshold_bytes:
             continue
-        inputs = (members, frozenset(map(id, members)), saved, types.get(owner, ""), graph_key)
+        inputs = (members, saved, types.get(owner, ""), graph_key)
         was = row_cache.get((owner, device)) if row_cache is not None else None
-        if was is not None and was[0][1:] == inputs[1:]:
+        if was is not None and was[0][1:] == inputs[1:] and _same_records(was[0][0], members):
             row = was[1]
         else:
             row = _row(owner, device, members, saved, cell_of(members), graphs, types, lost or {}, gained or {},
@@ -176,19 +194,13 @@ def group(held: Sequence[Held], cell_of: Any, *, threshold_bytes: int, graphs: M
             row = replace(row, roots=tuple(n for n in row.roots if n not in states),
                           hint=f"{row.hint} (`{'`, `'.join(kept)}`: the cell's state, which `--last-report` keeps)")
         saved_by[len(rows)] = set(saved)
+        sizes.update(saved)
         rows.append(row)
     if row_cache is not None:
-        for key in [k for k in row_cache if k not in by_owner]:
+        for key in [k for k in row_cache if k not in by.groups]:
             del row_cache[key]
     _mark_shared(rows, saved_by)
-    every: dict[int, int] = {}
-    for (_o, _d), members in by_owner.items():
-        for h in members:
-            g = graphs.get(h.sid)
-            if g is not None:
-                every.update(g.saved)
-    union = {s for saved in saved_by.values() for s in saved}
-    total = sum(r.storage_bytes for r in rows) + sum(every[s] for s in union)
+    total = sum(r.storage_bytes for r in rows) + sum(sizes.values())
     order = sorted(range(len(rows)), key=lambda i: -rows[i].bytes)
     return tuple(rows[i] for i in order), total
 

@@ -13,6 +13,7 @@ scan keeps no strong reference to a user object once it returns.
 from __future__ import annotations
 
 import gc
+import itertools
 import time
 import weakref
 from collections import deque
@@ -26,6 +27,9 @@ from nbmem.holders.graphs import Graph, GraphState, walk_graph
 from nbmem.holders.naming import MAX_HOLDERS, PathBuilder, container, container_first, owner_of, ranker
 from nbmem.holders.walk import ROLE_PARAM, Root, Walk
 from nbmem.records import HolderKind, block_bytes, root_name
+
+CHANGES_KEPT = 16  # updates whose changed storages a scanner remembers (a cell takes one to three)
+_SCANNERS = itertools.count(1)  # each scanner's serial: a scan of one is never compared as another's
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,22 +54,20 @@ class Held:
     trainable: bool = False  # its tensor requires grad (a parameter being trained)
     shape: tuple[int, ...] = ()  # its largest tensor's shape and dtype, for words ("float32 [4096, 1024]")
     dtype: str = ""
+    # Worked out once, with the record (each cell reads them for a model's thousands of records, issue 38):
+    # the name a user typed that reaches it best: a variable, ``Out[4]``, a module attribute, or the frame of
+    # the last exception (``<traceback f>``: its locals are one owner); and every root name that reaches it, from
+    # all its paths, not only the few kept as holders (a model also reached through a trainer is the model's).
+    owner: str = field(init=False, repr=False, compare=False)
+    roots: frozenset[str] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "owner", owner_of(self.reached_from[0] if self.reached_from else self.name))
+        object.__setattr__(self, "roots", frozenset(root_name(p) for p in (*self.holders, *self.reached_from)))
 
     @property
     def name(self) -> str:
         return self.holders[0] if self.holders else "?"
-
-    @property
-    def owner(self) -> str:
-        """The name a user typed that reaches it best: a variable, ``Out[4]``, a module attribute, or the
-        frame of the last exception (``<traceback f>``: its locals are one owner)."""
-        return owner_of(self.reached_from[0] if self.reached_from else self.name)
-
-    @property
-    def roots(self) -> frozenset[str]:
-        """Every root name that reaches it: from all its paths, not only the few kept as holders (a model
-        also reached through a trainer's many paths is still the model's)."""
-        return frozenset(root_name(p) for p in (*self.holders, *self.reached_from))
 
 
 @dataclass(frozen=True)
@@ -82,6 +84,7 @@ class Scan:
     error_types: tuple[str, ...] = ()
     root_types: Mapping[str, str] = field(default_factory=dict)  # root path -> its object's type name
     root_state: Mapping[str, str] = field(default_factory=dict)  # root path -> what state it is ("model", ...)
+    serial: tuple[int, int] = (0, 0)  # (its scanner, its update): what ``Scanner.changed`` compares; 0: unknown
 
     @property
     def truncated(self) -> bool:
@@ -162,6 +165,31 @@ class Storages:
         return dead
 
 
+class Updates:
+    """Which storages each of a scanner's last updates replaced or dropped: what two scans differ by."""
+
+    def __init__(self) -> None:
+        self.serial = next(_SCANNERS)
+        self.count = 0
+        self._touched: deque[tuple[int, frozenset[int]]] = deque(maxlen=CHANGES_KEPT)  # (update, its storages)
+
+    def record(self, sids: Iterable[int]) -> tuple[int, int]:
+        """One more update, which changed the records of ``sids``; its serial, for its ``Scan``."""
+        self.count += 1
+        self._touched.append((self.count, frozenset(sids)))
+        return self.serial, self.count
+
+    def changed(self, prev: Scan | None, cur: Scan) -> frozenset[int] | None:
+        """The storages whose records may differ between two of this scanner's scans (every other storage has
+        the very same ``Held`` in both), or None when that is not known: a scan of another scanner, or one
+        older than the last ``CHANGES_KEPT`` updates."""
+        (s0, u0), (s1, u1) = prev.serial if prev is not None else (0, 0), cur.serial
+        if s0 != self.serial or s1 != self.serial or u0 > u1:
+            return None
+        steps = [t for u, t in self._touched if u0 < u <= u1]
+        return frozenset().union(*steps) if len(steps) == u1 - u0 else None
+
+
 class Scanner:
     """The holder scan over time: what each root held, and every storage by identity (weakly)."""
 
@@ -176,6 +204,7 @@ class Scanner:
         self._walked_this_cell: set[str] = set()  # roots walked since the last update that was not a follow-up
         self._watchers: dict[int, dict[str, weakref.ref[Any]]] = {}  # id(tensor) -> roots that reach it
         self.last: Scan | None = None
+        self.updates = Updates()  # which storages each update changed: ``scanner.updates.changed(prev, cur)``
 
     # -- roots ------------------------------------------------------------------------------------------
     def _set_root(self, path: str, rs: _RootState | None) -> set[int]:
@@ -245,7 +274,8 @@ class Scanner:
             self.last = Scan({}, {}, seconds=time.perf_counter() - t0)
             return self.last
         TB = getattr(torch._C, "TensorBase", None) or torch._C._TensorBase
-        for sid in self.storages.forget_dead():
+        dead = self.storages.forget_dead()
+        for sid in dead:
             self._paths.pop(sid, None)
             self._held.pop(sid, None)
         mentioned = set(mentioned)
@@ -279,6 +309,7 @@ class Scanner:
             if path in self._roots:
                 self._roots[path].finished = False  # what the last full walk of it knew, marked as such
         self._remerge(dirty)
+        serial = self.updates.record(dirty.union(dead))
         totals: dict[str, int] = {}
         for h in self._held.values():
             totals[h.device] = totals.get(h.device, 0) + h.nbytes
@@ -289,7 +320,7 @@ class Scanner:
         types_ = {p: rs.type_name for p, rs in self._roots.items() if rs.holds}
         state = {p: rs.state for p, rs in self._roots.items() if rs.state}
         self.last = Scan(dict(self._held), totals, w.objects, time.perf_counter() - t0, tuple(walked),
-                         tuple(unfinished), w.errors, kinds, types_, state)
+                         tuple(unfinished), w.errors, kinds, types_, state, serial)
         return self.last
 
     def _todo(self, now: Mapping[str, tuple[Root, tuple[int, int, int]]], walk: str, mentioned: set[str],
