@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from nbmem.holders import findings as judge
-from nbmem.holders import grouping, owners, scanner
+from nbmem.holders import grouping, held, owners, scanner
 from nbmem.ipython.root import session_of
 from tests.conftest import ok
 
@@ -110,6 +110,8 @@ def test_the_scanner_knows_which_records_changed_between_two_of_its_scans_and_sa
     for cell in [MOVE, MOVE, "drop()", "del opt", "bag.clear()", MOVE, "model[1].weight.data = torch.zeros(256, 256)"]:
         ok(ip, cell)
         scans.append(h.closed_scan)
+        h.scanner.storages.forget_dead()  # the storages whose weak references told of their end
+        assert not [s for s, st in h.scanner.storages.states.items() if st.ref() is None], cell
     for i, prev in enumerate(scans):
         for cur in scans[i:]:
             assert prev is not None and cur is not None
@@ -119,7 +121,7 @@ def test_the_scanner_knows_which_records_changed_between_two_of_its_scans_and_sa
             assert differ <= changed, (differ - changed)
     old = scans[0]
     assert old is not None and h.scanner.updates.changed(None, old) is None
-    for _ in range(scanner.CHANGES_KEPT):
+    for _ in range(held.CHANGES_KEPT):
         ok(ip, MOVE)
     assert h.scanner.updates.changed(old, h.closed_scan) is None  # older than what the scanner remembers
     other = scanner.Scanner(lambda: None)

@@ -204,18 +204,19 @@ def changes(cur: Scan, prev: Scan | None, *, threshold_bytes: int, graphs: Mappi
     the others are the same records, so only these are looked at (a model's thousands are not, issue 38).
     """
     prev_storages = prev.storages if prev is not None else {}
-    looked = cur.storages if changed is None else _in_order(cur.storages, changed)
-    # The storages that were under a new storage's paths: looked up only for the paths of new storages, so a
-    # cell that adds one tensor beside a model's thousands does not index all of theirs (issue 38).
-    new_paths = {p for sid, h in looked.items() if sid not in prev_storages for p in h.holders}
+    looked = _looked(cur.storages, changed)
+    # What was under a new storage's paths and is gone now (what it may have replaced): a path names one object
+    # in a scan, and a storage gone since ``prev`` is one whose record changed, so only those are looked up.
+    new_paths = {p for sid, h in looked if sid not in prev_storages for p in h.holders}
     prev_at: dict[str, Held] = {}
-    if new_paths:
-        for h in prev_storages.values():
-            for p in h.holders:
-                if p in new_paths:
-                    prev_at.setdefault(p, h)
+    gone = (prev_storages.values() if changed is None else
+            (prev_storages[sid] for sid in changed if sid in prev_storages and sid not in cur.storages))
+    for r in gone if new_paths else ():
+        for p in r.holders:
+            if p in new_paths:
+                prev_at.setdefault(p, r)
     out = Changes([], {}, {})
-    for sid, h in looked.items():
+    for sid, h in looked:
         before = prev_storages.get(sid)
         if before is h:
             continue  # a storage nobody re-walked: the same record, nothing new
@@ -266,12 +267,10 @@ def _through_kept(lost: str, kept: Sequence[str]) -> bool:
     return False
 
 
-def _in_order(storages: Mapping[int, Held], sids: Collection[int]) -> dict[int, Held]:
-    """The records of ``sids`` still in ``storages``, in the scan's own order (a cell's rows come out in the
-    same order however they were found)."""
-    if len(sids) <= 1:
-        return {sid: storages[sid] for sid in sids if sid in storages}
-    return {sid: h for sid, h in storages.items() if sid in sids}
+def _looked(storages: Mapping[int, Held], changed: Collection[int] | None) -> list[tuple[int, Held]]:
+    """The records to look at, oldest storage first (a cell's rows come out in one order however they were
+    found): those of ``changed`` still in ``storages``, or every one when that is not known."""
+    return [(sid, storages[sid]) for sid in sorted(storages if changed is None else changed) if sid in storages]
 
 
 def graph_candidates(cur: Scan, prev: Scan | None, changed: Collection[int] | None = None) -> list[int]:
@@ -279,7 +278,7 @@ def graph_candidates(cur: Scan, prev: Scan | None, changed: Collection[int] | No
     ``changed``: as for ``changes``."""
     prev_storages = prev.storages if prev is not None else {}
     out = []
-    for sid, h in (cur.storages if changed is None else _in_order(cur.storages, changed)).items():
+    for sid, h in _looked(cur.storages, changed):
         before = prev_storages.get(sid)
         if h.holds_graph and before is not h and (before is None or before.roots != h.roots):
             out.append(sid)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
-from nbmem.holders.scanner import Held, Scan
+from nbmem.holders.held import Held, Scan
 
 #: (owner, device): the key of an owner row.
 Key = tuple[str, str]

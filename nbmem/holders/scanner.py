@@ -12,8 +12,8 @@ scan keeps no strong reference to a user object once it returns.
 
 from __future__ import annotations
 
+import functools
 import gc
-import itertools
 import time
 import weakref
 from collections import deque
@@ -24,71 +24,10 @@ from typing import Any
 
 from nbmem.holders import intent, reach
 from nbmem.holders.graphs import Graph, GraphState, walk_graph
-from nbmem.holders.naming import MAX_HOLDERS, PathBuilder, container, container_first, owner_of, ranker
+from nbmem.holders.held import Held, Records, Scan, Updates
+from nbmem.holders.naming import MAX_HOLDERS, PathBuilder, container, container_first, ranker
 from nbmem.holders.walk import ROLE_PARAM, Root, Walk
 from nbmem.records import HolderKind, block_bytes, root_name
-
-CHANGES_KEPT = 16  # updates whose changed storages a scanner remembers (a cell takes one to three)
-_SCANNERS = itertools.count(1)  # each scanner's serial: a scan of one is never compared as another's
-
-
-@dataclass(frozen=True, slots=True)
-class Held:
-    """One live storage and the paths that reach it, best first."""
-
-    sid: int  # the scanner's identity for the storage object
-    device: str
-    nbytes: int  # what the allocator counts: 512-byte blocks on CUDA
-    holders: tuple[str, ...]
-    holder_kinds: tuple[HolderKind, ...]  # the kind of each holder path
-    kind: HolderKind
-    holds_graph: bool
-    span_bytes: int  # the largest holder tensor's own size; less than nbytes for a view
-    roles: frozenset[str] = frozenset()
-    first_cell: int = 0
-    addr: int = 0  # the storage's data pointer when first seen (CUDA: matches the allocator's trace)
-    container: str = ""  # the first holder without its last step: where a group of small tensors lives
-    reached_from: tuple[str, ...] = ()  # every root with a path to it, the owner (the best path's root) first
-    reached_kinds: tuple[HolderKind, ...] = ()  # the kind of each of those roots
-    elements: int = 0  # elements of its largest tensor
-    trainable: bool = False  # its tensor requires grad (a parameter being trained)
-    shape: tuple[int, ...] = ()  # its largest tensor's shape and dtype, for words ("float32 [4096, 1024]")
-    dtype: str = ""
-    # Worked out once, with the record (each cell reads them for a model's thousands of records, issue 38):
-    # the name a user typed that reaches it best: a variable, ``Out[4]``, a module attribute, or the frame of
-    # the last exception (``<traceback f>``: its locals are one owner); and every root name that reaches it, from
-    # all its paths, not only the few kept as holders (a model also reached through a trainer is the model's).
-    owner: str = field(init=False, repr=False, compare=False)
-    roots: frozenset[str] = field(init=False, repr=False, compare=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "owner", owner_of(self.reached_from[0] if self.reached_from else self.name))
-        object.__setattr__(self, "roots", frozenset(root_name(p) for p in (*self.holders, *self.reached_from)))
-
-    @property
-    def name(self) -> str:
-        return self.holders[0] if self.holders else "?"
-
-
-@dataclass(frozen=True)
-class Scan:
-    """The state of the notebook at one moment: live storages by id, with totals per device."""
-
-    storages: Mapping[int, Held]
-    totals: Mapping[str, int]
-    objects: int = 0
-    seconds: float = 0.0
-    walked: tuple[str, ...] = ()  # roots walked this time (the rest came from the cache)
-    unfinished: tuple[str, ...] = ()  # roots the time budget stopped
-    errors: int = 0  # objects skipped because reading them failed
-    error_types: tuple[str, ...] = ()
-    root_types: Mapping[str, str] = field(default_factory=dict)  # root path -> its object's type name
-    root_state: Mapping[str, str] = field(default_factory=dict)  # root path -> what state it is ("model", ...)
-    serial: tuple[int, int] = (0, 0)  # (its scanner, its update): what ``Scanner.changed`` compares; 0: unknown
-
-    @property
-    def truncated(self) -> bool:
-        return bool(self.unfinished)
 
 
 @dataclass
@@ -122,6 +61,10 @@ class _StorageState:
     view_paths: set[str] = field(default_factory=set)  # paths to a tensor spanning less than the storage
 
 
+def _gone(died: deque[int], sid: int, _ref: Any) -> None:
+    died.append(sid)
+
+
 class Storages:
     """Every storage seen, by identity: an id per storage object, checked through a weak reference."""
 
@@ -129,6 +72,7 @@ class Storages:
         self.states: dict[int, _StorageState] = {}
         self.by_obj: dict[int, int] = {}  # id(storage object) -> sid
         self._next = 1
+        self._died: deque[int] = deque()  # storages whose objects went, as their weak references tell
 
     def sid(self, storage: Any, device: str, nbytes: int, cell: int) -> int:
         sid = self.by_obj.get(id(storage))
@@ -142,7 +86,8 @@ class Storages:
             addr = int(storage.data_ptr())
         except Exception:
             addr = 0
-        self.states[sid] = _StorageState(weakref.ref(storage), device, nbytes, cell, addr)
+        tell = functools.partial(_gone, self._died, sid)  # keeps the queue, not these storages
+        self.states[sid] = _StorageState(weakref.ref(storage, tell), device, nbytes, cell, addr)
         self.by_obj[id(storage)] = sid
         return sid
 
@@ -156,38 +101,24 @@ class Storages:
         st = self.states.get(sid)
         return st is not None and st.ref() is not None
 
-    def forget_dead(self) -> list[int]:
-        dead = [sid for sid, st in self.states.items() if st.ref() is None]
+    def forget_dead(self, everything: bool = False) -> list[int]:
+        """Drop the storages whose objects are gone: those their weak references told of (a cell that freed
+        nothing costs nothing here, however many storages there are), or, with ``everything``, all checked."""
+        if everything:
+            self._died.clear()
+            dead = [sid for sid, st in self.states.items() if st.ref() is None]
+        else:
+            dead = []
+            while self._died:
+                sid = self._died.popleft()
+                st = self.states.get(sid)
+                if st is not None and st.ref() is None:
+                    dead.append(sid)
         for sid in dead:
             del self.states[sid]
         if dead:
             self.by_obj = {k: v for k, v in self.by_obj.items() if v in self.states}
         return dead
-
-
-class Updates:
-    """Which storages each of a scanner's last updates replaced or dropped: what two scans differ by."""
-
-    def __init__(self) -> None:
-        self.serial = next(_SCANNERS)
-        self.count = 0
-        self._touched: deque[tuple[int, frozenset[int]]] = deque(maxlen=CHANGES_KEPT)  # (update, its storages)
-
-    def record(self, sids: Iterable[int]) -> tuple[int, int]:
-        """One more update, which changed the records of ``sids``; its serial, for its ``Scan``."""
-        self.count += 1
-        self._touched.append((self.count, frozenset(sids)))
-        return self.serial, self.count
-
-    def changed(self, prev: Scan | None, cur: Scan) -> frozenset[int] | None:
-        """The storages whose records may differ between two of this scanner's scans (every other storage has
-        the very same ``Held`` in both), or None when that is not known: a scan of another scanner, or one
-        older than the last ``CHANGES_KEPT`` updates."""
-        (s0, u0), (s1, u1) = prev.serial if prev is not None else (0, 0), cur.serial
-        if s0 != self.serial or s1 != self.serial or u0 > u1:
-            return None
-        steps = [t for u, t in self._touched if u0 < u <= u1]
-        return frozenset().union(*steps) if len(steps) == u1 - u0 else None
 
 
 class Scanner:
@@ -200,7 +131,8 @@ class Scanner:
         self._roots: dict[str, _RootState] = {}
         self.storages = Storages()
         self._paths: dict[int, dict[str, tuple[HolderKind, str]]] = {}  # sid -> path -> (kind, root path)
-        self._held: dict[int, Held] = {}
+        self._records = Records()
+        self._held = self._records.held  # every storage's latest record (changed through _records)
         self._walked_this_cell: set[str] = set()  # roots walked since the last update that was not a follow-up
         self._watchers: dict[int, dict[str, weakref.ref[Any]]] = {}  # id(tensor) -> roots that reach it
         self.last: Scan | None = None
@@ -274,10 +206,10 @@ class Scanner:
             self.last = Scan({}, {}, seconds=time.perf_counter() - t0)
             return self.last
         TB = getattr(torch._C, "TensorBase", None) or torch._C._TensorBase
-        dead = self.storages.forget_dead()
+        dead = self.storages.forget_dead(everything=walk == "all")
         for sid in dead:
             self._paths.pop(sid, None)
-            self._held.pop(sid, None)
+            self._records.drop(sid)
         mentioned = set(mentioned)
         walked_before = set(self._walked_this_cell) if walk == "rest" else set()
         now: dict[str, tuple[Root, tuple[int, int, int]]] = {}
@@ -310,16 +242,13 @@ class Scanner:
                 self._roots[path].finished = False  # what the last full walk of it knew, marked as such
         self._remerge(dirty)
         serial = self.updates.record(dirty.union(dead))
-        totals: dict[str, int] = {}
-        for h in self._held.values():
-            totals[h.device] = totals.get(h.device, 0) + h.nbytes
         if walk in ("all", "changed"):
             self._walked_this_cell = set()
         self._walked_this_cell.update(walked)
         kinds = tuple(f"{k} x{n}" for k, n in sorted(w.error_types.items()))
         types_ = {p: rs.type_name for p, rs in self._roots.items() if rs.holds}
         state = {p: rs.state for p, rs in self._roots.items() if rs.state}
-        self.last = Scan(dict(self._held), totals, w.objects, time.perf_counter() - t0, tuple(walked),
+        self.last = Scan(dict(self._held), self._records.totals(), w.objects, time.perf_counter() - t0, tuple(walked),
                          tuple(unfinished), w.errors, kinds, types_, state, serial)
         return self.last
 
@@ -424,7 +353,7 @@ class Scanner:
             found = self._paths.get(sid)
             st = self.storages.states.get(sid)
             if not found or st is None or st.ref() is None:
-                self._held.pop(sid, None)
+                self._records.drop(sid)
                 self._paths.pop(sid, None) if not found else None
                 continue
             ranked = container_first(sorted(((p, k) for p, (k, _r) in found.items()), key=ranker(st.view_paths)),
@@ -432,11 +361,11 @@ class Scanner:
             reached = dict.fromkeys((found[p][1], k) for p, k in ranked)
             roots = list(reached)[:2 * MAX_HOLDERS]
             top = ranked[:MAX_HOLDERS]
-            self._held[sid] = Held(sid, st.device, st.nbytes, tuple(p for p, _ in top), tuple(k for _, k in top),
+            self._records.put(Held(sid, st.device, st.nbytes, tuple(p for p, _ in top), tuple(k for _, k in top),
                                    top[0][1], st.graph_tensor is not None and st.graph_tensor() is not None,
                                    st.span or st.nbytes, frozenset(st.roles), st.first_cell, st.addr,
                                    container(top[0][0]), tuple(r for r, _k in roots), tuple(k for _r, k in roots),
-                                   st.elements, st.trainable, st.shape, st.dtype)
+                                   st.elements, st.trainable, st.shape, st.dtype))
 
     def _is_state(self, root: str) -> bool:
         rs = self._roots.get(root)
