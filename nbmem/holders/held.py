@@ -111,20 +111,23 @@ class Records:
         self._totals: dict[str, list[int]] = {}  # device -> [bytes, records]
 
     def put(self, h: Held) -> None:
-        self.drop(h.sid)
-        self.held[h.sid] = h
-        t = self._totals.setdefault(h.device, [0, 0])
-        t[0] += h.nbytes
-        t[1] += 1
+        old = self.held.get(h.sid)
+        if old is not None:
+            self._count(old, -1)
+        self.held[h.sid] = h  # a storage seen before keeps its place: scans list storages in the order first seen
+        self._count(h, 1)
 
     def drop(self, sid: int) -> None:
         h = self.held.pop(sid, None)
         if h is not None:
-            t = self._totals[h.device]
-            t[0] -= h.nbytes
-            t[1] -= 1
-            if not t[1]:
-                del self._totals[h.device]
+            self._count(h, -1)
+
+    def _count(self, h: Held, sign: int) -> None:
+        t = self._totals.setdefault(h.device, [0, 0])
+        t[0] += sign * h.nbytes
+        t[1] += sign
+        if not t[1]:
+            del self._totals[h.device]
 
     def totals(self) -> dict[str, int]:
         """Bytes per device of every record (a device with a record has an entry, even of 0 bytes)."""

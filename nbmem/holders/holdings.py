@@ -11,7 +11,7 @@ from __future__ import annotations
 import gc
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -171,7 +171,7 @@ class Holdings:
             had = ({o for o, _d in self._grouping.of(prev, None).groups}
                    if prev is not None and self._grouping.scan is prev else None)
             found = owners.cell_rows(cur, prev, cell, threshold_bytes=s.threshold_bytes, graphs=graphs,
-                                     lines=_alloc_lines(cur, replays), changed=touched, owners_before=had)
+                                     lines=_alloc_lines(cur, replays, touched), changed=touched, owners_before=had)
             self._current_of = None  # everything held now: computed when someone looks
         self._remember(cell, found)
         return cur, found, changed
@@ -313,12 +313,15 @@ class Holdings:
         self._current_of = None
 
 
-def _alloc_lines(cur: Scan, replays: Mapping[str, Replay]) -> dict[int, int]:
-    """Storage id -> the cell line that allocated it, where a trace with lines tells (GPU)."""
+def _alloc_lines(cur: Scan, replays: Mapping[str, Replay], changed: Collection[int] | None = None) -> dict[int, int]:
+    """Storage id -> the cell line that allocated it, where a trace with lines tells (GPU). ``changed``: the
+    storages whose records the cell changed, when known (one it allocated is new, so among them)."""
     if not replays:
         return {}
     out = {}
-    for sid, h in cur.storages.items():
+    sids = cur.storages if changed is None else [s for s in changed if s in cur.storages]
+    for sid in sids:
+        h = cur.storages[sid]
         rp = replays.get(h.device)
         line = rp.alloc_line.get(h.addr) if rp is not None else None
         if line is not None:

@@ -18,6 +18,7 @@ import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from itertools import compress
 from typing import Any
@@ -73,6 +74,7 @@ class Storages:
         self.by_obj: dict[int, int] = {}  # id(storage object) -> sid
         self._next = 1
         self._died: deque[int] = deque()  # storages whose objects went, as their weak references tell
+        self.graphed: set[int] = set()  # storages whose graphs were walked (``_StorageState.graph``)
 
     def sid(self, storage: Any, device: str, nbytes: int, cell: int) -> int:
         sid = self.by_obj.get(id(storage))
@@ -116,6 +118,7 @@ class Storages:
                     dead.append(sid)
         for sid in dead:
             del self.states[sid]
+            self.graphed.discard(sid)
         if dead:
             self.by_obj = {k: v for k, v in self.by_obj.items() if v in self.states}
         return dead
@@ -379,7 +382,7 @@ class Scanner:
         out: dict[int, Graph] = {}
         if torch is None:
             return out
-        excluded = set(exclude)
+        excluded = exclude if isinstance(exclude, (Mapping, AbstractSet)) else set(exclude)  # a scan's: not copied
         deadline = None if budget_s is None else time.perf_counter() + budget_s
         states = self.storages.states
         with torch._C.DisableTorchFunction():
@@ -392,6 +395,7 @@ class Scanner:
                     if deadline is not None and time.perf_counter() > deadline:
                         continue
                     st.graph = walk_graph(torch, t, sid, st.first_cell, self.storages.sid, deadline)
+                    (self.storages.graphed.discard if st.graph is None else self.storages.graphed.add)(sid)
                     if st.graph is None:
                         continue
                 saved = {g: n for g, (_d, n) in st.graph.saved.items()
@@ -403,7 +407,7 @@ class Scanner:
         """Bytes per device of the walked graphs still alive that no name holds, each storage once."""
         seen: set[int] = set()
         out: dict[str, int] = {}
-        for sid in held:
+        for sid in [s for s in self.storages.graphed if s in held]:  # not every storage: those with a graph
             st = self.storages.states.get(sid)
             if st is None or st.graph is None:
                 continue
