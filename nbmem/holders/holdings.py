@@ -167,7 +167,7 @@ class Holdings:
             s = self.settings
             touched = self.scanner.updates.changed(prev, cur)
             graphs = self.scanner.graphs(judge.graph_candidates(cur, prev, touched), exclude=cur.storages,
-                                         budget_s=s.scan_budget_s)
+                                         budget_s=s.scan_budget_s, truncated=cur.truncated)
             had = ({o for o, _d in self._grouping.of(prev, None).groups}
                    if prev is not None and self._grouping.scan is prev else None)
             found = owners.cell_rows(cur, prev, cell, threshold_bytes=s.threshold_bytes, graphs=graphs,
@@ -270,7 +270,7 @@ class Holdings:
         if self._current_of is not cur:
             s = self.settings
             graphs = self.scanner.graphs([sid for sid, h in cur.storages.items() if h.holds_graph],
-                                         exclude=cur.storages, budget_s=s.scan_budget_s)
+                                         exclude=cur.storages, budget_s=s.scan_budget_s, truncated=cur.truncated)
             by_owner = self._grouping.of(cur, self.scanner.updates.changed(self._grouping.scan, cur))
             self._current = owners.current_rows(cur, threshold_bytes=s.threshold_bytes, graphs=graphs,
                                                 cache=self._finding_cache, row_cache=self._row_cache,

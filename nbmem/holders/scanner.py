@@ -375,9 +375,10 @@ class Scanner:
         return rs is not None and bool(rs.state)
 
     # -- graphs -----------------------------------------------------------------------------------------
-    def graphs(self, sids: Iterable[int], *, exclude: Iterable[int] = (), budget_s: float | None = None
-               ) -> dict[int, Graph]:
-        """The autograd graph behind each storage's tensor: its saved tensors not held by names anyway."""
+    def graphs(self, sids: Iterable[int], *, exclude: Iterable[int] = (), budget_s: float | None = None,
+               truncated: bool = False) -> dict[int, Graph]:
+        """The autograd graph behind each storage's tensor: its saved tensors not held by names anyway. After a
+        ``truncated`` scan the leaves (parameters) count as named: the model's root may be one it did not reach."""
         torch = self._torch()
         out: dict[int, Graph] = {}
         if torch is None:
@@ -398,9 +399,9 @@ class Scanner:
                     (self.storages.graphed.discard if st.graph is None else self.storages.graphed.add)(sid)
                     if st.graph is None:
                         continue
-                saved = {g: n for g, (_d, n) in st.graph.saved.items()
-                         if g not in excluded and self.storages.alive(g)}
-                out[sid] = Graph(saved, frozenset(g for g in st.graph.saved if g in excluded))
+                named = {g for g in st.graph.saved if g in excluded or (truncated and g in st.graph.leaves)}
+                saved = {g: n for g, (_d, n) in st.graph.saved.items() if g not in named and self.storages.alive(g)}
+                out[sid] = Graph(saved, frozenset(named))
         return out
 
     def graph_totals(self, held: Mapping[int, Held]) -> dict[str, int]:
