@@ -141,3 +141,17 @@ def test_a_cell_that_changes_one_owner_regroups_only_that_owner(ip):
     assert after["bag", "cpu"].members is not before["bag", "cpu"].members
     assert len(after["bag", "cpu"].members) == 2
     assert list(after) == list(grouping.grouped(h.last_scan.storages.values()).groups)
+
+
+def test_a_list_that_grew_keeps_its_old_elements_records_and_only_the_new_one_is_judged(ip):
+    ok(ip, MODEL)
+    ok(ip, MOVE)
+    ok(ip, MOVE)
+    h = session_of(ip).holdings
+    prev = h.closed_scan
+    ok(ip, MOVE)  # walks `bag` again: its two old elements have the same paths, so the same records
+    cur = h.closed_scan
+    assert prev is not None and cur is not None
+    new = set(cur.storages) - set(prev.storages)
+    assert len(new) == 1 and h.scanner.updates.changed(prev, cur) == new
+    assert all(cur.storages[s] is prev.storages[s] for s in prev.storages)

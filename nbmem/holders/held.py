@@ -109,18 +109,30 @@ class Records:
     def __init__(self) -> None:
         self.held: dict[int, Held] = {}  # read freely; changed only through put and drop
         self._totals: dict[str, list[int]] = {}  # device -> [bytes, records]
+        self._changed: set[int] = set()
 
     def put(self, h: Held) -> None:
+        """Set a storage's record; one equal to the record it has leaves that one in place (a list walked again
+        because it grew: its old elements keep their records, and nothing downstream judges them again)."""
         old = self.held.get(h.sid)
         if old is not None:
+            if old == h:
+                return
             self._count(old, -1)
         self.held[h.sid] = h  # a storage seen before keeps its place: scans list storages in the order first seen
         self._count(h, 1)
+        self._changed.add(h.sid)
 
     def drop(self, sid: int) -> None:
         h = self.held.pop(sid, None)
         if h is not None:
             self._count(h, -1)
+            self._changed.add(sid)
+
+    def take_changed(self) -> set[int]:
+        """The storages whose records were set or dropped since the last call."""
+        out, self._changed = self._changed, set()
+        return out
 
     def _count(self, h: Held, sign: int) -> None:
         t = self._totals.setdefault(h.device, [0, 0])

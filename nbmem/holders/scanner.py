@@ -244,7 +244,7 @@ class Scanner:
             if path in self._roots:
                 self._roots[path].finished = False  # what the last full walk of it knew, marked as such
         self._remerge(dirty)
-        serial = self.updates.record(dirty.union(dead))
+        serial = self.updates.record(self._records.take_changed())
         if walk in ("all", "changed"):
             self._walked_this_cell = set()
         self._walked_this_cell.update(walked)
