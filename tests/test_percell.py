@@ -155,3 +155,15 @@ def test_a_list_that_grew_keeps_its_old_elements_records_and_only_the_new_one_is
     new = set(cur.storages) - set(prev.storages)
     assert len(new) == 1 and h.scanner.updates.changed(prev, cur) == new
     assert all(cur.storages[s] is prev.storages[s] for s in prev.storages)
+
+
+def test_a_scan_lists_the_storages_that_hold_graphs_in_its_own_order(ip):
+    ok(ip, MODEL)
+    h = session_of(ip).holdings
+    for cell in ["loss = model(torch.randn(64, 256)).sum()", "out = model(torch.randn(64, 256))", MOVE,
+                 "bag.append(model(torch.randn(4096, 256)))", "del loss", "loss = out.sum()", "del out"]:
+        ok(ip, cell)
+        cur = h.closed_scan
+        assert cur is not None and cur.graph_holders is not None
+        assert list(cur.graph_holders) == [s for s, x in cur.storages.items() if x.holds_graph], cell
+    assert cur.graph_holders, "no graph was kept: the test shows nothing"

@@ -72,6 +72,13 @@ class Scan:
     root_types: Mapping[str, str] = field(default_factory=dict)  # root path -> its object's type name
     root_state: Mapping[str, str] = field(default_factory=dict)  # root path -> what state it is ("model", ...)
     serial: tuple[int, int] = (0, 0)  # (its scanner, its update): what ``Scanner.changed`` compares; 0: unknown
+    graph_holders: tuple[int, ...] | None = None  # the storages that hold a graph, in ``storages``' order; None: ask
+
+    def holding_graphs(self) -> list[int]:
+        """The storages whose tensors keep an autograd graph, in the scan's order."""
+        if self.graph_holders is not None:
+            return list(self.graph_holders)
+        return [sid for sid, h in self.storages.items() if h.holds_graph]
 
     @property
     def truncated(self) -> bool:
@@ -110,6 +117,9 @@ class Records:
         self.held: dict[int, Held] = {}  # read freely; changed only through put and drop
         self._totals: dict[str, list[int]] = {}  # device -> [bytes, records]
         self._changed: set[int] = set()
+        self._graphed: set[int] = set()  # the records that hold a graph
+        self._since: dict[int, int] = {}  # when each record came into ``held``: its place in the dict's order
+        self._puts = 0
 
     def put(self, h: Held) -> None:
         """Set a storage's record; one equal to the record it has leaves that one in place (a list walked again
@@ -119,6 +129,10 @@ class Records:
             if old == h:
                 return
             self._count(old, -1)
+        else:
+            self._puts += 1
+            self._since[h.sid] = self._puts
+        (self._graphed.add if h.holds_graph else self._graphed.discard)(h.sid)
         self.held[h.sid] = h  # a storage seen before keeps its place: scans list storages in the order first seen
         self._count(h, 1)
         self._changed.add(h.sid)
@@ -128,6 +142,12 @@ class Records:
         if h is not None:
             self._count(h, -1)
             self._changed.add(sid)
+            self._graphed.discard(sid)
+            del self._since[sid]
+
+    def graph_holders(self) -> tuple[int, ...]:
+        """The records that hold a graph, in ``held``'s order (each record's place is when it came in)."""
+        return tuple(sorted(self._graphed, key=self._since.__getitem__))
 
     def take_changed(self) -> set[int]:
         """The storages whose records were set or dropped since the last call."""

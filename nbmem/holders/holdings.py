@@ -269,7 +269,7 @@ class Holdings:
             return owners.Rows((), ())
         if self._current_of is not cur:
             s = self.settings
-            graphs = self.scanner.graphs([sid for sid, h in cur.storages.items() if h.holds_graph],
+            graphs = self.scanner.graphs(cur.holding_graphs(),
                                          exclude=cur.storages, budget_s=s.scan_budget_s, truncated=cur.truncated)
             by_owner = self._grouping.of(cur, self.scanner.updates.changed(self._grouping.scan, cur))
             self._current = owners.current_rows(cur, threshold_bytes=s.threshold_bytes, graphs=graphs,

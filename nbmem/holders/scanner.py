@@ -252,7 +252,7 @@ class Scanner:
         types_ = {p: rs.type_name for p, rs in self._roots.items() if rs.holds}
         state = {p: rs.state for p, rs in self._roots.items() if rs.state}
         self.last = Scan(dict(self._held), self._records.totals(), w.objects, time.perf_counter() - t0, tuple(walked),
-                         tuple(unfinished), w.errors, kinds, types_, state, serial)
+                         tuple(unfinished), w.errors, kinds, types_, state, serial, self._records.graph_holders())
         return self.last
 
     def _todo(self, now: Mapping[str, tuple[Root, tuple[int, int, int]]], walk: str, mentioned: set[str],
