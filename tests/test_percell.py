@@ -167,3 +167,28 @@ def test_a_scan_lists_the_storages_that_hold_graphs_in_its_own_order(ip):
         assert cur is not None and cur.graph_holders is not None
         assert list(cur.graph_holders) == [s for s, x in cur.storages.items() if x.holds_graph], cell
     assert cur.graph_holders, "no graph was kept: the test shows nothing"
+
+
+def test_kept_graphs_read_again_only_when_what_they_read_changed_give_the_rows_a_fresh_judgement_gives(ip):
+    ok(ip, MODEL)
+    ok(ip, "xs = [torch.randn(64, 256) for _ in range(4)]\nlosses = [model(x).sum() for x in xs]\n"
+           "outs = [model(torch.randn(64, 256)) for _ in range(3)]")
+    session_of(ip).findings()
+    h = session_of(ip).holdings
+    walks = []
+    real = h.scanner.graphs
+
+    def counting(sids: Any, **kw: Any) -> Any:
+        walks.append(list(sids))
+        return real(sids, **kw)
+
+    h.scanner.graphs = counting
+    for cell in [MOVE, MOVE, "del xs", "kept = outs[0]", "del outs[1]", "x = torch.ones(4)", MOVE,
+                 "losses.append(model(torch.randn(8, 256)).sum())", "h0 = losses[0].grad_fn", "del losses[2]",
+                 "del kept", "losses[0].backward()"]:
+        ok(ip, cell)
+        walks.clear()
+        rows = session_of(ip).findings()
+        if cell == MOVE:
+            assert not walks, "a cell that added a tensor beside the kept graphs read them all again"
+        assert rows == fresh(ip), cell

@@ -18,6 +18,8 @@ from typing import Any
 from nbmem.formatting import fmt_bytes
 from nbmem.holders import findings as judge
 from nbmem.holders import owners, pools
+from nbmem.holders.freeing import Keepers
+from nbmem.holders.graphs import Graph
 from nbmem.holders.grouping import Grouping
 from nbmem.holders.scanner import Scan, Scanner
 from nbmem.measure.host import heap_bytes
@@ -64,6 +66,7 @@ class Holdings:
         self._finding_cache: dict[int, Any] = {}
         self._row_cache: owners.RowCache = {}
         self._grouping = Grouping()  # the latest scan looked at whole, by owner
+        self._graphs: tuple[Any, ...] | None = None  # what the last graphs of everything held now were read from
         self._current = owners.Rows((), ())
         self._current_of: Scan | None = None  # the scan _current was computed from
         self.scanned_at: float | None = None  # epoch seconds of the latest scan (the gauge says how old it is)
@@ -269,14 +272,39 @@ class Holdings:
             return owners.Rows((), ())
         if self._current_of is not cur:
             s = self.settings
-            graphs = self.scanner.graphs(cur.holding_graphs(),
-                                         exclude=cur.storages, budget_s=s.scan_budget_s, truncated=cur.truncated)
+            graphs, keepers = self._graphs_now(cur)
             by_owner = self._grouping.of(cur, self.scanner.updates.changed(self._grouping.scan, cur))
             self._current = owners.current_rows(cur, threshold_bytes=s.threshold_bytes, graphs=graphs,
                                                 cache=self._finding_cache, row_cache=self._row_cache,
-                                                by_owner=by_owner)
+                                                by_owner=by_owner, keepers=keepers)
             self._current_of = cur
         return self._current
+
+    def _graphs_now(self, cur: Scan) -> tuple[dict[int, Graph], Keepers]:
+        """The graphs of ``cur``'s storages that hold one, and which of them save each storage. Those of the last
+        call are kept while nothing they read changed (issue 38): the same storages hold graphs, each the graph
+        walked before and still its tensor's, no storage ended, and none of those they save was named or
+        unnamed since (a kept list of losses is not walked again each cell)."""
+        holders = cur.holding_graphs()
+        states = [self.scanner.storages.states.get(sid) for sid in holders]
+        walked = [st.graph if st is not None else None for st in states]
+        same = self._graphs is not None and self._graphs[1:5] == (holders, cur.truncated, self.scanner.storages.ends(),
+                                                                  walked)
+        if same and self._graphs is not None:
+            changed = self.scanner.updates.changed(self._graphs[0], cur)
+            if (changed is not None and self._graphs[5].isdisjoint(changed) and all(
+                    st is not None and st.graph is not None and st.graph_tensor is not None
+                    and _same_tensor(st.graph.tensor(), st.graph_tensor()) for st in states)):
+                self._graphs = (cur, *self._graphs[1:])
+                return self._graphs[6], Keepers(cur.storages, self._graphs[6], self._graphs[7])
+        graphs = self.scanner.graphs(holders, exclude=cur.storages, budget_s=self.settings.scan_budget_s,
+                                     truncated=cur.truncated)
+        keepers = Keepers(cur.storages, graphs)
+        walked = [st.graph if st is not None else None for st in states]  # as the walk left them
+        saved = frozenset(g for gs in walked if gs is not None for g in gs.saved)
+        self._graphs = (cur, holders, cur.truncated, self.scanner.storages.ends(), walked, saved, graphs,
+                        keepers.saved_in)
+        return graphs, keepers
 
     def note(self) -> str:
         """What to say where no owner is listed: nothing passed the threshold, or why that is not known."""
@@ -311,6 +339,11 @@ class Holdings:
 
     def forget_current(self) -> None:
         self._current_of = None
+
+
+def _same_tensor(a: Any, b: Any) -> bool:
+    """Whether two weak references' referents are one live tensor (by identity: a tensor is never asked)."""
+    return a is not None and a is b
 
 
 def _alloc_lines(cur: Scan, replays: Mapping[str, Replay], changed: Collection[int] | None = None) -> dict[int, int]:

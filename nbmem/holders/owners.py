@@ -78,13 +78,15 @@ def cell_rows(cur: Scan, prev: Scan | None, cell: int, *, threshold_bytes: int, 
 
 def current_rows(cur: Scan, *, threshold_bytes: int, graphs: Mapping[int, Graph],
                  cache: dict[int, Any] | None = None, row_cache: RowCache | None = None,
-                 by_owner: Grouped | None = None) -> Rows:
+                 by_owner: Grouped | None = None, keepers: Keepers | None = None) -> Rows:
     """Everything held now, each owner with the cell its memory first appeared in. ``row_cache`` keeps each
     owner's row between calls, reused while its members are the same records; ``by_owner``: ``cur``'s storages
-    already grouped (``grouping.Grouping``), so that a cell that changed one owner regroups only it (issue 38)."""
+    already grouped (``grouping.Grouping``), so that a cell that changed one owner regroups only it (issue 38);
+    ``keepers``: which graphs save each storage, made from these graphs."""
     rows, total = group(by_owner if by_owner is not None else list(cur.storages.values()),
                         lambda hs: min(h.first_cell for h in hs), threshold_bytes=threshold_bytes,
-                        graphs=graphs, types=cur.root_types, keepers=Keepers(cur.storages, graphs),
+                        graphs=graphs, types=cur.root_types,
+                        keepers=keepers if keepers is not None else Keepers(cur.storages, graphs),
                         states=cur.root_state, row_cache=row_cache)
     # Worked out only when asked for (``leaks(detail=True)``); what it reads is the scan the session keeps anyway.
     return Rows(rows, lambda: detail_rows(rows, list(cur.storages.values()), lambda hs: min(h.first_cell for h in hs),

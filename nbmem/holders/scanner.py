@@ -74,6 +74,7 @@ class Storages:
         self.by_obj: dict[int, int] = {}  # id(storage object) -> sid
         self._next = 1
         self._died: deque[int] = deque()  # storages whose objects went, as their weak references tell
+        self._told = 0  # how many of those were taken from the queue
         self.graphed: set[int] = set()  # storages whose graphs were walked (``_StorageState.graph``)
 
     def sid(self, storage: Any, device: str, nbytes: int, cell: int) -> int:
@@ -99,6 +100,10 @@ class Storages:
         st = self.states.get(sid) if sid is not None else None
         return sid if st is not None and st.ref() is storage else None
 
+    def ends(self) -> int:
+        """How many storages have ended so far, told or not yet: equal counts, no storage ended in between."""
+        return self._told + len(self._died)
+
     def alive(self, sid: int) -> bool:
         st = self.states.get(sid)
         return st is not None and st.ref() is not None
@@ -106,16 +111,15 @@ class Storages:
     def forget_dead(self, everything: bool = False) -> list[int]:
         """Drop the storages whose objects are gone: those their weak references told of (a cell that freed
         nothing costs nothing here, however many storages there are), or, with ``everything``, all checked."""
+        dead = []
+        while self._died:
+            sid = self._died.popleft()
+            self._told += 1
+            st = self.states.get(sid)
+            if st is not None and st.ref() is None:
+                dead.append(sid)
         if everything:
-            self._died.clear()
             dead = [sid for sid, st in self.states.items() if st.ref() is None]
-        else:
-            dead = []
-            while self._died:
-                sid = self._died.popleft()
-                st = self.states.get(sid)
-                if st is not None and st.ref() is None:
-                    dead.append(sid)
         for sid in dead:
             del self.states[sid]
             self.graphed.discard(sid)
