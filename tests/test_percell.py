@@ -192,3 +192,9 @@ def test_kept_graphs_read_again_only_when_what_they_read_changed_give_the_rows_a
         if cell == MOVE:
             assert not walks, "a cell that added a tensor beside the kept graphs read them all again"
         assert rows == fresh(ip), cell
+        cur = h.last_scan
+        assert cur is not None
+        whole = dict(cur.totals)  # the bytes found, the graphs' worked out from nothing
+        for dev, n in h.scanner.storages.graph_totals(cur).items():
+            whole[dev] = whole.get(dev, 0) + n
+        assert h.tensor_bytes(cur) == whole, cell

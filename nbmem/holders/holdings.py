@@ -64,7 +64,7 @@ class Holdings:
         self._cells: deque[int] = deque()
         self._totals_cache: list[tuple[Scan, dict[str, int]]] = []
         self._finding_cache: dict[int, Any] = {}
-        self._row_cache: owners.RowCache = {}
+        self._row_cache = owners.RowCache()
         self._grouping = Grouping()  # the latest scan looked at whole, by owner
         self._graphs: tuple[Any, ...] | None = None  # what the last graphs of everything held now were read from
         self._current = owners.Rows((), ())
@@ -152,7 +152,7 @@ class Holdings:
             if s is scan:
                 return totals
         out = dict(scan.totals)
-        for dev, n in self.scanner.graph_totals(scan.storages).items():
+        for dev, n in self.scanner.storages.graph_totals(scan, self.scanner.updates).items():
             out[dev] = out.get(dev, 0) + n
         self._totals_cache = [*self._totals_cache[-1:], (scan, out)]
         return out

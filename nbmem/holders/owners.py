@@ -129,9 +129,13 @@ def detail_rows(rows: Sequence[Finding], held: Sequence[Held], cell_of: Callable
     return out
 
 
-#: (owner, device) -> the row's inputs (its members, kept so that their ids stay theirs; its graphs' saved
-#: storages; the owner's type; every graph of the scan, as a hint reads them) and the row made from them.
-RowCache = dict[tuple[str, str], tuple[tuple[list[Held], dict[int, int], str, Any], Finding]]
+class RowCache(dict[tuple[str, str], tuple[tuple[list[Held], dict[int, int], str, Any], Finding]]):
+    """(owner, device) -> the row's inputs (its members, kept so that their ids stay theirs; its graphs' saved
+    storages; the owner's type; every graph of the scan, as a hint reads them) and the row made from them. And
+    which rows share graphs, with the saved storages of each row it was worked out from (a kept list of losses
+    and its outputs share thousands: worked out again only when those change)."""
+
+    shared: tuple[dict[int, set[int]], dict[int, list[int]]] | None = None
 
 
 def _paths_of(h: Held | None) -> tuple[Any, ...]:
@@ -201,7 +205,7 @@ def group(held: Sequence[Held] | Grouped, cell_of: Any, *, threshold_bytes: int,
     if row_cache is not None:
         for key in [k for k in row_cache if k not in by.groups]:
             del row_cache[key]
-    _mark_shared(rows, saved_by)
+    _mark_shared(rows, saved_by, row_cache)
     total = sum(r.storage_bytes for r in rows) + sum(sizes.values())
     order = sorted(range(len(rows)), key=lambda i: -rows[i].bytes)
     return tuple(rows[i] for i in order), total
@@ -453,9 +457,15 @@ def tensor_words(h: Held) -> str:
     return shape
 
 
-def _mark_shared(rows: list[Finding], saved_by: Mapping[int, set[int]]) -> None:
-    """A graph whose saved tensors several owners keep alive is named under each of them."""
-    shared = graph_sharing(saved_by)
+def _mark_shared(rows: list[Finding], saved_by: dict[int, set[int]], kept: RowCache | None = None) -> None:
+    """A graph whose saved tensors several owners keep alive is named under each of them. ``kept``: where the
+    last sharing worked out is kept, reused for the same rows' same saved storages."""
+    if kept is not None and kept.shared is not None and kept.shared[0] == saved_by:
+        shared = kept.shared[1]
+    else:
+        shared = graph_sharing(saved_by)
+        if kept is not None:
+            kept.shared = (saved_by, shared)
     for i, others in shared.items():
         names = tuple(rows[j].name for j in others)[:MAX_HOLDERS]
         rows[i] = replace(rows[i], graph_shared_with=names)

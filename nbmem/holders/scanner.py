@@ -75,6 +75,7 @@ class Storages:
         self._next = 1
         self._died: deque[int] = deque()  # storages whose objects went, as their weak references tell
         self._told = 0  # how many of those were taken from the queue
+        self._graph_totals: tuple[Any, ...] | None = None  # (scan, what it read, the storages that was, the totals)
         self.graphed: set[int] = set()  # storages whose graphs were walked (``_StorageState.graph``)
 
     def sid(self, storage: Any, device: str, nbytes: int, cell: int) -> int:
@@ -107,6 +108,33 @@ class Storages:
     def alive(self, sid: int) -> bool:
         st = self.states.get(sid)
         return st is not None and st.ref() is not None
+
+    def graph_totals(self, scan: Scan, updates: Updates | None = None) -> dict[str, int]:
+        """Bytes per device of the walked graphs still alive that no storage of ``scan`` is, each storage once.
+        With ``updates`` (the scanner's), the last answer stands while no storage ended, no graph was walked
+        again, and none of the graphs' storages or those they save came into or left a scan since (issue 38)."""
+        key = (self.ends(), {sid: self.states[sid].graph for sid in self.graphed})
+        was = self._graph_totals
+        if was is not None and updates is not None and was[1] == key:
+            changed = updates.changed(was[0], scan)
+            if changed is not None and was[2].isdisjoint(changed):
+                self._graph_totals = (scan, *was[1:])
+                return dict(was[3])
+        held = scan.storages
+        seen: set[int] = set()
+        out: dict[str, int] = {}
+        for sid in [s for s in self.graphed if s in held]:  # not every storage: those with a graph
+            st = self.states.get(sid)
+            if st is None or st.graph is None:
+                continue
+            for g, (dev, n) in st.graph.saved.items():
+                if g in seen or g in held or not self.alive(g):
+                    continue
+                seen.add(g)
+                out[dev] = out.get(dev, 0) + n
+        read = frozenset(self.graphed).union(*(gs.saved for gs in key[1].values() if gs is not None))
+        self._graph_totals = (scan, key, read, out)
+        return dict(out)
 
     def forget_dead(self, everything: bool = False) -> list[int]:
         """Drop the storages whose objects are gone: those their weak references told of (a cell that freed
@@ -406,21 +434,6 @@ class Scanner:
                 named = {g for g in st.graph.saved if g in excluded or (truncated and g in st.graph.leaves)}
                 saved = {g: n for g, (_d, n) in st.graph.saved.items() if g not in named and self.storages.alive(g)}
                 out[sid] = Graph(saved, frozenset(named))
-        return out
-
-    def graph_totals(self, held: Mapping[int, Held]) -> dict[str, int]:
-        """Bytes per device of the walked graphs still alive that no name holds, each storage once."""
-        seen: set[int] = set()
-        out: dict[str, int] = {}
-        for sid in [s for s in self.storages.graphed if s in held]:  # not every storage: those with a graph
-            st = self.storages.states.get(sid)
-            if st is None or st.graph is None:
-                continue
-            for g, (dev, n) in st.graph.saved.items():
-                if g in seen or g in held or not self.storages.alive(g):
-                    continue
-                seen.add(g)
-                out[dev] = out.get(dev, 0) + n
         return out
 
     def young_unlocated(self, scan: Scan) -> dict[str, int]:
