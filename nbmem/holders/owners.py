@@ -136,6 +136,41 @@ class RowCache(dict[tuple[str, str], tuple[tuple[list[Held], dict[int, int], str
     and its outputs share thousands: worked out again only when those change)."""
 
     shared: tuple[dict[int, set[int]], dict[int, list[int]]] | None = None
+    graph_reads: tuple[Any, ...] | None = None  # (graphs, their holders' records, what ``_graph_reads`` gave)
+    sets: dict[int, tuple[dict[int, int], set[int]]] | None = None  # id of a kept saved dict -> it, its keys
+
+    def set_of(self, saved: dict[int, int]) -> set[int]:
+        """The keys of a saved dict ``_graph_reads`` made, as a set, made once while the dict is kept."""
+        if self.sets is None:
+            self.sets = {}
+        hit = self.sets.get(id(saved))
+        if hit is None or hit[0] is not saved:
+            hit = self.sets[id(saved)] = (saved, set(saved))
+        return hit[1]
+
+
+def _graph_reads(graphs: Mapping[int, Graph], by: Grouped, keepers: Keepers | None, kept: RowCache | None
+                 ) -> tuple[Any, dict[Key, dict[int, int]]]:
+    """What a hint reads beyond a row's own members (every graph, what it saves, and its holder's paths: by value,
+    an id of a record the cache does not keep could be a new record's at the same address), and the graph
+    storages each owner's members keep. ``kept``: where both are kept, while the graphs and their holders'
+    records are the very same objects (a kept list of losses is not read again each cell)."""
+    paths = keepers.storages if keepers is not None else {}
+    records = [(by.storages.get(sid), paths.get(sid)) for sid in graphs]
+    was = kept.graph_reads if kept is not None else None
+    if (was is not None and was[0] is graphs and len(was[1]) == len(records)
+            and all(a is c and b is d for (a, b), (c, d) in zip(was[1], records))):
+        return was[2], was[3]
+    saved_of: dict[Key, dict[int, int]] = {}
+    for g, (h, _p) in zip(graphs.values(), records):
+        if h is not None:
+            saved_of.setdefault((h.owner, h.device), {}).update(g.saved)
+    if kept is None:
+        return None, saved_of
+    key = frozenset((sid, frozenset(g.saved), g.named, _paths_of(p))
+                    for (sid, g), (_h, p) in zip(graphs.items(), records))
+    kept.graph_reads, kept.sets = (graphs, records, key, saved_of), None
+    return key, saved_of
 
 
 def _paths_of(h: Held | None) -> tuple[Any, ...]:
@@ -165,16 +200,7 @@ def group(held: Sequence[Held] | Grouped, cell_of: Any, *, threshold_bytes: int,
     the same graphs, type and every graph's saved tensors (what a hint's "what else must go" reads), is the
     same row; a model's thousands of members are not judged again each cell."""
     by = held if isinstance(held, Grouped) else grouped(held)
-    # What a hint reads beyond a row's own members: every graph, what it saves, and its holder's paths (by value:
-    # an id of a record the cache does not keep could be a new record's at the same address).
-    graph_key = (frozenset((h, frozenset(g.saved), g.named, _paths_of(keepers.storages.get(h) if keepers is not None
-                                                                      else None))
-                           for h, g in graphs.items()) if row_cache is not None else None)
-    saved_of: dict[Key, dict[int, int]] = {}  # the graph storages each owner's members keep
-    for sid, g in graphs.items():
-        h = by.storages.get(sid)
-        if h is not None:
-            saved_of.setdefault((h.owner, h.device), {}).update(g.saved)
+    graph_key, saved_of = _graph_reads(graphs, by, keepers, row_cache)
     rows: list[Finding] = []
     saved_by: dict[int, set[int]] = {}  # row -> the graph storages it keeps
     sizes: dict[int, int] = {}  # those storages' bytes
@@ -199,7 +225,7 @@ def group(held: Sequence[Held] | Grouped, cell_of: Any, *, threshold_bytes: int,
             kept = [n for n in row.roots if n in states]
             row = replace(row, roots=tuple(n for n in row.roots if n not in states),
                           hint=f"{row.hint} (`{'`, `'.join(kept)}`: the cell's state, which `--last-report` keeps)")
-        saved_by[len(rows)] = set(saved)
+        saved_by[len(rows)] = row_cache.set_of(saved) if row_cache is not None else set(saved)
         sizes.update(saved)
         rows.append(row)
     if row_cache is not None:
