@@ -4,6 +4,7 @@
     python benchmarks/bench_scan.py --device cpu --quick   # a smoke run anywhere (shapes 10x smaller)
     git worktree add /tmp/old 278038b && python benchmarks/bench_scan.py --device cpu --against /tmp/old
                                          # this checkout's per-cell cost against another's, side by side (issue 38)
+    python benchmarks/bench_scan.py --device cuda --stages  # where that cost goes, stage by stage (thread CPU)
 
 For each namespace shape, a fresh IPython shell is filled, then the same cells run interleaved, first
 without nbmem and then after ``%load_ext nbmem`` + ``%cudamem on``: a memory-moving cell (keeps 4 MiB
@@ -31,6 +32,7 @@ import textwrap
 import time
 from dataclasses import dataclass
 from string import Template
+from typing import Any
 
 from harness import Quiet, cell, line, new_shell, print_summary  # benchmarks/ is on sys.path when run as a script
 from IPython.core.interactiveshell import InteractiveShell
@@ -292,6 +294,83 @@ def drop(sh: InteractiveShell) -> None:
             torch.cuda.empty_cache()
 
 
+# -- where a cell's cost goes -------------------------------------------------------------------------------
+#: (module, attribute path): nbmem's per-cell work, timed by ``--stages``; nested ones are counted inside their
+#: callers too. Those missing from a checkout are left out.
+STAGES = [
+    ("nbmem.session", "Session.begin_cell"), ("nbmem.session", "Session.end_cell"),
+    ("nbmem.session", "Session._publish_holders"),
+    ("nbmem.holders.holdings", "Holdings.baseline"), ("nbmem.holders.holdings", "Holdings.mark"),
+    ("nbmem.holders.holdings", "Holdings.close_cell"), ("nbmem.holders.holdings", "Holdings._unexplained"),
+    ("nbmem.holders.holdings", "Holdings.unattributed"), ("nbmem.holders.holdings", "Holdings.current"),
+    ("nbmem.holders.holdings", "Holdings.tensor_bytes"),
+    ("nbmem.holders.scanner", "Scanner.update"), ("nbmem.holders.scanner", "Scanner.graphs"),
+    ("nbmem.holders.owners", "cell_rows"), ("nbmem.holders.owners", "current_rows"),
+    ("nbmem.measure.sources", "Probe.boundary"), ("nbmem.measure.sources", "Probe.allocator"),
+    ("nbmem.measure.host", "heap_bytes"),
+]
+
+
+def stages(shape: Shape, dev: str, quick: bool, reps: int) -> None:
+    """Run ``reps`` memory-moving cells with nbmem on and print, per stage of its work, the thread CPU time it
+    took per cell (a busy machine stretches wall time, not this), each report step included."""
+    import functools
+    import importlib
+
+    took: dict[str, list[float]] = {}
+    on = [False]
+
+    def timed(name: str, f: Any) -> Any:
+        @functools.wraps(f)
+        def run(*a: Any, **kw: Any) -> Any:
+            t = time.thread_time()
+            try:
+                return f(*a, **kw)
+            finally:
+                if on[0]:
+                    took.setdefault(name, []).append(time.thread_time() - t)
+        return run
+
+    for mod, path in STAGES:
+        try:
+            owner: Any = importlib.import_module(mod)
+            *outer, attr = path.split(".")
+            for o in outer:
+                owner = getattr(owner, o)
+            setattr(owner, attr, timed(path, getattr(owner, attr)))
+        except (ImportError, AttributeError):
+            continue
+    try:
+        from nbmem.cells import watch
+        watch.REPORT_STEPS = tuple(timed(f"step {f.__name__}", f) for f in watch.REPORT_STEPS)
+        from nbmem.holders import holdings
+        holdings.heap_bytes = timed("heap_bytes", holdings.heap_bytes)  # as holdings calls it
+    except (ImportError, AttributeError):
+        pass
+    sh = new_shell()
+    with Quiet():
+        for src, fails in shape.cells(dev, quick):
+            cell(sh, src, fails=fails)
+        cell(sh, "%load_ext nbmem")
+        cell(sh, "%cudamem on")
+        for _ in range(3):
+            cell(sh, MOVE)
+        on[0] = True
+        whole = []
+        for _ in range(reps):
+            t = time.thread_time()
+            cell(sh, MOVE)
+            whole.append(time.thread_time() - t)
+        on[0] = False
+        cell(sh, "%unload_ext nbmem")
+    label = shape.label.format(n=shape.size(quick))
+    line(f"thread CPU per memory-moving cell, the cell included, {label}",
+         f"{statistics.median(whole) * 1e3:.2f} ms (median, n={reps})")
+    for name, xs in sorted(took.items(), key=lambda kv: -sum(kv[1])):
+        line(f"  stage {name}", f"{sum(xs) / reps * 1e3:.2f} ms per cell ({len(xs) / reps:g} calls per cell)")
+    drop(sh)
+
+
 # -- two checkouts side by side ---------------------------------------------------------------------------
 PROTOCOL = "@@ "  # a child's answers on its stdout start with this; anything else there is the cells' noise
 
@@ -419,16 +498,19 @@ def main() -> int:
     ap.add_argument("--against", metavar="DIR", default="",
                     help="another checkout (e.g. `git worktree add /tmp/old 278038b`): its nbmem and this one's, "
                          "side by side on the memory-moving cell (default shape: encoder; reps default 21)")
+    ap.add_argument("--stages", action="store_true",
+                    help="where this checkout's per-cell cost goes: thread CPU per stage of nbmem's work on the "
+                         "memory-moving cell (default shape: encoder; reps default 40)")
     ap.add_argument("--serve", default="", help=argparse.SUPPRESS)  # a child of --against
     a = ap.parse_args()
     if a.serve:
         serve(BY_KEY[a.serve], a.device, a.quick, a.reps or 7)
         return 0
-    keys = [k for k in a.only.split(",") if k] or (["encoder"] if a.against else list(BY_KEY))
+    keys = [k for k in a.only.split(",") if k] or (["encoder"] if a.against or a.stages else list(BY_KEY))
     unknown = [k for k in keys if k not in BY_KEY]
     if unknown:
         ap.error(f"unknown shape(s) {', '.join(unknown)}; choose from {', '.join(BY_KEY)}")
-    reps = a.reps or (3 if a.quick else 21 if a.against else 7)
+    reps = a.reps or (3 if a.quick else 21 if a.against else 40 if a.stages else 7)
     if a.against and not os.path.isdir(os.path.join(a.against, "nbmem")):
         ap.error(f"--against {a.against}: no nbmem/ there (make one: git worktree add {a.against} 278038b)")
 
@@ -446,7 +528,9 @@ def main() -> int:
     print(json.dumps(env), flush=True)
     print("holder scan cost per cell (with minus without nbmem, medians of interleaved cells)")
     for k in keys:
-        if a.against:
+        if a.stages:
+            stages(BY_KEY[k], a.device, a.quick, reps)
+        elif a.against:
             against(BY_KEY[k], a.device, a.quick, reps, a.against)
         else:
             bench_shape(BY_KEY[k], a.device, a.quick, reps)

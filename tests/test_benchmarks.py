@@ -34,6 +34,15 @@ def test_a_benchmark_runs_and_prints_its_summary(args: list[str]) -> None:
     assert summary and all(": " in s for s in summary), out.stdout[-2000:]
 
 
+def test_the_scan_benchmark_says_where_a_cells_cost_goes_stage_by_stage() -> None:
+    out = subprocess.run([sys.executable, str(BENCH / "bench_scan.py"), "--device", "cpu", "--quick", "--only", "small",
+                          "--stages", "--reps", "3"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    summary = out.stdout.split("=== summary ===")[1]
+    for stage in ("Session.end_cell", "Holdings.close_cell", "Scanner.update", "step holders", "Probe.boundary"):
+        assert f"stage {stage}: " in summary, summary
+
+
 def test_the_fit_replay_runs_on_every_committed_trace_file() -> None:
     """`bench_fit.py --replay` reads every trace file the repository keeps, the remedy and training ones too."""
     traces = sorted(str(p) for p in (BENCH.parent / "tests" / "data").glob("*.json.gz"))

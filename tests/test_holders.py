@@ -210,6 +210,23 @@ def test_a_kept_graph_is_flagged_and_its_saved_tensors_counted():
     assert all(f.graph_bytes == 4 * MB and f.holds_graph and ".item()" in f.hint for f in fs)
 
 
+def test_after_a_truncated_scan_a_kept_loss_is_not_blamed_for_the_model_the_scan_did_not_reach():
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(), torch.nn.Linear(1024, 8))  # 4 MiB
+    loss = model(torch.randn(16, 1024)).sum()  # its graph saves 64 KiB of activations, and holds the weights
+    ns = {"loss": loss, "huge": [[i, str(i)] for i in range(300_000)], "model": model}
+    sc = Scanner(lambda: torch)
+    s = scan(ns, sc, budget_s=0.0)
+    assert s.truncated and "model" in s.unfinished and by_holder(s, "loss")
+    sid = by_holder(s, "loss").sid
+    blamed = sc.graphs([sid], exclude=s.storages)[sid]  # what the graph's bytes were: the model's weights in them
+    weights = {sc.storages.known(p.untyped_storage()) for p in model.parameters()}  # seen by that graph walk
+    assert blamed.nbytes >= 4 * MB
+    g = sc.graphs([sid], exclude=s.storages, truncated=True)[sid]
+    assert weights <= g.named and not weights & set(g.saved) and 0 < g.nbytes < MB
+    full = scan(ns, sc)  # a scan that reaches the model: its weights are named, and the graph's bytes the same
+    assert sc.graphs([sid], exclude=full.storages, truncated=full.truncated)[sid].nbytes == g.nbytes
+
+
 def test_saved_tensor_hooks_do_not_run_while_looking():
     def pack(x):
         return x

@@ -8,7 +8,8 @@ from typing import Any
 
 import pytest
 
-from nbmem.holders import owners
+from nbmem.holders import findings as judge
+from nbmem.holders import grouping, held, owners, scanner
 from nbmem.ipython.root import session_of
 from tests.conftest import ok
 
@@ -66,3 +67,134 @@ def test_a_reused_row_is_the_row_a_fresh_judgement_makes(ip, cell):
     ok(ip, cell)
     ok(ip, "pass")
     assert session_of(ip).findings() == fresh(ip), cell
+
+
+CELLS = [
+    "alias = model[0].weight",
+    "del opt",
+    "model[3].weight.data = torch.zeros(4096, 256)",
+    "model = torch.nn.Sequential(*list(model)[:8])",
+    "bag.append(torch.empty(2**20)); bag2 = bag",
+    "bag.clear()",
+    "x = torch.randn(64, 256)\nloss = model(x).sum()",
+    "out = model(torch.randn(64, 256))",
+    "del bag",
+]
+
+
+@pytest.mark.parametrize("cell", CELLS)
+def test_a_cell_judged_from_the_storages_it_changed_names_what_a_judgement_of_every_storage_names(ip, cell):
+    ok(ip, MODEL)
+    ok(ip, MOVE)
+    h = session_of(ip).holdings
+    prev = h.closed_scan
+    ok(ip, cell)
+    cur = h.closed_scan
+    assert prev is not None and cur is not None and cur is not prev
+    changed = h.scanner.updates.changed(prev, cur)
+    assert changed is not None  # judged from the storages it changed, not from every storage
+    graphs = h.scanner.graphs(judge.graph_candidates(cur, prev), exclude=cur.storages)
+    assert judge.graph_candidates(cur, prev, changed) == judge.graph_candidates(cur, prev)
+    whole = owners.cell_rows(cur, prev, ip.execution_count - 1, graphs=graphs, lines={},
+                             threshold_bytes=session_of(ip).settings.threshold_bytes)
+    got = h.of_cell(ip.execution_count - 1)
+    assert got is not None
+    assert got.owners == whole.owners and got.detail == whole.detail, cell
+
+
+def test_the_scanner_knows_which_records_changed_between_two_of_its_scans_and_says_when_it_does_not(ip):
+    ok(ip, MODEL)
+    h = session_of(ip).holdings
+    scans = [h.closed_scan]
+    ok(ip, "def drop():\n    bag[0] = None")  # frees a storage through a root the cell does not name
+    for cell in [MOVE, MOVE, "drop()", "del opt", "bag.clear()", MOVE, "model[1].weight.data = torch.zeros(256, 256)"]:
+        ok(ip, cell)
+        scans.append(h.closed_scan)
+        h.scanner.storages.forget_dead()  # the storages whose weak references told of their end
+        assert not [s for s, st in h.scanner.storages.states.items() if st.ref() is None], cell
+    for i, prev in enumerate(scans):
+        for cur in scans[i:]:
+            assert prev is not None and cur is not None
+            changed = h.scanner.updates.changed(prev, cur)
+            assert changed is not None
+            differ = {s for s in {*prev.storages, *cur.storages} if prev.storages.get(s) is not cur.storages.get(s)}
+            assert differ <= changed, (differ - changed)
+    old = scans[0]
+    assert old is not None and h.scanner.updates.changed(None, old) is None
+    for _ in range(held.CHANGES_KEPT):
+        ok(ip, MOVE)
+    assert h.scanner.updates.changed(old, h.closed_scan) is None  # older than what the scanner remembers
+    other = scanner.Scanner(lambda: None)
+    assert other.updates.changed(old, old) is None  # another scanner's scans
+
+
+def test_a_cell_that_changes_one_owner_regroups_only_that_owner(ip):
+    ok(ip, MODEL)
+    ok(ip, MOVE)
+    before = dict(session_of(ip).holdings._grouping.of(session_of(ip).holdings.last_scan, None).groups)
+    session_of(ip).findings()
+    ok(ip, MOVE)
+    session_of(ip).findings()
+    h = session_of(ip).holdings
+    after = h._grouping.of(h.last_scan, None).groups
+    assert after["model", "cpu"].members is before["model", "cpu"].members  # the same list: not regrouped
+    assert after["bag", "cpu"].members is not before["bag", "cpu"].members
+    assert len(after["bag", "cpu"].members) == 2
+    assert list(after) == list(grouping.grouped(h.last_scan.storages.values()).groups)
+
+
+def test_a_list_that_grew_keeps_its_old_elements_records_and_only_the_new_one_is_judged(ip):
+    ok(ip, MODEL)
+    ok(ip, MOVE)
+    ok(ip, MOVE)
+    h = session_of(ip).holdings
+    prev = h.closed_scan
+    ok(ip, MOVE)  # walks `bag` again: its two old elements have the same paths, so the same records
+    cur = h.closed_scan
+    assert prev is not None and cur is not None
+    new = set(cur.storages) - set(prev.storages)
+    assert len(new) == 1 and h.scanner.updates.changed(prev, cur) == new
+    assert all(cur.storages[s] is prev.storages[s] for s in prev.storages)
+
+
+def test_a_scan_lists_the_storages_that_hold_graphs_in_its_own_order(ip):
+    ok(ip, MODEL)
+    h = session_of(ip).holdings
+    for cell in ["loss = model(torch.randn(64, 256)).sum()", "out = model(torch.randn(64, 256))", MOVE,
+                 "bag.append(model(torch.randn(4096, 256)))", "del loss", "loss = out.sum()", "del out"]:
+        ok(ip, cell)
+        cur = h.closed_scan
+        assert cur is not None and cur.graph_holders is not None
+        assert list(cur.graph_holders) == [s for s, x in cur.storages.items() if x.holds_graph], cell
+    assert cur.graph_holders, "no graph was kept: the test shows nothing"
+
+
+def test_kept_graphs_read_again_only_when_what_they_read_changed_give_the_rows_a_fresh_judgement_gives(ip):
+    ok(ip, MODEL)
+    ok(ip, "xs = [torch.randn(64, 256) for _ in range(4)]\nlosses = [model(x).sum() for x in xs]\n"
+           "outs = [model(torch.randn(64, 256)) for _ in range(3)]")
+    session_of(ip).findings()
+    h = session_of(ip).holdings
+    walks = []
+    real = h.scanner.graphs
+
+    def counting(sids: Any, **kw: Any) -> Any:
+        walks.append(list(sids))
+        return real(sids, **kw)
+
+    h.scanner.graphs = counting
+    for cell in [MOVE, MOVE, "del xs", "kept = outs[0]", "del outs[1]", "x = torch.ones(4)", MOVE,
+                 "losses.append(model(torch.randn(8, 256)).sum())", "h0 = losses[0].grad_fn", "del losses[2]",
+                 "del kept", "losses[0].backward()"]:
+        ok(ip, cell)
+        walks.clear()
+        rows = session_of(ip).findings()
+        if cell == MOVE:
+            assert not walks, "a cell that added a tensor beside the kept graphs read them all again"
+        assert rows == fresh(ip), cell
+        cur = h.last_scan
+        assert cur is not None
+        whole = dict(cur.totals)  # the bytes found, the graphs' worked out from nothing
+        for dev, n in h.scanner.storages.graph_totals(cur).items():
+            whole[dev] = whole.get(dev, 0) + n
+        assert h.tensor_bytes(cur) == whole, cell

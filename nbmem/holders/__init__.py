@@ -3,10 +3,11 @@
 ``reach`` holds the hostile-object rules (no ``__getattr__``, ``__len__``, ``__iter__``, ``__eq__``,
 ``__hash__``, ``__repr__`` or property of a user object ever runs); ``walk`` goes from the notebook's roots to
 every live tensor; ``naming`` turns steps into paths a user can type; ``scanner`` and ``graphs`` remember storages
-and the autograd graphs that save them; ``findings`` judges a row per storage and ``owners`` groups them by the
-name the user typed; ``intent`` tells the state a cell meant to keep from a leak, ``freeing`` what must go for a
-row to be freed; ``pools`` names CUDA-graph pools; ``holdings`` decides when to scan and keeps each cell's rows;
-``hostheld`` finds the biggest holders of host memory for the flight recorder.
+(``held``: their records) and the autograd graphs that save them; ``findings`` judges a row per storage and
+``owners`` groups them by the name the user typed (``grouping`` keeps a scan's groups from cell to cell);
+``intent`` tells the state a cell meant to keep from a leak, ``freeing`` what must go for a row to be freed;
+``pools`` names CUDA-graph pools; ``holdings`` decides when to scan and keeps each cell's rows; ``hostheld``
+finds the biggest holders of host memory for the flight recorder.
 
 May import: ``nbmem.measure``, ``nbmem.trace``, ``nbmem.records``, ``nbmem.reports``, ``nbmem.formatting``,
 ``nbmem.options``. A new holder kind is one entry in ``nbmem.records.HOLDER_KINDS`` (its rank, cleanup and words)

@@ -8,7 +8,7 @@ graph several findings keep alive is named under each of them. ``owners`` groups
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 
 from nbmem.formatting import fmt_bytes
@@ -188,7 +188,8 @@ class Changes:
     gained: dict[int, list[str]]  # storage id -> output-history names it gained (``Out[5]``, ``_5``)
 
 
-def changes(cur: Scan, prev: Scan | None, *, threshold_bytes: int, graphs: Mapping[int, Graph]) -> Changes:
+def changes(cur: Scan, prev: Scan | None, *, threshold_bytes: int, graphs: Mapping[int, Graph],
+            changed: Collection[int] | None = None) -> Changes:
     """What a cell changed: new storages; memory whose variable was deleted while something else keeps it;
     memory the output history now also keeps (``x`` displayed: ``del x`` alone no longer frees it).
 
@@ -198,14 +199,24 @@ def changes(cur: Scan, prev: Scan | None, *, threshold_bytes: int, graphs: Mappi
     new name for memory that was already there (a loop variable bound to the last batch): it adds
     nothing. A variable that reached the memory only through an object another name still holds (an
     iterator over a dataset still named) kept nothing of its own: losing it is not news either.
+
+    ``changed``, when known (``Scanner.changed``): the storages whose records differ between the two scans;
+    the others are the same records, so only these are looked at (a model's thousands are not, issue 38).
     """
     prev_storages = prev.storages if prev is not None else {}
+    looked = _looked(cur.storages, changed)
+    # What was under a new storage's paths and is gone now (what it may have replaced): a path names one object
+    # in a scan, and a storage gone since ``prev`` is one whose record changed, so only those are looked up.
+    new_paths = {p for sid, h in looked if sid not in prev_storages for p in h.holders}
     prev_at: dict[str, Held] = {}
-    for h in prev_storages.values():
-        for p in h.holders:
-            prev_at.setdefault(p, h)
+    gone = (prev_storages.values() if changed is None else
+            (prev_storages[sid] for sid in changed if sid in prev_storages and sid not in cur.storages))
+    for r in gone if new_paths else ():
+        for p in r.holders:
+            if p in new_paths:
+                prev_at.setdefault(p, r)
     out = Changes([], {}, {})
-    for sid, h in cur.storages.items():
+    for sid, h in looked:
         before = prev_storages.get(sid)
         if before is h:
             continue  # a storage nobody re-walked: the same record, nothing new
@@ -256,11 +267,18 @@ def _through_kept(lost: str, kept: Sequence[str]) -> bool:
     return False
 
 
-def graph_candidates(cur: Scan, prev: Scan | None) -> list[int]:
-    """Storages whose graphs a cell's findings may need: new ones, and those whose holders changed."""
+def _looked(storages: Mapping[int, Held], changed: Collection[int] | None) -> list[tuple[int, Held]]:
+    """The records to look at, oldest storage first (a cell's rows come out in one order however they were
+    found): those of ``changed`` still in ``storages``, or every one when that is not known."""
+    return [(sid, storages[sid]) for sid in sorted(storages if changed is None else changed) if sid in storages]
+
+
+def graph_candidates(cur: Scan, prev: Scan | None, changed: Collection[int] | None = None) -> list[int]:
+    """Storages whose graphs a cell's findings may need: new ones, and those whose holders changed.
+    ``changed``: as for ``changes``."""
     prev_storages = prev.storages if prev is not None else {}
     out = []
-    for sid, h in cur.storages.items():
+    for sid, h in _looked(cur.storages, changed):
         before = prev_storages.get(sid)
         if h.holds_graph and before is not h and (before is None or before.roots != h.roots):
             out.append(sid)

@@ -34,11 +34,13 @@ class Needs:
 class Keepers:
     """For one scan: which tensors' graphs save each storage."""
 
-    def __init__(self, storages: Mapping[int, Held], graphs: Mapping[int, Graph]) -> None:
+    def __init__(self, storages: Mapping[int, Held], graphs: Mapping[int, Graph],
+                 saved_in: dict[int, list[int]] | None = None) -> None:
+        """``saved_in``: the index below, as it was made from these very graphs before (it is kept between cells)."""
         self.storages = storages
         self.graphs = graphs
-        self.saved_in: dict[int, list[int]] = {}
-        for holder, g in graphs.items():
+        self.saved_in: dict[int, list[int]] = {} if saved_in is None else saved_in
+        for holder, g in graphs.items() if saved_in is None else ():
             for s in (*g.saved, *g.named):
                 self.saved_in.setdefault(s, []).append(holder)
 

@@ -41,6 +41,7 @@ class GraphState:
 
     tensor: weakref.ref[Any]  # the tensor whose grad_fn was walked
     saved: dict[int, tuple[str, int]]  # storage id -> (device, bytes)
+    leaves: frozenset[int] = frozenset()  # those reached as a leaf's gradient sink (a parameter), not saved
 
 
 #: Gives the scanner's id for a storage object: (storage, device, bytes, first cell) -> id.
@@ -56,6 +57,7 @@ def walk_graph(torch: Any, t: Any, sid: int, first_cell: int, sid_of: SidOf,
         return None
     nodes: set[int] = set()
     saved: dict[int, tuple[str, int]] = {}
+    leaves: set[int] = set()
     keep: list[Any] = []  # every node and saved tensor stays alive until the walk ends: ids stay unique
     names: dict[int, tuple[str, ...]] = {}
     stack = [fn]
@@ -67,7 +69,7 @@ def walk_graph(torch: Any, t: Any, sid: int, first_cell: int, sid_of: SidOf,
         keep.append(node)
         if deadline is not None and not len(nodes) & 255 and time.perf_counter() > deadline:
             break
-        for x in _saved(node, names, keep):
+        for x, leaf in _saved(node, names, keep):
             try:
                 s = TB.untyped_storage(x)
                 n = int(s.nbytes())
@@ -82,21 +84,24 @@ def walk_graph(torch: Any, t: Any, sid: int, first_cell: int, sid_of: SidOf,
             g = sid_of(s, dev, n, first_cell)
             if g != sid:
                 saved[g] = (dev, n)
+                if leaf:
+                    leaves.add(g)
         try:
             nxt = node.next_functions
         except Exception:
             continue
         stack.extend(n for n, _ in nxt if n is not None)
-    return GraphState(weakref.ref(t), saved)
+    return GraphState(weakref.ref(t), saved, frozenset(leaves))
 
 
-def _saved(node: Any, names: dict[int, tuple[str, ...]], keep: list[Any]) -> list[Any]:
-    """A node's saved tensors; autograd nodes are torch's C++ objects, not the user's."""
+def _saved(node: Any, names: dict[int, tuple[str, ...]], keep: list[Any]) -> list[tuple[Any, bool]]:
+    """A node's saved tensors, each with whether it is a leaf its gradient sink holds; autograd nodes are torch's
+    C++ objects, not the user's."""
     t = type(node)
     attrs = names.get(id(t))
     if attrs is None:
         attrs = names[id(t)] = tuple(a for a in dir(t) if a.startswith("_raw_saved_"))
-    out: list[Any] = []
+    out: list[tuple[Any, bool]] = []
     for a in attrs:
         try:
             raw = getattr(node, a)
@@ -108,7 +113,7 @@ def _saved(node: Any, names: dict[int, tuple[str, ...]], keep: list[Any]) -> lis
             except Exception:
                 continue
             keep.append(x)
-            out.append(x)
+            out.append((x, False))
     if attrs == () and t.__name__ == "AccumulateGrad":
         # A leaf's gradient sink holds the leaf itself (a parameter): the graph keeps it alive as surely as a
         # saved tensor, so `del model` frees nothing while a loss that used it is kept.
@@ -117,7 +122,7 @@ def _saved(node: Any, names: dict[int, tuple[str, ...]], keep: list[Any]) -> lis
         except Exception:
             return out
         keep.append(x)
-        out.append(x)
+        out.append((x, True))
     return out
 
 

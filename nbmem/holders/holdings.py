@@ -11,13 +11,16 @@ from __future__ import annotations
 import gc
 import time
 from collections import deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
 from nbmem.formatting import fmt_bytes
 from nbmem.holders import findings as judge
 from nbmem.holders import owners, pools
+from nbmem.holders.freeing import Keepers
+from nbmem.holders.graphs import Graph
+from nbmem.holders.grouping import Grouping
 from nbmem.holders.scanner import Scan, Scanner
 from nbmem.measure.host import heap_bytes
 from nbmem.measure.sources import Probe
@@ -61,7 +64,9 @@ class Holdings:
         self._cells: deque[int] = deque()
         self._totals_cache: list[tuple[Scan, dict[str, int]]] = []
         self._finding_cache: dict[int, Any] = {}
-        self._row_cache: owners.RowCache = {}
+        self._row_cache = owners.RowCache()
+        self._grouping = Grouping()  # the latest scan looked at whole, by owner
+        self._graphs: tuple[Any, ...] | None = None  # what the last graphs of everything held now were read from
         self._current = owners.Rows((), ())
         self._current_of: Scan | None = None  # the scan _current was computed from
         self.scanned_at: float | None = None  # epoch seconds of the latest scan (the gauge says how old it is)
@@ -147,7 +152,7 @@ class Holdings:
             if s is scan:
                 return totals
         out = dict(scan.totals)
-        for dev, n in self.scanner.graph_totals(scan.storages).items():
+        for dev, n in self.scanner.storages.graph_totals(scan, self.scanner.updates).items():
             out[dev] = out.get(dev, 0) + n
         self._totals_cache = [*self._totals_cache[-1:], (scan, out)]
         return out
@@ -163,10 +168,13 @@ class Holdings:
         changed = cur is not prev  # the same scan object: nothing could have changed, nothing to redo
         if changed:
             s = self.settings
-            graphs = self.scanner.graphs(judge.graph_candidates(cur, prev), exclude=cur.storages,
-                                         budget_s=s.scan_budget_s)
+            touched = self.scanner.updates.changed(prev, cur)
+            graphs = self.scanner.graphs(judge.graph_candidates(cur, prev, touched), exclude=cur.storages,
+                                         budget_s=s.scan_budget_s, truncated=cur.truncated)
+            had = ({o for o, _d in self._grouping.of(prev, None).groups}
+                   if prev is not None and self._grouping.scan is prev else None)
             found = owners.cell_rows(cur, prev, cell, threshold_bytes=s.threshold_bytes, graphs=graphs,
-                                     lines=_alloc_lines(cur, replays))
+                                     lines=_alloc_lines(cur, replays, touched), changed=touched, owners_before=had)
             self._current_of = None  # everything held now: computed when someone looks
         self._remember(cell, found)
         return cur, found, changed
@@ -184,21 +192,23 @@ class Holdings:
         # (a gradient, a swapped storage), and at last every other root.
         for walk in ("invalid", "rest"):
             left = budget - (time.perf_counter() - t0)
-            if left <= 0 or cur.truncated or not self._unexplained(base, before, after, cur):
+            if left <= 0 or cur.truncated or not self._unexplained(base, before, after, cur, mark[1]):
                 break
             cur = self.rescan(cell=cell, walk=walk, budget_s=left, mark=mark)
         return cur
 
-    def _unexplained(self, base: Baseline, before: Boundary, after: Boundary, cur: Scan) -> bool:
+    def _unexplained(self, base: Baseline, before: Boundary, after: Boundary, cur: Scan, h1: int | None) -> bool:
         """Whether memory grew by at least the threshold more than the storages the scan found.
 
         CUDA's allocator says exactly what was allocated. The CPU has no such counter: the C heap is a
         proxy that also grows for non-tensor data, so it counts only while young tensors that no walked
         root reaches are alive, or when a collection promoted the cell's objects out of the young
-        generations (then they cannot be checked).
+        generations (then they cannot be checked). ``h1`` is the C heap as the cell left it (read once, when
+        the cell closed: reading it walks every arena, and what the scan itself allocated is not the cell's).
         """
         t = self.settings.threshold_bytes
-        self.scanner.graphs(judge.graph_candidates(cur, base.scan), exclude=cur.storages)
+        self.scanner.graphs(judge.graph_candidates(cur, base.scan, self.scanner.updates.changed(base.scan, cur)),
+                            exclude=cur.storages)
         now = self.tensor_bytes(cur)
         then = base.tensor_bytes or {}
 
@@ -209,7 +219,6 @@ class Holdings:
             a0 = before.allocator.get(dev)
             if a1 is not None and a1.allocated_bytes - (a0.allocated_bytes if a0 else 0) - found(dev) >= t:
                 return True
-        h1 = heap_bytes() if heap_bytes else None
         if h1 is None or base.heap_bytes is None or h1 - base.heap_bytes - found("cpu") < t:
             return False
         if collections() != base.gen_collections:
@@ -263,12 +272,39 @@ class Holdings:
             return owners.Rows((), ())
         if self._current_of is not cur:
             s = self.settings
-            graphs = self.scanner.graphs([sid for sid, h in cur.storages.items() if h.holds_graph],
-                                         exclude=cur.storages, budget_s=s.scan_budget_s)
+            graphs, keepers = self._graphs_now(cur)
+            by_owner = self._grouping.of(cur, self.scanner.updates.changed(self._grouping.scan, cur))
             self._current = owners.current_rows(cur, threshold_bytes=s.threshold_bytes, graphs=graphs,
-                                                cache=self._finding_cache, row_cache=self._row_cache)
+                                                cache=self._finding_cache, row_cache=self._row_cache,
+                                                by_owner=by_owner, keepers=keepers)
             self._current_of = cur
         return self._current
+
+    def _graphs_now(self, cur: Scan) -> tuple[dict[int, Graph], Keepers]:
+        """The graphs of ``cur``'s storages that hold one, and which of them save each storage. Those of the last
+        call are kept while nothing they read changed (issue 38): the same storages hold graphs, each the graph
+        walked before and still its tensor's, no storage ended, and none of those they save was named or
+        unnamed since (a kept list of losses is not walked again each cell)."""
+        holders = cur.holding_graphs()
+        states = [self.scanner.storages.states.get(sid) for sid in holders]
+        walked = [st.graph if st is not None else None for st in states]
+        same = self._graphs is not None and self._graphs[1:5] == (holders, cur.truncated, self.scanner.storages.ends(),
+                                                                  walked)
+        if same and self._graphs is not None:
+            changed = self.scanner.updates.changed(self._graphs[0], cur)
+            if (changed is not None and self._graphs[5].isdisjoint(changed) and all(
+                    st is not None and st.graph is not None and st.graph_tensor is not None
+                    and _same_tensor(st.graph.tensor(), st.graph_tensor()) for st in states)):
+                self._graphs = (cur, *self._graphs[1:])
+                return self._graphs[6], Keepers(cur.storages, self._graphs[6], self._graphs[7])
+        graphs = self.scanner.graphs(holders, exclude=cur.storages, budget_s=self.settings.scan_budget_s,
+                                     truncated=cur.truncated)
+        keepers = Keepers(cur.storages, graphs)
+        walked = [st.graph if st is not None else None for st in states]  # as the walk left them
+        saved = frozenset(g for gs in walked if gs is not None for g in gs.saved)
+        self._graphs = (cur, holders, cur.truncated, self.scanner.storages.ends(), walked, saved, graphs,
+                        keepers.saved_in)
+        return graphs, keepers
 
     def note(self) -> str:
         """What to say where no owner is listed: nothing passed the threshold, or why that is not known."""
@@ -305,12 +341,20 @@ class Holdings:
         self._current_of = None
 
 
-def _alloc_lines(cur: Scan, replays: Mapping[str, Replay]) -> dict[int, int]:
-    """Storage id -> the cell line that allocated it, where a trace with lines tells (GPU)."""
+def _same_tensor(a: Any, b: Any) -> bool:
+    """Whether two weak references' referents are one live tensor (by identity: a tensor is never asked)."""
+    return a is not None and a is b
+
+
+def _alloc_lines(cur: Scan, replays: Mapping[str, Replay], changed: Collection[int] | None = None) -> dict[int, int]:
+    """Storage id -> the cell line that allocated it, where a trace with lines tells (GPU). ``changed``: the
+    storages whose records the cell changed, when known (one it allocated is new, so among them)."""
     if not replays:
         return {}
     out = {}
-    for sid, h in cur.storages.items():
+    sids = cur.storages if changed is None else [s for s in changed if s in cur.storages]
+    for sid in sids:
+        h = cur.storages[sid]
         rp = replays.get(h.device)
         line = rp.alloc_line.get(h.addr) if rp is not None else None
         if line is not None:

@@ -14,7 +14,7 @@ of 2 MiB. The per-storage rows (``findings``) stay available as each owner's mem
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
@@ -24,6 +24,7 @@ from nbmem.holders import findings as judge
 from nbmem.holders.freeing import Keepers, Needs
 from nbmem.holders.graphs import Graph
 from nbmem.holders.graphs import sharing as graph_sharing
+from nbmem.holders.grouping import Grouped, Key, grouped
 from nbmem.holders.naming import MAX_HOLDERS, container, owner_of
 from nbmem.holders.scanner import Held, Scan
 from nbmem.holders.walk import ROLE_GRAD, ROLE_OPTIM, ROLE_PARAM
@@ -53,14 +54,22 @@ class Rows:
 
 
 def cell_rows(cur: Scan, prev: Scan | None, cell: int, *, threshold_bytes: int, graphs: Mapping[int, Graph],
-              lines: Mapping[int, int]) -> Rows:
-    """What ``cell`` added: its owners over the threshold, and the per-storage rows behind them."""
-    c = judge.changes(cur, prev, threshold_bytes=threshold_bytes, graphs=graphs)
+              lines: Mapping[int, int], changed: Collection[int] | None = None,
+              owners_before: Collection[str] | None = None) -> Rows:
+    """What ``cell`` added: its owners over the threshold, and the per-storage rows behind them. ``changed``:
+    the storages whose records differ between ``prev`` and ``cur`` (``Scanner.changed``), when known;
+    ``owners_before``: the owners ``prev`` held memory under, when known (both spare a pass over every storage)."""
+    c = judge.changes(cur, prev, threshold_bytes=threshold_bytes, graphs=graphs, changed=changed)
     before = prev.storages if prev is not None else {}
-    grown = frozenset(h.owner for h in before.values())
+    grown: set[str] = set(owners_before) if owners_before is not None else set()
+
+    def added(owner: str, members: Sequence[Held]) -> bool:
+        if not grown:  # the owners that held memory before: worked out only if a row asks
+            grown.update(h.owner for h in before.values())
+        return owner in grown and not any(h.sid in before for h in members)
+
     rows, total = group(c.candidates, lambda _hs: cell, threshold_bytes=threshold_bytes, graphs=graphs,
-                        types=cur.root_types, lost=c.lost, gained=c.gained, lines=lines,
-                        added=lambda o, hs: o in grown and not any(h.sid in before for h in hs),
+                        types=cur.root_types, lost=c.lost, gained=c.gained, lines=lines, added=added,
                         keepers=Keepers(cur.storages, graphs), states=cur.root_state)
     detail = detail_rows(rows, c.candidates, lambda _hs: cell, threshold_bytes=threshold_bytes, graphs=graphs,
                          lost=c.lost, gained=c.gained)
@@ -68,15 +77,19 @@ def cell_rows(cur: Scan, prev: Scan | None, cell: int, *, threshold_bytes: int, 
 
 
 def current_rows(cur: Scan, *, threshold_bytes: int, graphs: Mapping[int, Graph],
-                 cache: dict[int, Any] | None = None, row_cache: RowCache | None = None) -> Rows:
+                 cache: dict[int, Any] | None = None, row_cache: RowCache | None = None,
+                 by_owner: Grouped | None = None, keepers: Keepers | None = None) -> Rows:
     """Everything held now, each owner with the cell its memory first appeared in. ``row_cache`` keeps each
-    owner's row between calls, reused while its members are the same records (issue 38)."""
-    held = list(cur.storages.values())
-    rows, total = group(held, lambda hs: min(h.first_cell for h in hs), threshold_bytes=threshold_bytes,
-                        graphs=graphs, types=cur.root_types, keepers=Keepers(cur.storages, graphs),
+    owner's row between calls, reused while its members are the same records; ``by_owner``: ``cur``'s storages
+    already grouped (``grouping.Grouping``), so that a cell that changed one owner regroups only it (issue 38);
+    ``keepers``: which graphs save each storage, made from these graphs."""
+    rows, total = group(by_owner if by_owner is not None else list(cur.storages.values()),
+                        lambda hs: min(h.first_cell for h in hs), threshold_bytes=threshold_bytes,
+                        graphs=graphs, types=cur.root_types,
+                        keepers=keepers if keepers is not None else Keepers(cur.storages, graphs),
                         states=cur.root_state, row_cache=row_cache)
     # Worked out only when asked for (``leaks(detail=True)``); what it reads is the scan the session keeps anyway.
-    return Rows(rows, lambda: detail_rows(rows, held, lambda hs: min(h.first_cell for h in hs),
+    return Rows(rows, lambda: detail_rows(rows, list(cur.storages.values()), lambda hs: min(h.first_cell for h in hs),
                                           threshold_bytes=threshold_bytes, graphs=graphs, cache=cache), total)
 
 
@@ -116,9 +129,48 @@ def detail_rows(rows: Sequence[Finding], held: Sequence[Held], cell_of: Callable
     return out
 
 
-#: (owner, device) -> the row's inputs (its members, kept so that their ids stay theirs; its graphs' saved
-#: storages; the owner's type; every graph of the scan, as a hint reads them) and the row made from them.
-RowCache = dict[tuple[str, str], tuple[tuple[list[Held], frozenset[int], dict[int, int], str, Any], Finding]]
+class RowCache(dict[tuple[str, str], tuple[tuple[list[Held], dict[int, int], str, Any], Finding]]):
+    """(owner, device) -> the row's inputs (its members, kept so that their ids stay theirs; its graphs' saved
+    storages; the owner's type; every graph of the scan, as a hint reads them) and the row made from them. And
+    which rows share graphs, with the saved storages of each row it was worked out from (a kept list of losses
+    and its outputs share thousands: worked out again only when those change)."""
+
+    shared: tuple[dict[int, set[int]], dict[int, list[int]]] | None = None
+    graph_reads: tuple[Any, ...] | None = None  # (graphs, their holders' records, what ``_graph_reads`` gave)
+    sets: dict[int, tuple[dict[int, int], set[int]]] | None = None  # id of a kept saved dict -> it, its keys
+
+    def set_of(self, saved: dict[int, int]) -> set[int]:
+        """The keys of a saved dict ``_graph_reads`` made, as a set, made once while the dict is kept."""
+        if self.sets is None:
+            self.sets = {}
+        hit = self.sets.get(id(saved))
+        if hit is None or hit[0] is not saved:
+            hit = self.sets[id(saved)] = (saved, set(saved))
+        return hit[1]
+
+
+def _graph_reads(graphs: Mapping[int, Graph], by: Grouped, keepers: Keepers | None, kept: RowCache | None
+                 ) -> tuple[Any, dict[Key, dict[int, int]]]:
+    """What a hint reads beyond a row's own members (every graph, what it saves, and its holder's paths: by value,
+    an id of a record the cache does not keep could be a new record's at the same address), and the graph
+    storages each owner's members keep. ``kept``: where both are kept, while the graphs and their holders'
+    records are the very same objects (a kept list of losses is not read again each cell)."""
+    paths = keepers.storages if keepers is not None else {}
+    records = [(by.storages.get(sid), paths.get(sid)) for sid in graphs]
+    was = kept.graph_reads if kept is not None else None
+    if (was is not None and was[0] is graphs and len(was[1]) == len(records)
+            and all(a is c and b is d for (a, b), (c, d) in zip(was[1], records))):
+        return was[2], was[3]
+    saved_of: dict[Key, dict[int, int]] = {}
+    for g, (h, _p) in zip(graphs.values(), records):
+        if h is not None:
+            saved_of.setdefault((h.owner, h.device), {}).update(g.saved)
+    if kept is None:
+        return None, saved_of
+    key = frozenset((sid, frozenset(g.saved), g.named, _paths_of(p))
+                    for (sid, g), (_h, p) in zip(graphs.items(), records))
+    kept.graph_reads, kept.sets = (graphs, records, key, saved_of), None
+    return key, saved_of
 
 
 def _paths_of(h: Held | None) -> tuple[Any, ...]:
@@ -126,42 +178,40 @@ def _paths_of(h: Held | None) -> tuple[Any, ...]:
     return () if h is None else (h.holders, h.holder_kinds, h.reached_from, h.reached_kinds)
 
 
-def group(held: Sequence[Held], cell_of: Any, *, threshold_bytes: int, graphs: Mapping[int, Graph],
+def _same_records(a: list[Held], b: list[Held]) -> bool:
+    """Whether two member lists hold the very same records: the same list (a ``Grouping`` makes a new one
+    whenever a member changes), or the same objects (``a`` is kept alive by the cache, so its ids are its own)."""
+    return a is b or (len(a) == len(b) and frozenset(map(id, a)) == frozenset(map(id, b)))
+
+
+def group(held: Sequence[Held] | Grouped, cell_of: Any, *, threshold_bytes: int, graphs: Mapping[int, Graph],
           types: Mapping[str, str], lost: Mapping[int, Sequence[str]] | None = None,
           gained: Mapping[int, Sequence[str]] | None = None, lines: Mapping[int, int] | None = None,
           added: Callable[[str, Sequence[Held]], bool] | None = None, keepers: Keepers | None = None,
           states: Mapping[str, str] | None = None,
           row_cache: RowCache | None = None) -> tuple[tuple[Finding, ...], int]:
     """One row per (owner, device) whose storages and graphs together reach the threshold, largest first,
-    and their bytes together (a graph several rows keep, once). ``added(owner, members)``: whether the
+    and their bytes together (a graph several rows keep, once). ``held``: the storages, or the same already
+    grouped (``grouping.Grouping`` keeps a scan's groups between cells). ``added(owner, members)``: whether the
     members are new under an owner that held memory before (the words then say "new"); ``keepers``: every
     holder of the scan, so that hints say what else must go; ``states``: the roots that are state.
     ``row_cache`` (only without ``lost``, ``gained``, ``lines``, ``added``): a row whose members are the very
     same records as last time (the scanner makes a new ``Held`` for every storage whose paths changed), with
     the same graphs, type and every graph's saved tensors (what a hint's "what else must go" reads), is the
     same row; a model's thousands of members are not judged again each cell."""
-    by_owner: dict[tuple[str, str], list[Held]] = {}
-    # What a hint reads beyond a row's own members: every graph, what it saves, and its holder's paths (by value:
-    # an id of a record the cache does not keep could be a new record's at the same address).
-    graph_key = (frozenset((h, frozenset(g.saved), g.named, _paths_of(keepers.storages.get(h) if keepers is not None
-                                                                      else None))
-                           for h, g in graphs.items()) if row_cache is not None else None)
-    for h in held:
-        by_owner.setdefault((h.owner, h.device), []).append(h)
+    by = held if isinstance(held, Grouped) else grouped(held)
+    graph_key, saved_of = _graph_reads(graphs, by, keepers, row_cache)
     rows: list[Finding] = []
     saved_by: dict[int, set[int]] = {}  # row -> the graph storages it keeps
-    for (owner, device), members in by_owner.items():
-        saved: dict[int, int] = {}
-        for h in members:
-            g = graphs.get(h.sid)
-            if g is not None:
-                saved.update(g.saved)
-        storage = sum(h.nbytes for h in members)
-        if storage + sum(saved.values()) < threshold_bytes:
+    sizes: dict[int, int] = {}  # those storages' bytes
+    for (owner, device), grp in by.groups.items():
+        members = grp.members
+        saved = saved_of.get((owner, device), {})
+        if grp.nbytes + sum(saved.values()) < threshold_bytes:
             continue
-        inputs = (members, frozenset(map(id, members)), saved, types.get(owner, ""), graph_key)
+        inputs = (members, saved, types.get(owner, ""), graph_key)
         was = row_cache.get((owner, device)) if row_cache is not None else None
-        if was is not None and was[0][1:] == inputs[1:]:
+        if was is not None and was[0][1:] == inputs[1:] and _same_records(was[0][0], members):
             row = was[1]
         else:
             row = _row(owner, device, members, saved, cell_of(members), graphs, types, lost or {}, gained or {},
@@ -175,20 +225,14 @@ def group(held: Sequence[Held], cell_of: Any, *, threshold_bytes: int, graphs: M
             kept = [n for n in row.roots if n in states]
             row = replace(row, roots=tuple(n for n in row.roots if n not in states),
                           hint=f"{row.hint} (`{'`, `'.join(kept)}`: the cell's state, which `--last-report` keeps)")
-        saved_by[len(rows)] = set(saved)
+        saved_by[len(rows)] = row_cache.set_of(saved) if row_cache is not None else set(saved)
+        sizes.update(saved)
         rows.append(row)
     if row_cache is not None:
-        for key in [k for k in row_cache if k not in by_owner]:
+        for key in [k for k in row_cache if k not in by.groups]:
             del row_cache[key]
-    _mark_shared(rows, saved_by)
-    every: dict[int, int] = {}
-    for (_o, _d), members in by_owner.items():
-        for h in members:
-            g = graphs.get(h.sid)
-            if g is not None:
-                every.update(g.saved)
-    union = {s for saved in saved_by.values() for s in saved}
-    total = sum(r.storage_bytes for r in rows) + sum(every[s] for s in union)
+    _mark_shared(rows, saved_by, row_cache)
+    total = sum(r.storage_bytes for r in rows) + sum(sizes.values())
     order = sorted(range(len(rows)), key=lambda i: -rows[i].bytes)
     return tuple(rows[i] for i in order), total
 
@@ -439,9 +483,15 @@ def tensor_words(h: Held) -> str:
     return shape
 
 
-def _mark_shared(rows: list[Finding], saved_by: Mapping[int, set[int]]) -> None:
-    """A graph whose saved tensors several owners keep alive is named under each of them."""
-    shared = graph_sharing(saved_by)
+def _mark_shared(rows: list[Finding], saved_by: dict[int, set[int]], kept: RowCache | None = None) -> None:
+    """A graph whose saved tensors several owners keep alive is named under each of them. ``kept``: where the
+    last sharing worked out is kept, reused for the same rows' same saved storages."""
+    if kept is not None and kept.shared is not None and kept.shared[0] == saved_by:
+        shared = kept.shared[1]
+    else:
+        shared = graph_sharing(saved_by)
+        if kept is not None:
+            kept.shared = (saved_by, shared)
     for i, others in shared.items():
         names = tuple(rows[j].name for j in others)[:MAX_HOLDERS]
         rows[i] = replace(rows[i], graph_shared_with=names)

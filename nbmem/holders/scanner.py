@@ -12,80 +12,23 @@ scan keeps no strong reference to a user object once it returns.
 
 from __future__ import annotations
 
+import functools
 import gc
 import time
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from itertools import compress
 from typing import Any
 
 from nbmem.holders import intent, reach
 from nbmem.holders.graphs import Graph, GraphState, walk_graph
-from nbmem.holders.naming import MAX_HOLDERS, PathBuilder, container, container_first, owner_of, ranker
+from nbmem.holders.held import Held, Records, Scan, Updates
+from nbmem.holders.naming import MAX_HOLDERS, PathBuilder, container, container_first, ranker
 from nbmem.holders.walk import ROLE_PARAM, Root, Walk
 from nbmem.records import HolderKind, block_bytes, root_name
-
-
-@dataclass(frozen=True, slots=True)
-class Held:
-    """One live storage and the paths that reach it, best first."""
-
-    sid: int  # the scanner's identity for the storage object
-    device: str
-    nbytes: int  # what the allocator counts: 512-byte blocks on CUDA
-    holders: tuple[str, ...]
-    holder_kinds: tuple[HolderKind, ...]  # the kind of each holder path
-    kind: HolderKind
-    holds_graph: bool
-    span_bytes: int  # the largest holder tensor's own size; less than nbytes for a view
-    roles: frozenset[str] = frozenset()
-    first_cell: int = 0
-    addr: int = 0  # the storage's data pointer when first seen (CUDA: matches the allocator's trace)
-    container: str = ""  # the first holder without its last step: where a group of small tensors lives
-    reached_from: tuple[str, ...] = ()  # every root with a path to it, the owner (the best path's root) first
-    reached_kinds: tuple[HolderKind, ...] = ()  # the kind of each of those roots
-    elements: int = 0  # elements of its largest tensor
-    trainable: bool = False  # its tensor requires grad (a parameter being trained)
-    shape: tuple[int, ...] = ()  # its largest tensor's shape and dtype, for words ("float32 [4096, 1024]")
-    dtype: str = ""
-
-    @property
-    def name(self) -> str:
-        return self.holders[0] if self.holders else "?"
-
-    @property
-    def owner(self) -> str:
-        """The name a user typed that reaches it best: a variable, ``Out[4]``, a module attribute, or the
-        frame of the last exception (``<traceback f>``: its locals are one owner)."""
-        return owner_of(self.reached_from[0] if self.reached_from else self.name)
-
-    @property
-    def roots(self) -> frozenset[str]:
-        """Every root name that reaches it: from all its paths, not only the few kept as holders (a model
-        also reached through a trainer's many paths is still the model's)."""
-        return frozenset(root_name(p) for p in (*self.holders, *self.reached_from))
-
-
-@dataclass(frozen=True)
-class Scan:
-    """The state of the notebook at one moment: live storages by id, with totals per device."""
-
-    storages: Mapping[int, Held]
-    totals: Mapping[str, int]
-    objects: int = 0
-    seconds: float = 0.0
-    walked: tuple[str, ...] = ()  # roots walked this time (the rest came from the cache)
-    unfinished: tuple[str, ...] = ()  # roots the time budget stopped
-    errors: int = 0  # objects skipped because reading them failed
-    error_types: tuple[str, ...] = ()
-    root_types: Mapping[str, str] = field(default_factory=dict)  # root path -> its object's type name
-    root_state: Mapping[str, str] = field(default_factory=dict)  # root path -> what state it is ("model", ...)
-
-    @property
-    def truncated(self) -> bool:
-        return bool(self.unfinished)
 
 
 @dataclass
@@ -119,6 +62,10 @@ class _StorageState:
     view_paths: set[str] = field(default_factory=set)  # paths to a tensor spanning less than the storage
 
 
+def _gone(died: deque[int], sid: int, _ref: Any) -> None:
+    died.append(sid)
+
+
 class Storages:
     """Every storage seen, by identity: an id per storage object, checked through a weak reference."""
 
@@ -126,6 +73,10 @@ class Storages:
         self.states: dict[int, _StorageState] = {}
         self.by_obj: dict[int, int] = {}  # id(storage object) -> sid
         self._next = 1
+        self._died: deque[int] = deque()  # storages whose objects went, as their weak references tell
+        self._told = 0  # how many of those were taken from the queue
+        self._graph_totals: tuple[Any, ...] | None = None  # (scan, what it read, the storages that was, the totals)
+        self.graphed: set[int] = set()  # storages whose graphs were walked (``_StorageState.graph``)
 
     def sid(self, storage: Any, device: str, nbytes: int, cell: int) -> int:
         sid = self.by_obj.get(id(storage))
@@ -139,7 +90,8 @@ class Storages:
             addr = int(storage.data_ptr())
         except Exception:
             addr = 0
-        self.states[sid] = _StorageState(weakref.ref(storage), device, nbytes, cell, addr)
+        tell = functools.partial(_gone, self._died, sid)  # keeps the queue, not these storages
+        self.states[sid] = _StorageState(weakref.ref(storage, tell), device, nbytes, cell, addr)
         self.by_obj[id(storage)] = sid
         return sid
 
@@ -149,14 +101,56 @@ class Storages:
         st = self.states.get(sid) if sid is not None else None
         return sid if st is not None and st.ref() is storage else None
 
+    def ends(self) -> int:
+        """How many storages have ended so far, told or not yet: equal counts, no storage ended in between."""
+        return self._told + len(self._died)
+
     def alive(self, sid: int) -> bool:
         st = self.states.get(sid)
         return st is not None and st.ref() is not None
 
-    def forget_dead(self) -> list[int]:
-        dead = [sid for sid, st in self.states.items() if st.ref() is None]
+    def graph_totals(self, scan: Scan, updates: Updates | None = None) -> dict[str, int]:
+        """Bytes per device of the walked graphs still alive that no storage of ``scan`` is, each storage once.
+        With ``updates`` (the scanner's), the last answer stands while no storage ended, no graph was walked
+        again, and none of the graphs' storages or those they save came into or left a scan since (issue 38)."""
+        key = (self.ends(), {sid: self.states[sid].graph for sid in self.graphed})
+        was = self._graph_totals
+        if was is not None and updates is not None and was[1] == key:
+            changed = updates.changed(was[0], scan)
+            if changed is not None and was[2].isdisjoint(changed):
+                self._graph_totals = (scan, *was[1:])
+                return dict(was[3])
+        held = scan.storages
+        seen: set[int] = set()
+        out: dict[str, int] = {}
+        for sid in [s for s in self.graphed if s in held]:  # not every storage: those with a graph
+            st = self.states.get(sid)
+            if st is None or st.graph is None:
+                continue
+            for g, (dev, n) in st.graph.saved.items():
+                if g in seen or g in held or not self.alive(g):
+                    continue
+                seen.add(g)
+                out[dev] = out.get(dev, 0) + n
+        read = frozenset(self.graphed).union(*(gs.saved for gs in key[1].values() if gs is not None))
+        self._graph_totals = (scan, key, read, out)
+        return dict(out)
+
+    def forget_dead(self, everything: bool = False) -> list[int]:
+        """Drop the storages whose objects are gone: those their weak references told of (a cell that freed
+        nothing costs nothing here, however many storages there are), or, with ``everything``, all checked."""
+        dead = []
+        while self._died:
+            sid = self._died.popleft()
+            self._told += 1
+            st = self.states.get(sid)
+            if st is not None and st.ref() is None:
+                dead.append(sid)
+        if everything:
+            dead = [sid for sid, st in self.states.items() if st.ref() is None]
         for sid in dead:
             del self.states[sid]
+            self.graphed.discard(sid)
         if dead:
             self.by_obj = {k: v for k, v in self.by_obj.items() if v in self.states}
         return dead
@@ -172,10 +166,12 @@ class Scanner:
         self._roots: dict[str, _RootState] = {}
         self.storages = Storages()
         self._paths: dict[int, dict[str, tuple[HolderKind, str]]] = {}  # sid -> path -> (kind, root path)
-        self._held: dict[int, Held] = {}
+        self._records = Records()
+        self._held = self._records.held  # every storage's latest record (changed through _records)
         self._walked_this_cell: set[str] = set()  # roots walked since the last update that was not a follow-up
         self._watchers: dict[int, dict[str, weakref.ref[Any]]] = {}  # id(tensor) -> roots that reach it
         self.last: Scan | None = None
+        self.updates = Updates()  # which storages each update changed: ``scanner.updates.changed(prev, cur)``
 
     # -- roots ------------------------------------------------------------------------------------------
     def _set_root(self, path: str, rs: _RootState | None) -> set[int]:
@@ -245,9 +241,10 @@ class Scanner:
             self.last = Scan({}, {}, seconds=time.perf_counter() - t0)
             return self.last
         TB = getattr(torch._C, "TensorBase", None) or torch._C._TensorBase
-        for sid in self.storages.forget_dead():
+        dead = self.storages.forget_dead(everything=walk == "all")
+        for sid in dead:
             self._paths.pop(sid, None)
-            self._held.pop(sid, None)
+            self._records.drop(sid)
         mentioned = set(mentioned)
         walked_before = set(self._walked_this_cell) if walk == "rest" else set()
         now: dict[str, tuple[Root, tuple[int, int, int]]] = {}
@@ -279,17 +276,15 @@ class Scanner:
             if path in self._roots:
                 self._roots[path].finished = False  # what the last full walk of it knew, marked as such
         self._remerge(dirty)
-        totals: dict[str, int] = {}
-        for h in self._held.values():
-            totals[h.device] = totals.get(h.device, 0) + h.nbytes
+        serial = self.updates.record(self._records.take_changed())
         if walk in ("all", "changed"):
             self._walked_this_cell = set()
         self._walked_this_cell.update(walked)
         kinds = tuple(f"{k} x{n}" for k, n in sorted(w.error_types.items()))
         types_ = {p: rs.type_name for p, rs in self._roots.items() if rs.holds}
         state = {p: rs.state for p, rs in self._roots.items() if rs.state}
-        self.last = Scan(dict(self._held), totals, w.objects, time.perf_counter() - t0, tuple(walked),
-                         tuple(unfinished), w.errors, kinds, types_, state)
+        self.last = Scan(dict(self._held), self._records.totals(), w.objects, time.perf_counter() - t0, tuple(walked),
+                         tuple(unfinished), w.errors, kinds, types_, state, serial, self._records.graph_holders())
         return self.last
 
     def _todo(self, now: Mapping[str, tuple[Root, tuple[int, int, int]]], walk: str, mentioned: set[str],
@@ -393,7 +388,7 @@ class Scanner:
             found = self._paths.get(sid)
             st = self.storages.states.get(sid)
             if not found or st is None or st.ref() is None:
-                self._held.pop(sid, None)
+                self._records.drop(sid)
                 self._paths.pop(sid, None) if not found else None
                 continue
             ranked = container_first(sorted(((p, k) for p, (k, _r) in found.items()), key=ranker(st.view_paths)),
@@ -401,25 +396,26 @@ class Scanner:
             reached = dict.fromkeys((found[p][1], k) for p, k in ranked)
             roots = list(reached)[:2 * MAX_HOLDERS]
             top = ranked[:MAX_HOLDERS]
-            self._held[sid] = Held(sid, st.device, st.nbytes, tuple(p for p, _ in top), tuple(k for _, k in top),
+            self._records.put(Held(sid, st.device, st.nbytes, tuple(p for p, _ in top), tuple(k for _, k in top),
                                    top[0][1], st.graph_tensor is not None and st.graph_tensor() is not None,
                                    st.span or st.nbytes, frozenset(st.roles), st.first_cell, st.addr,
                                    container(top[0][0]), tuple(r for r, _k in roots), tuple(k for _r, k in roots),
-                                   st.elements, st.trainable, st.shape, st.dtype)
+                                   st.elements, st.trainable, st.shape, st.dtype))
 
     def _is_state(self, root: str) -> bool:
         rs = self._roots.get(root)
         return rs is not None and bool(rs.state)
 
     # -- graphs -----------------------------------------------------------------------------------------
-    def graphs(self, sids: Iterable[int], *, exclude: Iterable[int] = (), budget_s: float | None = None
-               ) -> dict[int, Graph]:
-        """The autograd graph behind each storage's tensor: its saved tensors not held by names anyway."""
+    def graphs(self, sids: Iterable[int], *, exclude: Iterable[int] = (), budget_s: float | None = None,
+               truncated: bool = False) -> dict[int, Graph]:
+        """The autograd graph behind each storage's tensor: its saved tensors not held by names anyway. After a
+        ``truncated`` scan the leaves (parameters) count as named: the model's root may be one it did not reach."""
         torch = self._torch()
         out: dict[int, Graph] = {}
         if torch is None:
             return out
-        excluded = set(exclude)
+        excluded = exclude if isinstance(exclude, (Mapping, AbstractSet)) else set(exclude)  # a scan's: not copied
         deadline = None if budget_s is None else time.perf_counter() + budget_s
         states = self.storages.states
         with torch._C.DisableTorchFunction():
@@ -432,26 +428,12 @@ class Scanner:
                     if deadline is not None and time.perf_counter() > deadline:
                         continue
                     st.graph = walk_graph(torch, t, sid, st.first_cell, self.storages.sid, deadline)
+                    (self.storages.graphed.discard if st.graph is None else self.storages.graphed.add)(sid)
                     if st.graph is None:
                         continue
-                saved = {g: n for g, (_d, n) in st.graph.saved.items()
-                         if g not in excluded and self.storages.alive(g)}
-                out[sid] = Graph(saved, frozenset(g for g in st.graph.saved if g in excluded))
-        return out
-
-    def graph_totals(self, held: Mapping[int, Held]) -> dict[str, int]:
-        """Bytes per device of the walked graphs still alive that no name holds, each storage once."""
-        seen: set[int] = set()
-        out: dict[str, int] = {}
-        for sid in held:
-            st = self.storages.states.get(sid)
-            if st is None or st.graph is None:
-                continue
-            for g, (dev, n) in st.graph.saved.items():
-                if g in seen or g in held or not self.storages.alive(g):
-                    continue
-                seen.add(g)
-                out[dev] = out.get(dev, 0) + n
+                named = {g for g in st.graph.saved if g in excluded or (truncated and g in st.graph.leaves)}
+                saved = {g: n for g, (_d, n) in st.graph.saved.items() if g not in named and self.storages.alive(g)}
+                out[sid] = Graph(saved, frozenset(named))
         return out
 
     def young_unlocated(self, scan: Scan) -> dict[str, int]:

@@ -208,6 +208,17 @@ class Walk:
         return True, visited
 
     # -- visiting ---------------------------------------------------------------------------------------
+    def _in_sys_modules(self, m: Any) -> bool:
+        """Whether a module is one of ``sys.modules``: found under its own name first (``torch``, which a cell
+        that names it walks each time), else among them all, gathered once per walk."""
+        d = reach.module_dict(m)
+        name = d.get("__name__") if d is not None else None
+        if type(name) is str and sys.modules.get(name) is m:
+            return True
+        if self._sys_modules is None:
+            self._sys_modules = {id(x) for x in list(sys.modules.values())}
+        return id(m) in self._sys_modules
+
     def _visit(self, obj: Any, node: int, root: int) -> None:
         info = self.info(type(obj))
         s = info.strategy
@@ -268,9 +279,7 @@ class Walk:
                 if type(v) is not type:
                     add(v, node, L_TEXT, ".<iterator>", root)
         elif s == _PYMOD:
-            if self._sys_modules is None:
-                self._sys_modules = {id(m) for m in list(sys.modules.values())}
-            if id(obj) in self._sys_modules or not reach.is_user_module(obj):
+            if self._in_sys_modules(obj) or not reach.is_user_module(obj):
                 return  # modules in sys.modules are roots of their own; libraries are not walked
             self._dict(reach.dict_items(reach.module_dict(obj) or {}), node, root, attrs=True)
         elif s == _CLASS:
