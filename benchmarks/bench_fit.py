@@ -358,53 +358,28 @@ def families(torch: Any, dev: str = "cuda") -> dict[str, Family]:
                              nn.Sequential(*[ResBlock(64) for _ in range(4)]), nn.AdaptiveAvgPool2d(1), nn.Flatten(),
                              nn.Linear(64, 10)).to(device)
 
-    def gpt2(device: Any) -> Any:
-        """Hugging Face's GPT-2, small and randomly initialised (no download): its own gradient_checkpointing."""
+    def gpt2(device: Any, embd: int = D, layers: int = 4, positions: int = 256, checkpointed: bool = False) -> Any:
+        """Hugging Face's GPT-2, randomly initialised (no download); ``checkpointed``: its own gradient
+        checkpointing switched on, as a fine-tuning notebook does."""
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        cfg = GPT2Config(vocab_size=LM_VOCAB, n_positions=256, n_embd=D, n_layer=4, n_head=4, bos_token_id=0,
-                         eos_token_id=0)
-        return GPT2LMHeadModel(cfg).to(device)
-
-    def hf_body(model: Any, opt: Any, ns: dict[str, Any], b: int) -> None:
-        ns["x"] = torch.randint(0, LM_VOCAB, (b, T), device=dev)
-        got = model(input_ids=ns["x"], labels=ns["x"], use_cache=False)
-        ns["out"], ns["loss"] = got.logits, got.loss
-        del got
-        learn(opt, ns)
-
-    # -- issue 36: the rest of the 2026 stack -------------------------------------------------------------------
-    def gpt2_checkpointed(device: Any) -> Any:
-        """GPT-2 with Hugging Face's own gradient checkpointing, as a fine-tuning notebook turns it on."""
-        model = gpt2(device)
-        model.gradient_checkpointing_enable()
-        return model
-
-    def hf_bf16_body(model: Any, opt: Any, ns: dict[str, Any], b: int) -> None:
-        ns["x"] = torch.randint(0, LM_VOCAB, (b, T), device=dev)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            got = model(input_ids=ns["x"], labels=ns["x"], use_cache=False)
-        ns["out"], ns["loss"] = got.logits, got.loss
-        del got
-        learn(opt, ns)
-
-    def gpt2_small_checkpointed(device: Any) -> Any:
-        """GPT-2 small's shape (12 layers of 768, 1,024 positions; random weights, no download), checkpointed."""
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        cfg = GPT2Config(vocab_size=LM_VOCAB, n_positions=1024, n_embd=768, n_layer=12, n_head=12, bos_token_id=0,
-                         eos_token_id=0)
+        cfg = GPT2Config(vocab_size=LM_VOCAB, n_positions=positions, n_embd=embd, n_layer=layers,
+                         n_head=embd // 64, bos_token_id=0, eos_token_id=0)
         model = GPT2LMHeadModel(cfg).to(device)
-        model.gradient_checkpointing_enable()
+        if checkpointed:
+            model.gradient_checkpointing_enable()
         return model
 
-    def hf_long_body(model: Any, opt: Any, ns: dict[str, Any], b: int) -> None:
-        ns["x"] = torch.randint(0, LM_VOCAB, (b, 4 * T), device=dev)
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            got = model(input_ids=ns["x"], labels=ns["x"], use_cache=False)
-        ns["out"], ns["loss"] = got.logits, got.loss
-        del got
-        learn(opt, ns)
+    def hf(seq: int = T, bf16: bool = False) -> Callable[[Any, Any, dict[str, Any], int], None]:
+        """A causal LM's training step on sequences of ``seq``, its forward under bf16 autocast where asked."""
+        def body(model: Any, opt: Any, ns: dict[str, Any], b: int) -> None:
+            ns["x"] = torch.randint(0, LM_VOCAB, (b, seq), device=dev)
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=bf16):
+                got = model(input_ids=ns["x"], labels=ns["x"], use_cache=False)
+            ns["out"], ns["loss"] = got.logits, got.loss
+            del got
+            learn(opt, ns)
+        return body
 
     def compiled_lm(device: Any) -> Any:
         """The bf16 LM under ``torch.compile`` (default mode), as a notebook compiles it."""
@@ -430,10 +405,13 @@ def families(torch: Any, dev: str = "cuda") -> dict[str, Family]:
         "lm-fp32": Family("lm-fp32", "batch", (8, 16, 32), lambda d: LM().to(d), lm_fp32_body, adamw),
         "encoder": Family("encoder", "batch", (8, 16, 32), lambda d: Encoder().to(d), encoder_body, adamw),
         "resnet": Family("resnet", "batch", (8, 16, 32), resnet, cnn_body, sgd),
-        "gpt2-hf": Family("gpt2-hf", "batch", (8, 16, 32), gpt2, hf_body, adamw),
+        "gpt2-hf": Family("gpt2-hf", "batch", (8, 16, 32), gpt2, hf(), adamw),
         "gpt-seq": Family("gpt-seq", "batch", (8, 16, 32), gpt_sequential, lm_fp32_body, adamw),
-        "gpt2-hf-gc-bf16": Family("gpt2-hf-gc-bf16", "batch", (8, 16, 32), gpt2_checkpointed, hf_bf16_body, adamw),
-        "gpt2s-gc-bf16": Family("gpt2s-gc-bf16", "batch", (2, 4, 8), gpt2_small_checkpointed, hf_long_body, adamw),
+        "gpt2-hf-gc-bf16": Family("gpt2-hf-gc-bf16", "batch", (8, 16, 32), lambda d: gpt2(d, checkpointed=True),
+                                  hf(bf16=True), adamw),
+        # GPT-2 small's shape (12 layers of 768, 1,024 positions), sequences of 512
+        "gpt2s-gc-bf16": Family("gpt2s-gc-bf16", "batch", (2, 4, 8),
+                                lambda d: gpt2(d, 768, 12, 1024, checkpointed=True), hf(4 * T, bf16=True), adamw),
         "lm-compiled": Family("lm-compiled", "batch", (8, 16, 32), compiled_lm, lm_body, adamw),
     }
 
