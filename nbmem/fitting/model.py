@@ -95,11 +95,11 @@ class Run:
         level = peak = 0
         segments = seg_peak = 0
         self.peak_event = -1
-        self.oom_demand_bytes: int | None = None  # what the process asked of the device when it ran out
+        self.oom_request_bytes: int | None = None  # the request the device could not meet, where the trace has it
         for e in trace.entries:
             action = e.get("action")
-            if action == "oom" and trace.reserved_before_bytes is not None:
-                self.oom_demand_bytes = trace.reserved_before_bytes + segments + int(e.get("size", 0))
+            if action == "oom":
+                self.oom_request_bytes = int(e.get("size", 0))
             if action == "segment_alloc" or action == "segment_map":
                 segments += int(e.get("size", 0))
                 seg_peak = max(seg_peak, segments)

@@ -434,9 +434,8 @@ def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segmen
 
 
 def _asked(parsed: Sequence[Run], failed: int) -> int | None:
-    """What the run that failed had reserved and asked for more when the device had no more: the room is
-    smaller than that, whatever the model gives the value (a request no small run showed can be far larger)."""
-    return max((r.oom_demand_bytes for r in parsed if r.oom and r.value == failed and r.oom_demand_bytes is not None),
+    """The largest single request the run that failed could not get (where its trace says)."""
+    return max((r.oom_request_bytes for r in parsed if r.oom and r.value == failed and r.oom_request_bytes is not None),
                default=None)
 
 
@@ -445,23 +444,29 @@ def _below_failure(peak: Callable[[int], float], failed: int, room: Room, name: 
     """The cap a run that failed at ``failed`` puts on the answer, and the clause that says so (or, with no
     value under it, why there is no answer).
 
-    The failed run says the room is no larger than what the model gives that value, nor than what the run had
-    reserved and asked for when the device had no more (``asked``); the answer keeps the margin
-    a prediction keeps below the room, below that: the room's margin, and never less than ``MARGIN_FRACTION``
+    The failed run says the room is no larger than what the model gives that value (the model was wrong there, and
+    errs the same way below it), unless it failed on one request larger than all the room (``asked``), which says
+    nothing of the values below it; the answer keeps the margin a prediction keeps below the room, below that:
+    the room's margin, and never less than ``MARGIN_FRACTION``
     (a margin set by hand can be nil, and the model was wrong at that value).
     """
-    modelled = peak(failed)
-    at = max(modelled, asked or 0)
-    margin = max(room.margin_bytes, math.ceil(MARGIN_FRACTION * modelled))
-    what = "what the model gives it" if at == modelled else "what it had reserved and asked for when it failed"
-    below = below_failure(peak, failed, margin, at)
+    if asked is not None and asked > room.capacity_bytes:
+        # One request larger than all the room there is: that run failed on it whatever else was held, which says
+        # nothing of the room the values below it need (the model answers for those, against the room).
+        why = (f"{name}={failed:,} asked for {fmt_bytes(asked)} at once, more than the device's whole room "
+               f"({fmt_bytes(room.capacity_bytes)}): the answer stays below it")
+        notes.append(why)
+        return failed - 1, f"below the failed run at {failed:,}"
+    at = peak(failed)
+    margin = max(room.margin_bytes, math.ceil(MARGIN_FRACTION * at))
+    below = below_failure(peak, failed, margin)
     share = f"{100 * margin / max(1.0, at):.0f} %"
     if below is None:
         why = (f"{name}={failed:,} ran out of memory in its run, and no smaller {name} is modelled to need "
                f"{fmt_bytes(margin)} ({share}) less")
         notes.append(why)
         return None, why
-    notes.append(f"{name}={failed:,} ran out of memory in its run: the answer stays under {what} "
+    notes.append(f"{name}={failed:,} ran out of memory in its run: the answer stays under what the model gives it "
                  f"({fmt_bytes(at)} reserved) by the margin a prediction keeps, {fmt_bytes(margin)} ({share}): "
                  f"at most {below:,}")
     return below, f"capped below the failed run at {failed:,}, with the {share} margin"

@@ -19,7 +19,6 @@ for bit, after the last, also after a failure, so the training steps the fit ran
 
 from __future__ import annotations
 
-import os
 import time
 import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -51,7 +50,7 @@ from nbmem.fitting.prediction import FitResult, proportional_bound
 from nbmem.fitting.progress import FitProgress, Show, interrupts_held, planned_runs
 from nbmem.fitting.remedies import Remedy
 from nbmem.fitting.state import FitRefused, restore_state, snapshot_state
-from nbmem.fitting.torchcheck import _torch, graphs_compiled, is_out_of_memory, refusal
+from nbmem.fitting.torchcheck import _torch, expandable_on, graphs_compiled, is_out_of_memory, refusal
 from nbmem.formatting import fmt_bytes
 from nbmem.measure.sources import TorchSource
 
@@ -176,7 +175,7 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
     notes += said
     result = analyse_devices(runs, rooms, body.segments, gpus={d: gpu_name(t, d) for d in rooms}, name=name,
                              cell_files=cell_files, sources=sources, max_value=max_value, notes=notes,
-                             skipped=skipped, want=want, expandable=_expandable_on(), measured=measured,
+                             skipped=skipped, want=want, expandable=expandable_on(), measured=measured,
                              remedy_notes=remedy_notes)
     if body.host is not None and target is None:  # another GPU's answer is for another machine's host too
         result = with_host(result, body.host.fit(), name)
@@ -195,11 +194,18 @@ def _runs(body: _Body, vals: Sequence[int], warmup: bool, runs: list[RunSet], sk
     schedule = ([(vals[0], False)] if warmup else []) + [(v, True) for v in vals]
     graphs = graphs_compiled()
     for k, (v, counted) in enumerate(schedule):
-        if k == 1 and warmup and graphs_compiled() != graphs and not (body.host and body.host.over(vals[1], name)):
+        if (k == 1 and warmup and graphs_compiled() != graphs and not (body.host and body.host.over(vals[1], name))
+                and not _predicted_not_to_fit(runs, vals[1], body, cell_files)):
             # torch.compile made a graph for the warm-up's shape; at a second shape it makes one for every shape
             # (dynamic): one more warm-up there, so that every counted run runs that one graph.
             body.compiled.append(vals[1])
-            body.once(vals[1], False)
+            again, oom = body.once(vals[1], False)
+            if oom:  # that value fails: it caps the answer as a counted run's failure would
+                runs.append(again)
+                skipped += list(vals[1:])
+                notes.append(f"the second warm-up, at {name}={vals[1]:,}, ran out of memory ({oom}); what it "
+                             "allocated was freed")
+                return True
         on_host = body.host.over(v, name) if counted and body.host is not None else ""
         if on_host or (counted and _predicted_not_to_fit(runs, v, body, cell_files)):
             skipped += [w for w, c in schedule[k:] if c]
@@ -325,11 +331,15 @@ def _refine(body: _Body, runs: list[RunSet], cell_files: frozenset[str]) -> FitR
     first: int | None = None
     res: FitResult | None = body.analyse(runs, cell_files)
     ok = [r.value for r in runs if r.counted and not r.oom]
-    if res is not None and res.largest_value is not None and ok and body.progress is not None:
-        # the runs this makes at most, halfway and on towards the prediction, each within its time budget
-        top, took, v, plan = max(ok), durations.get(max(ok), 0.0), max(ok), []
-        for _ in range(REFINE_RUNS):
+    if (body.progress is not None and res is not None and res.largest_value is not None and ok
+            and res.largest_value >= REFINE_FACTOR * max(ok)):
+        # the runs this makes at most (as the loop below chooses them), each within its time budget
+        top, took, v = max(ok), durations.get(max(ok), 0.0), max(ok)
+        plan: list[int] = []
+        while len(plan) < REFINE_RUNS and res.largest_value >= REFINE_FACTOR * v:
             v = min((v + res.largest_value) // 2, int(top * REFINE_SECONDS / max(took, 1e-6)))
+            if v <= top or (plan and v <= plan[-1]):
+                break
             plan.append(v)
         body.progress.ahead(plan, "the runs near the answer")
     while res is not None and executed < REFINE_RUNS:
@@ -362,17 +372,13 @@ def _refine(body: _Body, runs: list[RunSet], cell_files: frozenset[str]) -> FitR
                          "that size) and was left out of the model")
             break
         res = checked
+    if body.progress is not None:
+        body.progress.ahead([], "")  # said of these runs only
     if made:
         at = ", ".join(f"{r.value:,}" for r in runs[-made:])
         notes.append(f"the small runs predicted {first:,}: {made} more run{'s' if made > 1 else ''} ({name}={at}) "
                      "checked the growth nearer the answer")
     return res
-
-
-def _expandable_on() -> bool:
-    """Whether this process's caching allocator was started with expandable segments (the settings torch read)."""
-    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
-    return "expandable_segments:true" in conf.replace(" ", "").lower()
 
 
 def _say_what_was_put_back(e: BaseException, src: TorchSource, devices: Sequence[int], before: Mapping[int, int],
@@ -472,6 +478,8 @@ class _Body:
         got = self._met(self._timed(value, counted))
         if counted and not got[1] and graphs_compiled() != graphs:
             self.compiled.append(value)
+            if self.host is not None and self.host.uses:
+                self.host.uses.pop()  # the compiler's own host memory (code generation) is not the step's
             got = self._met(self._timed(value, counted))
         return got
 

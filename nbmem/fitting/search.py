@@ -56,17 +56,15 @@ def largest_fitting(fits: Callable[[int], bool], start: int, cap: int = SEARCH_C
     return lo
 
 
-def below_failure(peak: Callable[[int], float], failed: int, margin_bytes: float, at: float | None = None
-                  ) -> int | None:
-    """The largest value under ``failed`` whose modelled ``peak`` is ``margin_bytes`` below the failed value's
-    (``at``: what it is known to have asked, where that is more than the model gives it).
+def below_failure(peak: Callable[[int], float], failed: int, margin_bytes: float) -> int | None:
+    """The largest value under ``failed`` whose modelled ``peak`` is ``margin_bytes`` below the failed value's.
 
     A run that failed at ``failed`` says the room is no larger than what that value asks for; the answer keeps
     the margin a prediction keeps below the room, below that (None: no value does).
     """
     if failed <= 1:
         return None
-    limit = (peak(failed) if at is None else at) - margin_bytes
+    limit = peak(failed) - margin_bytes
     return largest_fitting(lambda v: peak(v) <= limit, max(1, failed // 2), failed - 1)
 
 

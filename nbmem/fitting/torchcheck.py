@@ -5,6 +5,7 @@ out-of-memory, and how many graphs torch.compile has made (a run that compiled p
 
 from __future__ import annotations
 
+import os
 import sys
 from typing import Any
 
@@ -53,4 +54,10 @@ def is_out_of_memory(exc: BaseException) -> bool:
     return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
 
 
-__all__ = ["graphs_compiled", "is_out_of_memory", "refusal"]
+def expandable_on() -> bool:
+    """Whether this process's caching allocator was started with expandable segments (the settings torch read)."""
+    conf = os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF") or ""
+    return "expandable_segments:true" in conf.replace(" ", "").lower()
+
+
+__all__ = ["expandable_on", "graphs_compiled", "is_out_of_memory", "refusal"]

@@ -74,6 +74,9 @@ class Grouping:
             self._groups = {k: Group(list(d.values())) for k, d in self._members.items()}
         else:
             prev = self.scan.storages
+            # Until this edit is done, the members are half-way: an interrupt (Ctrl-C as a cell ends) must leave a
+            # grouping that regroups everything next time, not one that replays these changes on top of them.
+            self.scan = None
             dirty: set[Key] = set()
             for sid in changed:
                 old, new = prev.get(sid), cur.storages.get(sid)

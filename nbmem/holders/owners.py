@@ -30,6 +30,9 @@ from nbmem.holders.scanner import Held, Scan
 from nbmem.holders.walk import ROLE_GRAD, ROLE_OPTIM, ROLE_PARAM
 from nbmem.records import HOLDER_KINDS, Finding, HolderKind, kind_words, root_name
 
+#: A row that keeps no graph storage: one shared empty mapping (a new one per row would be kept by ``set_of``).
+NO_GRAPHS: dict[int, int] = {}
+
 #: Members listed on an owner row (the rest are counted).
 MEMBERS_SHOWN = 8
 #: Most member paths an owner row's ``holders`` carries.
@@ -206,7 +209,7 @@ def group(held: Sequence[Held] | Grouped, cell_of: Any, *, threshold_bytes: int,
     sizes: dict[int, int] = {}  # those storages' bytes
     for (owner, device), grp in by.groups.items():
         members = grp.members
-        saved = saved_of.get((owner, device), {})
+        saved = saved_of.get((owner, device), NO_GRAPHS)
         if grp.nbytes + sum(saved.values()) < threshold_bytes:
             continue
         inputs = (members, saved, types.get(owner, ""), graph_key)
