@@ -29,6 +29,15 @@ from tests.test_fit_remedies import FakeSource, Net, attrs, seeded_net  # noqa: 
 ROOT = Path(__file__).resolve().parents[1]
 
 
+@pytest.fixture(autouse=True)
+def python_handles_ctrl_c() -> Any:
+    """Python's own SIGINT handler, as an interactive session has it: a test run started where SIGINT is ignored
+    (a CI job in the background, nohup) has SIG_IGN instead, and the presses these tests make would be lost."""
+    was = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, was)
+
+
 class Clock:
     """Time as the body spends it (the body moves it on)."""
 

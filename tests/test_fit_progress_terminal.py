@@ -50,7 +50,9 @@ def on_a_terminal(cells: list[str], timeout_s: float = 120, ctrl_c_at: str | Non
                JUPYTER_RUNTIME_DIR=tempfile.mkdtemp(prefix="nbmem-runtime-"))
     proc = subprocess.Popen([sys.executable, "-m", "IPython", "--simple-prompt", "--colors=nocolor", "--no-banner",
                              "--HistoryManager.hist_file=:memory:"], stdin=sub, stdout=sub, stderr=sub, cwd=ROOT,
-                            env=env, close_fds=True)
+                            env=env, close_fds=True,
+                            # Ctrl-C reaches IPython as it does on a terminal, even where this run ignores SIGINT
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     os.close(sub)
     typed = "\n".join([*cells, "exit"]).split("\n")
     out = bytearray()
