@@ -49,6 +49,7 @@ from nbmem.fitting.multigpu import (
 from nbmem.fitting.prediction import FitResult, proportional_bound
 from nbmem.fitting.progress import FitProgress, Show, interrupts_held, planned_runs
 from nbmem.fitting.remedies import Remedy
+from nbmem.fitting.search import halfway_within
 from nbmem.fitting.state import FitRefused, restore_state, snapshot_state
 from nbmem.fitting.torchcheck import _torch, expandable_on, graphs_compiled, is_out_of_memory, refusal
 from nbmem.formatting import fmt_bytes
@@ -128,7 +129,7 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
             plain = (refined if refined is not None and max_value is None and target is None else
                      analyse_devices(runs, body.answer_rooms(target, own_used), body.segments, name=name,
                                      cell_files=cell_files, max_value=max_value, largest_only=True))
-            plain = plain if target is not None or body.host is None else with_host(plain, body.host.fit(), name)
+            plain = body.host_bound(plain, target)
             ran_ok = [r.value for r in runs if r.counted and not r.oom]
             if plain.largest_value is not None and want > plain.largest_value and ran_ok:
                 remedy_notes += left_out
@@ -177,8 +178,7 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
                              cell_files=cell_files, sources=sources, max_value=max_value, notes=notes,
                              skipped=skipped, want=want, expandable=expandable_on(), measured=measured,
                              remedy_notes=remedy_notes)
-    if body.host is not None and target is None:  # another GPU's answer is for another machine's host too
-        result = with_host(result, body.host.fit(), name)
+    result = body.host_bound(result, target)
     if target is not None:
         here = ", ".join(body.rooms[d].device for d in used_devices(runs) if d in body.rooms)
         result = replace(result, device=f"{target.label}, as measured on {here}")
@@ -253,7 +253,7 @@ def _measure_remedies(body: _Body, candidates: Sequence[remedies.Candidate], val
                 res = (refined if refined is not None and max_value is None and on[0] is None else
                        analyse_devices(runs, sub.answer_rooms(*on), sub.segments, name=name, max_value=max_value,
                                        largest_only=True))
-                res = res if on[0] is not None or sub.host is None else with_host(res, sub.host.fit(), name)
+                res = sub.host_bound(res, on[0])
                 step_s = _timed_step(sub, timed) if res.largest_value is not None else None
         except Exception as e:
             why = (str(e).strip().splitlines() or [""])[0][:120]
@@ -337,7 +337,7 @@ def _refine(body: _Body, runs: list[RunSet], cell_files: frozenset[str]) -> FitR
         top, took, v = max(ok), durations.get(max(ok), 0.0), max(ok)
         plan: list[int] = []
         while len(plan) < REFINE_RUNS and res.largest_value >= REFINE_FACTOR * v:
-            v = min((v + res.largest_value) // 2, int(top * REFINE_SECONDS / max(took, 1e-6)))
+            v = halfway_within(v, res.largest_value, took * v / top, REFINE_SECONDS)
             if v <= top or (plan and v <= plan[-1]):
                 break
             plan.append(v)
@@ -348,10 +348,7 @@ def _refine(body: _Body, runs: list[RunSet], cell_files: frozenset[str]) -> FitR
         if res.largest_value is None or res.largest_value < REFINE_FACTOR * top:
             break
         first = res.largest_value if first is None else first
-        value = (top + res.largest_value) // 2
-        took = durations.get(top, 0.0)
-        if took * value / top > REFINE_SECONDS:
-            value = int(top * REFINE_SECONDS / max(took, 1e-6))
+        value = halfway_within(top, res.largest_value, durations.get(top, 0.0), REFINE_SECONDS)
         if value <= top:
             break
         trace, oom = body.once(value, True)
@@ -448,7 +445,11 @@ class _Body:
         """The largest value only, against this machine's devices: what the runs ask between them."""
         res = analyse_devices(runs, self.rooms, self.segments, name=self.name, cell_files=cell_files,
                               largest_only=True)
-        return res if self.host is None else with_host(res, self.host.fit(), self.name)
+        return self.host_bound(res)
+
+    def host_bound(self, res: FitResult, target: Target | None = None) -> FitResult:
+        """``res`` bound by host memory too, where the runs keep memory there (not another GPU's: another host's)."""
+        return res if self.host is None or target is not None else with_host(res, self.host.fit(), self.name)
 
     def once(self, value: int, counted: bool) -> tuple[RunSet, str]:
         """One run, timed; afterwards, whatever happened, the namespace put back and the cache given back.

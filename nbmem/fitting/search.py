@@ -77,3 +77,10 @@ def _bisect(fits: Callable[[int], bool], lo: int, hi: int) -> int:
         else:
             hi = mid
     return lo
+
+
+def halfway_within(top: int, prediction: int, took_s: float, budget_s: float) -> int:
+    """The value halfway from ``top`` (the largest run, ``took_s`` seconds) to ``prediction``, or less where a run
+    there would take longer than ``budget_s`` (its time scaled from ``top``'s): where a fit checks its growth next."""
+    value = (top + prediction) // 2
+    return value if took_s * value / top <= budget_s else int(top * budget_s / max(took_s, 1e-6))
