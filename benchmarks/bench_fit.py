@@ -1063,11 +1063,14 @@ def measure_remedies(torch: Any, fitting: Any, fam: Family, rows: list[RemedyRow
 
     # With ``saved``: what each analysis of the fit saw, by the list of runs it was handed (the plain runs', then
     # each remedy's); the last analysis of each list is its prediction.
+    # Keyed by the first run's trace: every analysis gets a new list (their ids are reused once one is freed),
+    # while one fit's runs keep their trace objects, which the kept lists hold alive.
     analysed: dict[int, tuple[list[Any], Any, Any]] = {}
     real_analyse = multigpu.analyse  # what the fit analyses each device's runs with
 
     def capture(runs: Any, room: Any, **kw: Any) -> Any:
-        analysed[id(runs)] = (list(runs), room, kw.get("segments", ()))
+        if runs:
+            analysed[id(runs[0])] = (list(runs), room, kw.get("segments", ()))
         return real_analyse(runs, room, **kw)
 
     if saved is not None:

@@ -88,10 +88,11 @@ def test_each_run_of_a_fit_is_a_step_of_the_line_and_the_line_goes_when_the_fit_
     assert ran[:4] == [8, 8, 16, 32] and len(ran) > 4, "the warm-up, the values, and runs nearer the answer"
     assert res.largest_value is not None
     lines = [t for t, final in shown.calls if not final and " · batch=" in t]  # a line per run (not the totals)
-    assert len(lines) == len(ran) - 2 and shown.calls[-1] == ("", True), "quiet for the first second; gone at the end"
-    assert lines[0] == "nbmem fit: run 3 of 4–7 · batch=16 · 1.60 s so far"
-    assert lines[1].startswith("nbmem fit: run 4 of 4–7 · batch=32 · 3.20 s so far")
-    assert [t.split(" · ")[1] for t in lines] == [f"batch={v:,}" for v in ran[2:]]
+    # the last trace is the two steps at the answer (``nearby.confirm``): a line for each
+    assert len(lines) == len(ran) - 2 + 1 and shown.calls[-1] == ("", True), "quiet for the first second; gone at the end"
+    assert lines[0] == "nbmem fit: run 3 of 4–11 · batch=16 · 1.60 s so far"
+    assert lines[1].startswith("nbmem fit: run 4 of 4–11 · batch=32 · 3.20 s so far")
+    assert [t.split(" · ")[1] for t in lines] == [f"batch={v:,}" for v in [*ran[2:], ran[-1]]]
 
 
 def test_a_run_that_will_take_long_is_said_before_it_starts_with_its_time(
@@ -114,7 +115,7 @@ def test_a_run_that_will_take_long_is_said_before_it_starts_with_its_time(
     assert on_screen[72].endswith("batch=72 · 16.00 s so far · this run will take about 18 s"), (
         "said before the long run starts, with how long it will take")
     said = [t for t, _ in shown.calls if "this run will take" in t]
-    assert said and said[0].startswith("nbmem fit: run 5 of 5–7 · batch=72 · 16.00 s so far")
+    assert said and said[0].startswith("nbmem fit: run 5 of 5–11 · batch=72 · 16.00 s so far")
     assert said[0].endswith(" · this run will take about 18 s")
     assert not any("will take" in t for t, _ in shown.calls[:3]), "runs estimated shorter are not"
 
@@ -245,7 +246,7 @@ def test_ctrl_c_again_while_the_fit_puts_things_back_waits_until_they_are_back(
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler, "Python's handler is back"
     text, final = shown.calls[-1]
     if first is None:
-        runs = len(stand_in["runs"])
+        runs = len(stand_in["runs"]) + 1  # the last trace: the two steps at the answer
         assert src.cleared == 1 and src.workspace_bytes == 0, "cuBLAS's workspaces went before the fit stopped"
         told = (f"stopped after {runs} runs of the body; training state put back; memory allocated is back where "
                 "it was")

@@ -366,7 +366,9 @@ def test_a_fit_with_want_measures_checkpointing_by_runs_under_it_and_puts_everyt
     assert "measured: the fit's runs again with it (batch=8, 16, 32" in ckpt.how
     assert any(n.startswith("bf16 autocast left out: a stand-in GPU does not support bf16") for n in res.notes)
     assert {c for _, c in stand_in["runs"]} == {False, True}, "runs plainly, then under the remedy"
-    assert res.steps_run == len(stand_in["runs"]) + 4, "every run counted, the timed steps (two each) too"
+    # every run counted, the timed steps (two each), and each answer's check (the plain one's and the remedy's):
+    # two steps under one trace
+    assert res.steps_run == len(stand_in["runs"]) + 4 + 2
     assert attrs(net) == before and all(torch.equal(a, p) for a, p in zip(weights, net.parameters()))
     assert not opt.state and all(p.grad is None for p in net.parameters())
     assert torch.equal(rng, torch.get_rng_state())

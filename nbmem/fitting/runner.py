@@ -46,10 +46,11 @@ from nbmem.fitting.multigpu import (
     synchronize,
     used_devices,
 )
+from nbmem.fitting.nearby import CONFIRM_RUNS, REFINE_RUNS, confirm
+from nbmem.fitting.nearby import refine as _refine
 from nbmem.fitting.prediction import FitResult, proportional_bound
 from nbmem.fitting.progress import FitProgress, Show, interrupts_held, planned_runs
 from nbmem.fitting.remedies import Remedy
-from nbmem.fitting.search import halfway_within
 from nbmem.fitting.state import FitRefused, restore_state, snapshot_state
 from nbmem.fitting.torchcheck import _torch, expandable_on, graphs_compiled, is_out_of_memory, refusal
 from nbmem.formatting import fmt_bytes
@@ -106,7 +107,7 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
         raise FitRefused(f"fitting needs the allocator's trace, and {unsupported}")
     modules, optimizers, others = list(modules), list(optimizers), list(others)
     candidates, left_out = remedies.candidates(t, modules, others) if want is not None else ([], [])
-    progress = FitProgress(show, name, *planned_runs(len(vals) + warmup, REFINE_RUNS, len(candidates)))
+    progress = FitProgress(show, name, *planned_runs(len(vals) + warmup, REFINE_RUNS + CONFIRM_RUNS, len(candidates)))
     saved = snapshot_state(modules, optimizers, others, iterators=iterators) if restore else None
     modules = optimizers = others = ()
     measured: list[Remedy] = []
@@ -121,9 +122,9 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
     before: dict[int, int] = {}
     try:
         before = body.measure()
-        refined = None
-        if not _runs(body, vals, warmup, runs, skipped, cell_files):
-            refined = _refine(body, runs, cell_files)
+        refined = None if _runs(body, vals, warmup, runs, skipped, cell_files) else _refine(body, runs, cell_files)
+        if target is None:  # another GPU's answer is not this one's to run
+            refined = confirm(body, runs, refined, cell_files, max_value)
         if want is not None and (candidates or left_out):
             # with the cell's lines as the sites, as refine's analyses and the final one have them
             plain = (refined if refined is not None and max_value is None and target is None else
@@ -247,9 +248,9 @@ def _measure_remedies(body: _Body, candidates: Sequence[remedies.Candidate], val
         try:
             with c.applied():
                 sub.measure()
-                refined = None
-                if not _runs(sub, vals, warmup, runs, [], frozenset()):
-                    refined = _refine(sub, runs, frozenset())
+                refined = None if _runs(sub, vals, warmup, runs, [], frozenset()) else _refine(sub, runs, frozenset())
+                if on[0] is None:
+                    refined = confirm(sub, runs, refined, frozenset(), max_value)
                 res = (refined if refined is not None and max_value is None and on[0] is None else
                        analyse_devices(runs, sub.answer_rooms(*on), sub.segments, name=name, max_value=max_value,
                                        largest_only=True))
@@ -309,73 +310,6 @@ def _timed_once(body: _Body, value: int) -> float | None:
         if body.clean is not None:
             body.clean()
         free_cached(body.src, body.devs, unless_back_to=start)
-
-
-#: A prediction this far beyond the largest value run is checked by another run, halfway to it ...
-REFINE_FACTOR = 1.5
-#: ... at most this many times ...
-REFINE_RUNS = 3
-#: ... and never a run that would take longer than this (its time scaled from the largest run's).
-REFINE_SECONDS = 30.0
-
-
-def _refine(body: _Body, runs: list[RunSet], cell_files: frozenset[str]) -> FitResult | None:
-    """More counted runs far from the small values while the prediction lies far beyond them: kernels change
-    their buffers with size (chunked products, buffers sized by the data), and a point near the answer shows
-    it. Each run is halfway from the largest value run to the prediction, so it is predicted to fit with room
-    to spare; an out-of-memory there is caught, and the prediction stays below it. The analysis (largest value
-    only) of the runs as they stand at the end, so the caller need not make it again; None after an
-    out-of-memory run."""
-    name, notes, durations = body.name, body.notes, body.durations
-    made = executed = 0
-    first: int | None = None
-    res: FitResult | None = body.analyse(runs, cell_files)
-    ok = [r.value for r in runs if r.counted and not r.oom]
-    if (body.progress is not None and res is not None and res.largest_value is not None and ok
-            and res.largest_value >= REFINE_FACTOR * max(ok)):
-        # the runs this makes at most (as the loop below chooses them), each within its time budget
-        top, took, v = max(ok), durations.get(max(ok), 0.0), max(ok)
-        plan: list[int] = []
-        while len(plan) < REFINE_RUNS and res.largest_value >= REFINE_FACTOR * v:
-            v = halfway_within(v, res.largest_value, took * v / top, REFINE_SECONDS)
-            if v <= top or (plan and v <= plan[-1]):
-                break
-            plan.append(v)
-        body.progress.ahead(plan, "the runs near the answer")
-    while res is not None and executed < REFINE_RUNS:
-        ok = [r.value for r in runs if r.counted and not r.oom]
-        top = max(ok)
-        if res.largest_value is None or res.largest_value < REFINE_FACTOR * top:
-            break
-        first = res.largest_value if first is None else first
-        value = halfway_within(top, res.largest_value, durations.get(top, 0.0), REFINE_SECONDS)
-        if value <= top:
-            break
-        trace, oom = body.once(value, True)
-        runs.append(trace)
-        made += 1
-        executed += 1
-        if oom:
-            notes.append(f"the run at {name}={value:,} ran out of memory ({oom}): the prediction stays below it")
-            res = None
-            break
-        checked = body.analyse(runs, cell_files)
-        if checked.method != "timeline":
-            # Its allocations do not line up with the others' (another algorithm at this size): the model of the
-            # runs that do line up stands (``res``, of the runs before it), rather than a peak scaled from one run.
-            runs.pop()
-            made -= 1
-            notes.append(f"a run at {name}={value:,} allocated differently from the others (another algorithm at "
-                         "that size) and was left out of the model")
-            break
-        res = checked
-    if body.progress is not None:
-        body.progress.ahead([], "")  # said of these runs only
-    if made:
-        at = ", ".join(f"{r.value:,}" for r in runs[-made:])
-        notes.append(f"the small runs predicted {first:,}: {made} more run{'s' if made > 1 else ''} ({name}={at}) "
-                     "checked the growth nearer the answer")
-    return res
 
 
 def _say_what_was_put_back(e: BaseException, src: TorchSource, devices: Sequence[int], before: Mapping[int, int],

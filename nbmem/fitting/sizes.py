@@ -35,7 +35,7 @@ QUADRATIC_SLOPE_GAIN = 0.01
 #: Local exponents (log size ratio over log value ratio) this close are one power law, not a step.
 POWER_AGREEMENT = 0.25
 #: The last three values' steady growth is the growth beyond them only where they span this factor or more:
-#: the fit's runs stop once the answer is less than 1.5× beyond the largest (runner.REFINE_FACTOR), so the
+#: the fit's runs stop once the answer is less than 1.5× beyond the largest (nearby.REFINE_FACTOR), so the
 #: stretch measured is as long as the one predicted; and the runner's runs near the answer, each at least
 #: 1.25× the last, always span it (2× missed a CNN's 286, 447, 571 on the H100: 1.997×).
 NEAR_SPAN = 1.5

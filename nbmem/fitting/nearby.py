@@ -1,0 +1,169 @@
+"""The fit's runs near its answer: more runs while the prediction lies far beyond the values run (``refine``),
+then two steps in a row at the answer itself (``confirm``).
+
+The allocator model replays the runs' allocations, scaled to the value, through the caching allocator's rules;
+where single blocks are a large part of the room, where in the segments they land (cudaMalloc's addresses,
+the segments the previous step left split) decides whether the second of two steps finds a free stretch for
+its largest block, and neither placement the model tries need be the driver's. Two steps at the answer, the
+second with the first one's results still bound, as when the user runs the cell again, is the case a user
+meets; where it runs out of memory, the answer is capped with the margin a prediction keeps.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from nbmem.fitting.hostroom import HostWatch
+from nbmem.fitting.multigpu import RunSet
+from nbmem.fitting.prediction import FitResult
+from nbmem.fitting.progress import FitProgress
+from nbmem.fitting.search import halfway_within
+
+
+class _Body(Protocol):
+    """What of the runner's body these runs use (the runner imports this module, not the other way)."""
+
+    name: str  # and ``run``, the body, which ``_steps`` swaps for a while
+    ran: int
+    notes: list[str]
+    durations: dict[int, float]
+    progress: FitProgress | None
+    host: HostWatch | None
+
+    def once(self, value: int, counted: bool) -> tuple[RunSet, str]: ...
+
+    def analyse(self, runs: list[RunSet], cell_files: frozenset[str]) -> FitResult: ...
+
+#: A prediction this far beyond the largest value run is checked by another run, halfway to it ...
+REFINE_FACTOR = 1.5
+#: ... at most this many times ...
+REFINE_RUNS = 3
+#: ... and never a run that would take longer than this (its time scaled from the largest run's).
+REFINE_SECONDS = 30.0
+#: Steps in a row at the answer: the second meets what the first left bound, as a cell run again does.
+CONFIRM_STEPS = 2
+#: At most this many such checks (one more at the lower answer a failed one leaves).
+CONFIRM_TRIES = 2
+#: The runs a fit's plan counts for them (``progress.planned_runs``): each step is a run of the body.
+CONFIRM_RUNS = CONFIRM_STEPS * CONFIRM_TRIES
+
+
+def refine(body: _Body, runs: list[RunSet], cell_files: frozenset[str]) -> FitResult | None:
+    """More counted runs far from the small values while the prediction lies far beyond them: kernels change
+    their buffers with size (chunked products, buffers sized by the data), and a point near the answer shows
+    it. Each run is halfway from the largest value run to the prediction, so it is predicted to fit with room
+    to spare; an out-of-memory there is caught, and the prediction stays below it. The analysis (largest value
+    only) of the runs as they stand at the end, so the caller need not make it again; None after an
+    out-of-memory run."""
+    name, notes, durations = body.name, body.notes, body.durations
+    made = executed = 0
+    first: int | None = None
+    res: FitResult | None = body.analyse(runs, cell_files)
+    ok = [r.value for r in runs if r.counted and not r.oom]
+    if (body.progress is not None and res is not None and res.largest_value is not None and ok
+            and res.largest_value >= REFINE_FACTOR * max(ok)):
+        # the runs this makes at most (as the loop below chooses them), each within its time budget
+        top, took, v = max(ok), durations.get(max(ok), 0.0), max(ok)
+        plan: list[int] = []
+        while len(plan) < REFINE_RUNS and res.largest_value >= REFINE_FACTOR * v:
+            v = halfway_within(v, res.largest_value, took * v / top, REFINE_SECONDS)
+            if v <= top or (plan and v <= plan[-1]):
+                break
+            plan.append(v)
+        body.progress.ahead(plan, "the runs near the answer")
+    while res is not None and executed < REFINE_RUNS:
+        ok = [r.value for r in runs if r.counted and not r.oom]
+        top = max(ok)
+        if res.largest_value is None or res.largest_value < REFINE_FACTOR * top:
+            break
+        first = res.largest_value if first is None else first
+        value = halfway_within(top, res.largest_value, durations.get(top, 0.0), REFINE_SECONDS)
+        if value <= top:
+            break
+        trace, oom = body.once(value, True)
+        runs.append(trace)
+        made += 1
+        executed += 1
+        if oom:
+            notes.append(f"the run at {name}={value:,} ran out of memory ({oom}): the prediction stays below it")
+            res = None
+            break
+        checked = body.analyse(runs, cell_files)
+        if checked.method != "timeline":
+            # Its allocations do not line up with the others' (another algorithm at this size): the model of the
+            # runs that do line up stands (``res``, of the runs before it), rather than a peak scaled from one run.
+            runs.pop()
+            made -= 1
+            notes.append(f"a run at {name}={value:,} allocated differently from the others (another algorithm at "
+                         "that size) and was left out of the model")
+            break
+        res = checked
+    if body.progress is not None:
+        body.progress.ahead([], "")  # said of these runs only
+    if made:
+        at = ", ".join(f"{r.value:,}" for r in runs[-made:])
+        notes.append(f"the small runs predicted {first:,}: {made} more run{'s' if made > 1 else ''} ({name}={at}) "
+                     "checked the growth nearer the answer")
+    return res
+
+
+def confirm(body: _Body, runs: list[RunSet], res: FitResult | None, cell_files: frozenset[str],
+            max_value: int | None = None) -> FitResult | None:
+    """The answer (``res``, of ``runs``; None: analyse them) run: ``CONFIRM_STEPS`` steps in a row at it, traced,
+    not counted. Where they run out of memory, their run joins ``runs`` as a failed one, which caps the answer
+    with the prediction's margin below what the model gives that value, and the lower answer is run in turn
+    (``CONFIRM_TRIES`` in all). Not where a run has already failed, where the answer is no larger than a value
+    run, or where the steps would take longer than ``REFINE_SECONDS`` (the note says so). The analysis of
+    ``runs`` as they stand at the end (largest value only)."""
+    if any(r.oom for r in runs):
+        return res
+    name, notes = body.name, body.notes
+    for _ in range(CONFIRM_TRIES):
+        res = res if res is not None else body.analyse(runs, cell_files)
+        ok = [r.value for r in runs if r.counted and not r.oom]
+        if res.largest_value is None or not ok:
+            return res
+        value, top = res.largest_value if max_value is None else min(res.largest_value, max_value), max(ok)
+        if value <= top or (body.host is not None and body.host.over(value, name)):
+            return res
+        took = CONFIRM_STEPS * body.durations.get(top, 0.0) * value / top
+        if took > REFINE_SECONDS:
+            notes.append(f"the answer was not run: {CONFIRM_STEPS} steps at {name}={value:,} would take about "
+                         f"{took:.0f} s")
+            return res
+        if body.progress is not None:
+            body.progress.ahead([value] * CONFIRM_STEPS, "the check at the answer")
+        got, oom = _steps(body, value)
+        if body.progress is not None:
+            body.progress.ahead([], "")
+        if not oom:
+            notes.append(f"checked: {CONFIRM_STEPS} steps in a row at {name}={value:,}, the answer, ran (the second "
+                         "with the first one's results still bound, as when the cell runs again)")
+            return res
+        runs.append(got)
+        notes.append(f"{CONFIRM_STEPS} steps in a row at {name}={value:,}, the model's answer, ran out of memory "
+                     f"({oom}): the answer keeps the margin below what the model gives that value")
+        res = None
+    return res if res is not None else body.analyse(runs, cell_files)
+
+
+def _steps(body: _Body, value: int) -> tuple[RunSet, str]:
+    """``CONFIRM_STEPS`` runs of the body at ``value`` under one trace, the namespace put back only after the last;
+    their host bytes are not a run's (the host model's points are single runs)."""
+    one = getattr(body, "run")  # noqa: B009
+
+    def steps(v: int) -> None:
+        for _ in range(CONFIRM_STEPS):
+            one(v)
+
+    setattr(body, "run", steps)  # noqa: B010 (the runner's dataclass field; mypy reads it as read-only)
+    try:
+        return body.once(value, False)
+    finally:
+        setattr(body, "run", one)  # noqa: B010
+        body.ran += CONFIRM_STEPS - 1  # ``once`` counts one start of the body
+        if body.host is not None and body.host.uses:
+            body.host.uses.pop()
+
+
+__all__ = ["CONFIRM_RUNS", "REFINE_FACTOR", "REFINE_RUNS", "REFINE_SECONDS", "confirm", "refine"]

@@ -1,0 +1,117 @@
+"""Two steps in a row at a fit's answer (issue 36), on the CPU with CUDA stood in for: the second step runs with
+the first one's results still bound, as when the user runs the cell again; where the two run out of memory, the
+answer is capped with the prediction's margin below the value that failed, and the lower answer is run in turn."""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from nbmem.fitting import nearby, runner, torchcheck  # noqa: E402
+from nbmem.fitting.model import RunTrace  # noqa: E402
+from nbmem.fitting.multigpu import RunSet  # noqa: E402
+from tests.test_fit_remedies import FakeSource, FakeTorch  # noqa: E402
+
+MiB = 1 << 20
+
+
+class Notebook:
+    """A cell's namespace and its body: each step binds ``out``; ``clean`` is the fit putting the namespace back."""
+
+    def __init__(self) -> None:
+        self.ns: dict[str, Any] = {}
+        self.steps: list[tuple[int, bool]] = []  # (value, whether the last step's ``out`` was still bound)
+
+    def step(self, b: int) -> None:
+        self.steps.append((b, "out" in self.ns))
+        self.ns["out"] = b
+
+    def clean(self) -> None:
+        self.ns.clear()
+
+
+@pytest.fixture
+def stand_in(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Each run's trace: an input of 1 MiB and activations of 8 MiB per sample. Two steps in a row at
+    ``oom_from`` or more run out of memory (what the allocator model does not see: the second step's block finds
+    no free stretch), one step never does."""
+    seen: dict[str, Any] = {"runs": [], "oom_from": None, "book": None}
+    addrs = itertools.count(1)
+
+    def one_run(run: Any, value: int, counted: bool, src: Any, devs: list[int], stacks: bool,
+                max_entries: int) -> Any:
+        book = seen["book"]
+        before = len(book.steps)
+        run(value)
+        steps = len(book.steps) - before
+        seen["runs"].append((value, steps))
+        x, act = next(addrs) << 32, next(addrs) << 32
+        entries = [{"action": "alloc", "addr": x, "size": value * MiB},
+                   {"action": "alloc", "addr": act, "size": value * 8 * MiB},
+                   {"action": "free_requested", "addr": act, "size": value * 8 * MiB},
+                   {"action": "free_requested", "addr": x, "size": value * MiB}]
+        if steps > 1 and seen["oom_from"] is not None and value >= seen["oom_from"]:
+            oom = "CUDA out of memory. Tried to allocate 904.00 MiB"
+            return RunSet.single(RunTrace(value, entries[:1], counted, 0, 0, oom=True)), oom
+        return RunSet.single(RunTrace(value, entries, counted, 0, 0)), ""
+
+    monkeypatch.setattr(runner, "_torch", lambda: FakeTorch())
+    monkeypatch.setattr(torchcheck, "_torch", lambda: FakeTorch())
+    monkeypatch.setattr(runner, "_one_run", one_run)
+    monkeypatch.setattr(runner, "free_cached", lambda src, devs, **kw: None)
+    return seen
+
+
+def fit(stand_in: dict[str, Any], margin_bytes: int, **kw: Any) -> tuple[Any, Notebook]:
+    book = stand_in["book"] = Notebook()
+    res = runner.fit(book.step, [8, 16, 32], source=FakeSource(), name="batch", clean=book.clean,  # type: ignore[arg-type]
+                     margin_bytes=margin_bytes, restore=False, **kw)
+    return res, book
+
+
+def test_the_answer_is_run_twice_in_a_row_with_the_first_steps_results_bound_and_stands_where_it_fits(
+        stand_in: dict[str, Any]) -> None:
+    res, book = fit(stand_in, 0)
+    assert res.largest_value is not None
+    # 9 MiB per sample in 1 GiB: 113 by the allocator's rounding (114 MiB and 904 MiB segments)
+    assert res.largest_value == 113
+    assert stand_in["runs"][-1] == (113, 2), "the last run: two steps at the answer"
+    assert all(n == 1 for _, n in stand_in["runs"][:-1]), "every other run one step"
+    assert book.steps[-2:] == [(113, False), (113, True)], "the second step with the first one's `out` still bound"
+    assert any(n.startswith("checked: 2 steps in a row at batch=113, the answer, ran") for n in res.notes)
+    assert res.steps_run == len(book.steps), "each of the two steps is a step of the body"
+    assert not book.ns, "the namespace put back after the two steps too"
+
+
+def test_two_steps_that_run_out_of_memory_cap_the_answer_with_the_margin_and_the_lower_answer_is_run(
+        stand_in: dict[str, Any]) -> None:
+    plain, _ = fit(stand_in, 64 * MiB)
+    stand_in["runs"].clear()
+    stand_in["oom_from"] = plain.largest_value - 2
+    res, book = fit(stand_in, 64 * MiB)
+    assert res.largest_value is not None and res.largest_value < stand_in["oom_from"], "never the value that failed"
+    assert res.largest_value >= 0.9 * plain.largest_value, "the margin below it, not a search from scratch"
+    two = [(v, n) for v, n in stand_in["runs"] if n == 2]
+    assert two == [(plain.largest_value, 2), (res.largest_value, 2)], "the answer, then the capped answer, run"
+    assert any(f"2 steps in a row at batch={plain.largest_value:,}, the model's answer, ran out of memory" in n
+               for n in res.notes)
+    assert any(n.startswith(f"checked: 2 steps in a row at batch={res.largest_value:,}") for n in res.notes)
+    assert not book.ns
+
+
+def test_the_answer_is_not_run_where_two_steps_would_take_too_long(
+        stand_in: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(nearby, "REFINE_SECONDS", 0.0)  # any step takes longer than this
+    res, _ = fit(stand_in, 0)
+    assert all(n == 1 for _, n in stand_in["runs"]), "no two steps in a row"
+    assert any(n.startswith("the answer was not run: 2 steps at batch=") for n in res.notes)
+
+
+def test_another_gpus_answer_is_not_run_here(stand_in: dict[str, Any]) -> None:
+    res, _ = fit(stand_in, 0, on="24GiB", own_used=lambda d: 500 * MiB)
+    assert res.largest_value is not None
+    assert all(n == 1 for _, n in stand_in["runs"]), "the answer for another GPU is not run on this one"
