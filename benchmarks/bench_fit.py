@@ -946,7 +946,9 @@ def offload_main(torch: Any, fitting: Any, host_gib: float, started: float) -> i
         return not why
 
     t = time.perf_counter()
-    real, real_hi = boundary(three_in_a_row, res.largest_value or values[-1])
+    # to the sample: where the host limits it, the boundary is a step (each pinned block doubles at a power of two),
+    # and one percent short of it is not where it is
+    real, real_hi = boundary(three_in_a_row, res.largest_value or values[-1], rel=0.0)
     t_real = time.perf_counter() - t
     hit = ("host memory" if res.host is not None and res.host.limits else "the GPU") if res.largest_value else "none"
     failed_at = how.get(real_hi or -1, "")

@@ -4,6 +4,8 @@ a search that never runs a value predicted not to fit on the host."""
 from __future__ import annotations
 
 import itertools
+import math
+import random
 from typing import Any
 
 import pytest
@@ -78,6 +80,61 @@ def test_pinned_bytes_are_bounded_by_the_power_of_two_a_block_can_round_up_to() 
         assert PinnedHost.need(v) <= need.at(v), v
     fixed = H.host_need([HostUse(8, 64 * MiB, 0), HostUse(16, 64 * MiB, 0), HostUse(32, 64 * MiB, 0)])
     assert fixed is not None and fixed.pinned_fixed and fixed.at(10_000) == 64 * MiB
+
+
+def _pow2(n: float) -> int:
+    return 1 << max(0, math.ceil(math.log2(max(n, 1))))
+
+
+def test_a_fixed_part_of_the_pinned_pool_is_not_scaled_by_the_power_of_two_bound() -> None:
+    """save_on_cpu packs the weights a layer saves as well as its activations: an MLP of 6 × 4096² Linear and GELU
+    layers has 13 blocks of 16 KiB × batch and 384 MiB of weights in the pool (the H100's bench row)."""
+    def pool(b: int) -> int:
+        return 384 * MiB + 13 * _pow2(16 * 1024 * b)
+
+    runs = [1024, 1024, 2048, 4096, 18_432, 27_648, 41_472]
+    need = H.host_need([HostUse(v, pool(v), 0, counted=k > 0) for k, v in enumerate(runs)])
+    assert need is not None and need.pinned_floor_bytes == 384 * MiB
+    assert need.at(65_536) == pool(65_536), "13 blocks of 1 GiB and the weights, not 16 × the pool at 4,096"
+    assert need.at(65_537) == pool(65_537)
+    for v in range(1, 140_000, 97):
+        assert pool(v) <= need.at(v), v
+    # one pair a power of two apart cannot tell a fixed part from blocks of a × v + c: no floor
+    assert H.host_need([HostUse(v, pool(v), 0) for v in (1024, 2048, 3000)]).pinned_floor_bytes == 0  # type: ignore[union-attr]
+
+
+def test_a_block_that_has_not_grown_yet_is_no_fixed_part_where_a_run_shows_it_growing() -> None:
+    """A block of 3 KiB × v + 1 MiB is 2 MiB at 16, 32 and 64 (it looks fixed) and 4 MiB from 342 on: the run at
+    400 does not show the bound's growth from 16, so there is no floor, and the bound holds beyond. (Where no run
+    reaches the value at which such a block starts to grow, it is taken as fixed: the host margin is all there is.)"""
+    def pool(v: int) -> int:
+        return 64 * MiB + _pow2(4096 * v) + _pow2(3072 * v + MiB)
+
+    assert H.host_need([HostUse(v, pool(v), 0) for v in (16, 32, 64, 182)]).pinned_floor_bytes > 64 * MiB  # type: ignore[union-attr]
+    need = H.host_need([HostUse(v, pool(v), 0) for v in (16, 32, 64, 400)])
+    assert need is not None and need.pinned_floor_bytes == 0
+    for v in range(1, 20_000, 7):
+        assert pool(v) <= need.at(v), v
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_pinned_bound_with_a_fixed_part_never_falls_below_the_pool(seed: int) -> None:
+    """What save_on_cpu packs: activations (a × v bytes each, rounded up to powers of two) and weights (fixed), with
+    runs at three values a power of two apart and some between: at any value the bound is at or above the pool."""
+    rng = random.Random(seed)
+    blocks = [(rng.choice([0.5, 1, 3, 4, 7, 16]) * 1024, 0) for _ in range(rng.randint(1, 6))] + [
+        (0, rng.choice([4096, 1 << 20, 3 << 20, 64 * MiB])) for _ in range(rng.randint(0, 3))]
+    fixed = rng.choice([0, 64 * MiB, 384 * MiB])
+
+    def pool(v: int) -> int:
+        return fixed + sum(_pow2(a * v + c) for a, c in blocks)
+
+    base = rng.choice([8, 16, 100, 1024])
+    values = [base, 2 * base, 4 * base] + [int(base * rng.uniform(4.1, 30)) for _ in range(rng.randint(0, 3))]
+    need = H.host_need([HostUse(v, pool(v), 0) for v in values])
+    assert need is not None
+    for v in range(1, 400 * base, max(1, base // 4)):
+        assert pool(v) <= need.at(v), (v, blocks, fixed, need.pinned_floor_bytes)
 
 
 def test_host_growth_below_noise_is_no_limit() -> None:

@@ -84,13 +84,51 @@ class HostNeed:
     pageable: Any  # a ``SizeModel`` through the heap growth, or None where it does not grow
     pinned_fixed: bool  # the pool was the same at values spanning 2× or more: a buffer, not growth
     how: str
+    pinned_floor_bytes: int = 0  # of each run's pool, the part that does not grow (``pinned_floor``)
 
     def at(self, value: int) -> int:
         pinned = 0
         if self.pinned:
+            floor = self.pinned_floor_bytes
             pinned = (max(b for _, b in self.pinned) if self.pinned_fixed else
-                      min(b * _pow2_ceil(value / v) for v, b in self.pinned))
+                      floor + min((b - floor) * _pow2_ceil(value / v) for v, b in self.pinned))
         return pinned + (self.pageable.at(value) if self.pageable is not None else 0)
+
+
+#: Runs a power of two apart agree on the pool's fixed part to within this fraction of the smaller pools.
+FLOOR_AGREEMENT = 0.01
+
+
+def pinned_floor(points: Sequence[tuple[int, int]]) -> int:
+    """The part of the pinned pool that does not grow with the value (``save_on_cpu`` packs the weights a layer
+    saves too: 384 MiB of an MLP's 592 MiB at 1,024), which the power-of-two bound must not scale.
+
+    Blocks proportional to the value, each rounded up to a power of two, double exactly when the value doubles:
+    between runs at v and 2^j × v the pool grows by (2^j − 1) × its growing part at v, and what is left is fixed.
+    It is taken only where two or more pairs of runs a power of two apart agree on it, and every run at a larger
+    value shows the growing part of the smallest such run scaled by exactly that bound (``FLOOR_AGREEMENT``):
+    else 0. A block of a × v + c grows by less than the bound, and one that has not grown yet looks fixed: a run
+    where it has started to grow, or where blocks are not powers of two at the smallest value, shows it; where
+    no run reaches that value, the host margin is what is left (save_on_cpu packs activations, a × v, and
+    weights, c: not such blocks)."""
+    est = []
+    for i, (va, ba) in enumerate(points):
+        for vb, bb in points[i + 1:]:
+            j = (vb // va).bit_length() - 1 if va > 0 and vb % va == 0 else 0
+            if j >= 1 and va << j == vb:
+                est.append((((1 << j) * ba - bb) / ((1 << j) - 1), va, min(ba, bb)))
+    if len(est) < 2:
+        return 0
+    floors = [f for f, _, _ in est]
+    if min(floors) < 0 or max(floors) - min(floors) > FLOOR_AGREEMENT * min(b for _, _, b in est):
+        return 0
+    floor = min(min(floors), min(b for _, b in points))
+    base = min(v for _, v, _ in est)
+    grows = dict(points)[base] - floor
+    for v, b in points:
+        if v >= base and abs(b - floor - grows * _pow2_ceil(v / base)) > FLOOR_AGREEMENT * b:
+            return 0
+    return int(floor)
 
 
 def _pow2_ceil(ratio: float) -> int:
@@ -124,7 +162,8 @@ def host_need(uses: Sequence[HostUse]) -> HostNeed | None:
     hows = (["pinned memory (the CUDA host allocator's statistics)"] if grows_pinned else []) + (
         [f"pageable memory ({'the C heap' if heap_bytes is not None else 'RSS'})"] if grows_heap else [])
     return HostNeed(tuple(sorted(pinned.items())) if grows_pinned else (),
-                    fit_size(points) if grows_heap else None, fixed, " and ".join(hows))
+                    fit_size(points) if grows_heap else None, fixed, " and ".join(hows),
+                    pinned_floor(sorted(pinned.items())) if grows_pinned and not fixed else 0)
 
 
 @dataclass(frozen=True, slots=True)
