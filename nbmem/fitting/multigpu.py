@@ -205,15 +205,15 @@ def give_back_workspaces(src: TorchSource, before: Mapping[int, int],
     over = any(after[d] > before[d] for d in devices)
     if not over and not (cleared and any(after[d] < before[d] for d in devices)):
         return after, None
-    # Short after an earlier clear: the runs since made some of their own, likely not the user's kinds: all go.
-    if not src.clear_cublas_workspaces():
-        return after, None
-    # The garbage went before ``after`` was read, so what is missing now (never more than the clear freed, as
-    # more than ``before`` was held) is the user's workspaces.
-    free_cached(src, devices)
-    after = {d: allocated_reserved(src, d)[0] for d in devices}
-    if any(after[d] > before[d] for d in devices):  # something else is kept: the caller says so
-        return after, "cuBLAS's workspaces were given back as well; torch makes them at the next matrix product"
+    if over:
+        if not src.clear_cublas_workspaces():
+            return after, None
+        # The garbage went before ``after`` was read, so what is missing now (never more than the clear freed, as
+        # more than ``before`` was held) is the user's workspaces.
+        free_cached(src, devices)
+        after = {d: allocated_reserved(src, d)[0] for d in devices}
+        if any(after[d] > before[d] for d in devices):  # something else is kept: the caller says so
+            return after, "cuBLAS's workspaces were given back as well; torch makes them at the next matrix product"
     missing = [d for d in devices if after[d] < before[d]]
     if not missing:
         return after, None
