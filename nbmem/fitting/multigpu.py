@@ -191,29 +191,25 @@ def left_allocated(before: Mapping[int, int], after: Mapping[int, int], workspac
 
 
 # -- cuBLAS's workspaces ------------------------------------------------------------------------------------
-def give_back_workspaces(src: TorchSource, before: Mapping[int, int],
-                         cleared: bool = False) -> tuple[dict[int, int], str | None]:
+def give_back_workspaces(src: TorchSource, before: Mapping[int, int]) -> tuple[dict[int, int], str | None]:
     """cuBLAS keeps a workspace per handle, stream and device from its first matrix product on: where runs made
     them (more is allocated on a device than ``before``), they go again, on every device at once (torch can only
     clear them all), and the user's own are made again on each device that had them. The bytes allocated after,
     per device, and a line for the report where that could not be done exactly. A workspace left in place also
     pins the segment it was made in: a cache emptied around it keeps that segment, and a later run's large
-    blocks cannot use its free part (716 MiB of a 748 MiB segment, seen). ``cleared``: the fit gave them all back
-    on its way (``clear_workspaces``), so a device with less than ``before`` lost the user's then."""
+    blocks cannot use its free part (716 MiB of a 748 MiB segment, seen)."""
     devices = sorted(before)
     after = {d: allocated_reserved(src, d)[0] for d in devices}
-    over = any(after[d] > before[d] for d in devices)
-    if not over and not (cleared and any(after[d] < before[d] for d in devices)):
+    if all(after[d] <= before[d] for d in devices):
         return after, None
-    if over:
-        if not src.clear_cublas_workspaces():
-            return after, None
-        # The garbage went before ``after`` was read, so what is missing now (never more than the clear freed, as
-        # more than ``before`` was held) is the user's workspaces.
-        free_cached(src, devices)
-        after = {d: allocated_reserved(src, d)[0] for d in devices}
-        if any(after[d] > before[d] for d in devices):  # something else is kept: the caller says so
-            return after, "cuBLAS's workspaces were given back as well; torch makes them at the next matrix product"
+    if not src.clear_cublas_workspaces():
+        return after, None
+    # The garbage went before ``after`` was read, so what is missing now (never more than the clear freed, as
+    # more than ``before`` was held) is the user's workspaces.
+    free_cached(src, devices)
+    after = {d: allocated_reserved(src, d)[0] for d in devices}
+    if any(after[d] > before[d] for d in devices):  # something else is kept: the caller says so
+        return after, "cuBLAS's workspaces were given back as well; torch makes them at the next matrix product"
     missing = [d for d in devices if after[d] < before[d]]
     if not missing:
         return after, None
@@ -229,15 +225,6 @@ def give_back_workspaces(src: TorchSource, before: Mapping[int, int],
         return after, ("cuBLAS's workspaces were given back and yours could not be made again exactly; torch "
                        "makes them at the next matrix product")
     return after, None
-
-
-def clear_workspaces(src: TorchSource, devices: Sequence[int]) -> bool:
-    """Every cuBLAS workspace given back, the user's too (made again by ``give_back_workspaces(..., cleared=True)``
-    at the end of the fit); whether torch could."""
-    if not src.clear_cublas_workspaces():
-        return False
-    free_cached(src, devices)
-    return True
 
 
 def _remake_workspaces(src: TorchSource, devices: Sequence[int], before: Mapping[int, int],
@@ -267,6 +254,6 @@ def _remake_workspaces(src: TorchSource, devices: Sequence[int], before: Mapping
     return {d: allocated_reserved(src, d)[0] for d in devices}
 
 
-__all__ = ["NOTHING_ON_CUDA", "RunSet", "allocated_reserved", "analyse_devices", "clear_workspaces",
-           "context_devices", "free_cached", "give_back_workspaces", "gpu_name", "left_allocated", "on_target",
-           "read_room", "synchronize", "used_devices"]
+__all__ = ["NOTHING_ON_CUDA", "RunSet", "allocated_reserved", "analyse_devices", "context_devices", "free_cached",
+           "give_back_workspaces", "gpu_name", "left_allocated", "on_target", "read_room", "synchronize",
+           "used_devices"]

@@ -35,7 +35,6 @@ from nbmem.fitting.multigpu import (
     RunSet,
     allocated_reserved,
     analyse_devices,
-    clear_workspaces,
     context_devices,
     free_cached,
     give_back_workspaces,
@@ -122,7 +121,7 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
     failed: BaseException | None = None
     before: dict[int, int] = {}
     try:
-        before = body.measure()
+        before = body.start = body.measure()
         refined = None if _runs(body, vals, warmup, runs, skipped, cell_files) else _refine(body, runs, cell_files)
         if target is None:  # another GPU's answer is not this one's to run
             refined = confirm(body, runs, refined, cell_files, max_value)
@@ -156,7 +155,7 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
                 body.host.close()
             if ended_well:
                 before = {d: before.get(d, 0) for d in devs}  # a device the runs were first to use had nothing on it
-                after, workspaces = give_back_workspaces(src, before, bool(body.cleared))
+                after, workspaces = give_back_workspaces(src, before)
                 if held.pressed:  # the fit stops, as asked, now that everything is back, and says so
                     failed = stopped = KeyboardInterrupt()
             if failed is not None:
@@ -244,7 +243,7 @@ def _measure_remedies(body: _Body, candidates: Sequence[remedies.Candidate], val
     for c in candidates:
         sub = _Body(c.wrap(body.run), body.src, list(body.devs), False, body.max_entries, body.clean, name, [],
                     margin_bytes=body.margin_bytes, host=body.host.fresh() if body.host is not None else None,
-                    cleared=body.cleared)
+                    start=body.start)
         runs: list[RunSet] = []
         started = time.perf_counter()
         try:
@@ -357,15 +356,13 @@ class _Body:
     compiled: list[int] = field(default_factory=list)  # values whose first run compiled a graph (run again)
     lost: dict[int, int] = field(default_factory=dict)  # device -> what went outside the allocator in the runs
     host: HostWatch | None = None  # each run's host bytes, and the room there
-    cleared: list[bool] = field(default_factory=list)  # the fit gave every cuBLAS workspace back on its way
+    start: dict[int, int] = field(default_factory=dict)  # what was allocated on each device before the fit
 
     def as_after_the_fit(self) -> None:
-        """cuBLAS's workspaces given back, as the fit leaves them: the user's next step makes them again halfway
-        through, where one can pin a segment its large blocks would have used. The user's own go too (the runs'
-        optimizer state and gradients are still there, so bytes cannot tell which are whose): the fit makes them
-        again at its end; a step that makes them is, if anything, less room than the user's next one."""
-        if clear_workspaces(self.src, self.every_device()):
-            self.cleared.append(True)
+        """The cuBLAS workspaces the runs made given back, as the fit leaves them: the user's next step makes them
+        again halfway through, where one can pin a segment its large blocks would have used."""
+        if self.start:
+            give_back_workspaces(self.src, {d: self.start.get(d, 0) for d in self.every_device()})
 
     def measure(self) -> dict[int, int]:
         """Each device's room, read after the cache is given back; what is allocated on each before the runs."""
