@@ -121,7 +121,7 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
     failed: BaseException | None = None
     before: dict[int, int] = {}
     try:
-        before = body.start = body.measure()
+        before = body.measure()
         refined = None if _runs(body, vals, warmup, runs, skipped, cell_files) else _refine(body, runs, cell_files)
         if target is None:  # another GPU's answer is not this one's to run
             refined = confirm(body, runs, refined, cell_files, max_value)
@@ -242,8 +242,7 @@ def _measure_remedies(body: _Body, candidates: Sequence[remedies.Candidate], val
     out: list[Remedy] = []
     for c in candidates:
         sub = _Body(c.wrap(body.run), body.src, list(body.devs), False, body.max_entries, body.clean, name, [],
-                    margin_bytes=body.margin_bytes, host=body.host.fresh() if body.host is not None else None,
-                    start=body.start)
+                    margin_bytes=body.margin_bytes, host=body.host.fresh() if body.host is not None else None)
         runs: list[RunSet] = []
         started = time.perf_counter()
         try:
@@ -356,13 +355,6 @@ class _Body:
     compiled: list[int] = field(default_factory=list)  # values whose first run compiled a graph (run again)
     lost: dict[int, int] = field(default_factory=dict)  # device -> what went outside the allocator in the runs
     host: HostWatch | None = None  # each run's host bytes, and the room there
-    start: dict[int, int] = field(default_factory=dict)  # what was allocated on each device before the fit
-
-    def as_after_the_fit(self) -> None:
-        """The cuBLAS workspaces the runs made given back, as the fit leaves them: the user's next step makes them
-        again halfway through, where one can pin a segment its large blocks would have used."""
-        if self.start:
-            give_back_workspaces(self.src, {d: self.start.get(d, 0) for d in self.every_device()})
 
     def measure(self) -> dict[int, int]:
         """Each device's room, read after the cache is given back; what is allocated on each before the runs."""
