@@ -11,10 +11,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from nbmem.fitting import nearby, runner, torchcheck  # noqa: E402
+from nbmem.fitting import nearby, runner  # noqa: E402
 from nbmem.fitting.model import RunTrace  # noqa: E402
 from nbmem.fitting.multigpu import RunSet  # noqa: E402
-from tests.test_fit_remedies import FakeSource, FakeTorch  # noqa: E402
+from tests import test_fit_remedies  # noqa: E402
+from tests.test_fit_remedies import FakeSource  # noqa: E402
 
 MiB = 1 << 20
 
@@ -59,10 +60,8 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
             return RunSet.single(RunTrace(value, entries[:1], counted, 0, 0, oom=True)), oom
         return RunSet.single(RunTrace(value, entries, counted, 0, 0)), ""
 
-    monkeypatch.setattr(runner, "_torch", lambda: FakeTorch())
-    monkeypatch.setattr(torchcheck, "_torch", lambda: FakeTorch())
-    monkeypatch.setattr(runner, "_one_run", one_run)
-    monkeypatch.setattr(runner, "free_cached", lambda src, devs, **kw: None)
+    test_fit_remedies.stand_in.__wrapped__(monkeypatch)  # type: ignore[attr-defined]  # CUDA stood in for
+    monkeypatch.setattr(runner, "_one_run", one_run)  # with these runs
     return seen
 
 
