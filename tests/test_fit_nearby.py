@@ -11,11 +11,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from nbmem.fitting import multigpu, nearby, runner  # noqa: E402
+from nbmem.fitting import nearby, runner  # noqa: E402
 from nbmem.fitting.model import RunTrace  # noqa: E402
 from nbmem.fitting.multigpu import RunSet  # noqa: E402
 from tests import test_fit_remedies  # noqa: E402
-from tests.test_fit_remedies import FakeSource, OddWorkspaces, WorkspaceSource  # noqa: E402
+from tests.test_fit_remedies import FakeSource  # noqa: E402
 
 MiB = 1 << 20
 
@@ -114,44 +114,3 @@ def test_another_gpus_answer_is_not_run_here(stand_in: dict[str, Any]) -> None:
     res, _ = fit(stand_in, 0, on="24GiB", own_used=lambda d: 500 * MiB)
     assert res.largest_value is not None
     assert all(n == 1 for _, n in stand_in["runs"]), "the answer for another GPU is not run on this one"
-
-
-@pytest.mark.parametrize("users", [set(), {"cuBLASLt"}, {"this thread's cuBLAS", "the autograd thread's cuBLAS"}])
-def test_the_two_steps_start_with_the_users_workspaces_only_and_the_fit_ends_with_them(
-        stand_in: dict[str, Any], users: set[str]) -> None:
-    """The runs made every kind of cuBLAS workspace; the user's next step makes the ones the user did not have
-    again halfway through (where one can pin a large segment), and so do the two steps at the answer."""
-    src = WorkspaceSource(users)
-    before = src.read(0).allocated_bytes
-    seen: list[set[str]] = []
-    book = stand_in["book"] = Notebook()
-
-    def step(b: int) -> None:
-        seen.append(set(src.present))
-        book.step(b)
-        src.present |= set(WorkspaceSource.SIZES)  # each step's products make every kind
-
-    res = runner.fit(step, [8, 16, 32], source=src, name="batch", clean=book.clean,  # type: ignore[arg-type]
-                     margin_bytes=0, restore=False)
-    assert stand_in["runs"][-1][1] == 2, "the last run is the two steps at the answer"
-    assert seen[-2] == users, "the answer's first step starts with the user's workspaces, not the runs'"
-    assert src.present == users and src.read(0).allocated_bytes == before, "the fit ends with the user's, to the byte"
-    assert not any("workspaces" in n for n in res.notes), res.notes
-
-
-@pytest.mark.parametrize("users", [set(), {"cuBLASLt"}, {"this thread's cuBLAS", "the autograd thread's cuBLAS"},
-                                   set(WorkspaceSource.SIZES)])
-def test_the_users_workspaces_are_known_by_kind_before_the_runs(users: set[str]) -> None:
-    src = WorkspaceSource(users)
-    before = src.read(0).allocated_bytes
-    kinds, said = multigpu.users_workspaces(src, {0: before})  # type: ignore[arg-type]
-    assert said is None and kinds is not None and src.present == users and src.read(0).allocated_bytes == before
-    src.present |= set(WorkspaceSource.SIZES)  # the runs made every kind
-    multigpu.workspaces_as_the_user_had(src, [0], kinds)  # type: ignore[arg-type]
-    assert src.present == users
-
-
-def test_workspaces_that_cannot_be_made_again_leave_them_unknown_and_say_so() -> None:
-    src = OddWorkspaces({"another stream's"})
-    kinds, said = multigpu.users_workspaces(src, {0: src.read(0).allocated_bytes})  # type: ignore[arg-type]
-    assert kinds is None and said is not None and "could not be made again exactly" in said

@@ -214,7 +214,7 @@ def give_back_workspaces(src: TorchSource, before: Mapping[int, int]) -> tuple[d
     if not missing:
         return after, None
     try:
-        after, _ = _remake_workspaces(src, devices, before, missing)
+        after = _remake_workspaces(src, devices, before, missing)
     except Exception as e:
         src.clear_cublas_workspaces()
         free_cached(src, devices)
@@ -228,11 +228,11 @@ def give_back_workspaces(src: TorchSource, before: Mapping[int, int]) -> tuple[d
 
 
 def _remake_workspaces(src: TorchSource, devices: Sequence[int], before: Mapping[int, int],
-                       missing: Sequence[int]) -> tuple[dict[int, int], dict[int, tuple[str, ...]]]:
+                       missing: Sequence[int]) -> dict[int, int]:
     """Clearing cuBLAS's workspaces took the ones the user had before the fit too, on every device: make again,
     on each device that lost some, the fewest of them that bring its memory back to where it was (torch keeps no
     list of them). A wrong guess is undone by clearing them all, so the devices already settled are made again
-    after it. The bytes allocated after, per device, and the kinds made on each."""
+    after it. The bytes allocated after, per device."""
     kinds = src.CUBLAS_WORKSPACES
     settled: dict[int, tuple[str, ...]] = {}
 
@@ -251,50 +251,9 @@ def _remake_workspaces(src: TorchSource, devices: Sequence[int], before: Mapping
                 settled[d] = chosen
                 break
             undo()
-    return {d: allocated_reserved(src, d)[0] for d in devices}, settled
-
-
-def users_workspaces(src: TorchSource, before: Mapping[int, int]
-                     ) -> tuple[dict[int, tuple[str, ...]] | None, str | None]:
-    """Which of cuBLAS's workspaces the user has on each device (``before``: allocated there now, the cache given
-    back), found before a fit's runs: all given back, and the fewest kinds made again that bring each device back
-    to ``before``. So the fit can give back its runs' own later (``workspaces_as_the_user_had``) while the runs'
-    optimizer state and gradients make bytes no guide. None where torch cannot clear them or the user's could
-    not be made again exactly (then with the report's line)."""
-    devices = sorted(before)
-    if not devices or not src.clear_cublas_workspaces():
-        return None, None
-    free_cached(src, devices)
-    after = {d: allocated_reserved(src, d)[0] for d in devices}
-    missing = [d for d in devices if after[d] < before[d]]
-    if any(after[d] > before[d] for d in devices):
-        return None, None
-    if not missing:
-        return {}, None
-    try:
-        after, settled = _remake_workspaces(src, devices, before, missing)
-    except Exception as e:
-        src.clear_cublas_workspaces()
-        free_cached(src, devices)
-        return None, (f"cuBLAS's workspaces were given back, and making yours again failed ({type(e).__name__}: "
-                      f"{(str(e).splitlines() or [''])[0][:100]}); torch makes them at the next matrix product")
-    if after != dict(before):
-        return None, ("cuBLAS's workspaces were given back and yours could not be made again exactly; torch "
-                      "makes them at the next matrix product")
-    return settled, None
-
-
-def workspaces_as_the_user_had(src: TorchSource, devices: Sequence[int],
-                               users: Mapping[int, tuple[str, ...]]) -> None:
-    """Every cuBLAS workspace given back and the user's kinds (``users_workspaces``) made again: the runs' own go,
-    which sit wherever a run made them (halfway through a step at a large value: in a large segment they pin)."""
-    if src.clear_cublas_workspaces():
-        free_cached(src, devices)
-        for d, kinds in users.items():
-            for kind in kinds:
-                src.make_cublas_workspace(kind, d)
+    return {d: allocated_reserved(src, d)[0] for d in devices}
 
 
 __all__ = ["NOTHING_ON_CUDA", "RunSet", "allocated_reserved", "analyse_devices", "context_devices", "free_cached",
            "give_back_workspaces", "gpu_name", "left_allocated", "on_target", "read_room", "synchronize",
-           "used_devices", "users_workspaces", "workspaces_as_the_user_had"]
+           "used_devices"]

@@ -32,8 +32,6 @@ class _Body(Protocol):
 
     def once(self, value: int, counted: bool) -> tuple[RunSet, str]: ...
 
-    def as_after_the_fit(self) -> None: ...
-
     def analyse(self, runs: list[RunSet], cell_files: frozenset[str]) -> FitResult: ...
 
 #: A prediction this far beyond the largest value run is checked by another run, halfway to it ...
@@ -112,12 +110,11 @@ def refine(body: _Body, runs: list[RunSet], cell_files: frozenset[str]) -> FitRe
 def confirm(body: _Body, runs: list[RunSet], res: FitResult | None, cell_files: frozenset[str],
             max_value: int | None = None) -> FitResult | None:
     """The answer (``res``, of ``runs``; None: analyse them) run: ``CONFIRM_STEPS`` steps in a row at it, traced,
-    not counted, from the state the fit leaves (the runs' cuBLAS workspaces given back, so the first step makes
-    them again, as the user's next one will). Where they run out of memory, their run joins ``runs`` as a failed
-    one, which caps the answer with the prediction's margin below what the model gives that value, and the lower
-    answer is run in turn (``CONFIRM_TRIES`` in all). Not where a run has already failed, where the answer is no
-    larger than a value run, or where the steps would take longer than ``REFINE_SECONDS`` (the note says so).
-    The analysis of ``runs`` as they stand at the end (largest value only)."""
+    not counted. Where they run out of memory, their run joins ``runs`` as a failed one, which caps the answer
+    with the prediction's margin below what the model gives that value, and the lower answer is run in turn
+    (``CONFIRM_TRIES`` in all). Not where a run has already failed, where the answer is no larger than a value
+    run, or where the steps would take longer than ``REFINE_SECONDS`` (the note says so). The analysis of
+    ``runs`` as they stand at the end (largest value only)."""
     if any(r.oom for r in runs):
         return res
     name, notes = body.name, body.notes
@@ -136,7 +133,6 @@ def confirm(body: _Body, runs: list[RunSet], res: FitResult | None, cell_files: 
             return res
         if body.progress is not None:
             body.progress.ahead([value] * CONFIRM_STEPS, "the check at the answer")
-        body.as_after_the_fit()  # the state the user runs the cell in next
         got, oom = _steps(body, value)
         if body.progress is not None:
             body.progress.ahead([], "")
@@ -166,9 +162,6 @@ def _steps(body: _Body, value: int) -> tuple[RunSet, str]:
     finally:
         setattr(body, "run", one)  # noqa: B010
         body.ran += CONFIRM_STEPS - 1  # ``once`` counts one start of the body
-        # The workspaces the first step made sit in its large segments, which the cache cannot give back around
-        # them (0.7 GiB kept from the runs after, seen): they go, and the next run makes them in its own.
-        body.as_after_the_fit()
         if body.host is not None and body.host.uses:
             body.host.uses.pop()
 

@@ -45,8 +45,6 @@ from nbmem.fitting.multigpu import (
     room_now,
     synchronize,
     used_devices,
-    users_workspaces,
-    workspaces_as_the_user_had,
 )
 from nbmem.fitting.nearby import CONFIRM_RUNS, REFINE_RUNS, confirm
 from nbmem.fitting.nearby import refine as _refine
@@ -123,9 +121,6 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
     failed: BaseException | None = None
     before: dict[int, int] = {}
     try:
-        free_cached(src, body.devs)
-        body.users_ws, lost = users_workspaces(src, {d: allocated_reserved(src, d)[0] for d in body.devs})
-        notes += [lost] if lost else []
         before = body.measure()
         refined = None if _runs(body, vals, warmup, runs, skipped, cell_files) else _refine(body, runs, cell_files)
         if target is None:  # another GPU's answer is not this one's to run
@@ -247,8 +242,7 @@ def _measure_remedies(body: _Body, candidates: Sequence[remedies.Candidate], val
     out: list[Remedy] = []
     for c in candidates:
         sub = _Body(c.wrap(body.run), body.src, list(body.devs), False, body.max_entries, body.clean, name, [],
-                    margin_bytes=body.margin_bytes, host=body.host.fresh() if body.host is not None else None,
-                    users_ws=body.users_ws)
+                    margin_bytes=body.margin_bytes, host=body.host.fresh() if body.host is not None else None)
         runs: list[RunSet] = []
         started = time.perf_counter()
         try:
@@ -361,14 +355,6 @@ class _Body:
     compiled: list[int] = field(default_factory=list)  # values whose first run compiled a graph (run again)
     lost: dict[int, int] = field(default_factory=dict)  # device -> what went outside the allocator in the runs
     host: HostWatch | None = None  # each run's host bytes, and the room there
-    users_ws: dict[int, tuple[str, ...]] | None = None  # the user's cuBLAS workspaces by kind (None: not known)
-
-    def as_after_the_fit(self) -> None:
-        """cuBLAS's workspaces as the fit leaves them, the runs' own given back: the user's next step makes them
-        again halfway through, where one can pin a segment its large blocks would have used (a GPT-shaped model's
-        bf16 logits: two steps ran at 2,632 that the user could not run three times)."""
-        if self.users_ws is not None:
-            workspaces_as_the_user_had(self.src, self.every_device(), self.users_ws)
 
     def measure(self) -> dict[int, int]:
         """Each device's room, read after the cache is given back; what is allocated on each before the runs."""
