@@ -198,3 +198,22 @@ def test_kept_graphs_read_again_only_when_what_they_read_changed_give_the_rows_a
         for dev, n in h.scanner.storages.graph_totals(cur).items():
             whole[dev] = whole.get(dev, 0) + n
         assert h.tensor_bytes(cur) == whole, cell
+
+
+def test_kept_graphs_compare_by_identity_never_by_their_tensors() -> None:
+    """The scanner's cache key holds the walked graphs: comparing two walks of one storage must not run the tensors'
+    ``__eq__`` (user code, and elementwise for a plain tensor: "ambiguous" as a bool)."""
+    import weakref
+
+    torch = pytest.importorskip("torch")
+    from nbmem.holders.graphs import GraphState
+
+    class Hostile(torch.Tensor):  # type: ignore[name-defined]
+        def __eq__(self, other: object) -> Any:
+            raise AssertionError("the scan ran user code")
+
+        __hash__ = torch.Tensor.__hash__
+
+    a, b = torch.zeros(3).as_subclass(Hostile), torch.zeros(3).as_subclass(Hostile)
+    one, other = GraphState(weakref.ref(a), {1: ("cpu", 12)}), GraphState(weakref.ref(b), {1: ("cpu", 12)})
+    assert {7: one} != {7: other} and {7: one} == {7: one}

@@ -35,9 +35,10 @@ class Graph:
         return sum(self.saved.values())
 
 
-@dataclass
+@dataclass(eq=False)
 class GraphState:
-    """A walked graph, kept by the scanner between scans."""
+    """A walked graph, kept by the scanner between scans. Compared by identity (a graph walked again is another
+    one): by value, comparing its tensor's weak references would call the tensors' ``__eq__``."""
 
     tensor: weakref.ref[Any]  # the tensor whose grad_fn was walked
     saved: dict[int, tuple[str, int]]  # storage id -> (device, bytes)
