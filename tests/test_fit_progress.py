@@ -426,3 +426,28 @@ def test_only_an_interrupt_among_base_exceptions_is_told_what_was_put_back(raise
                                             "memory allocated is back where it was"] if raises is KeyboardInterrupt
                                            else [])
 
+
+
+def test_ctrl_c_while_a_run_is_being_undone_waits_until_the_namespace_is_back(stand_in: dict[str, Any]) -> None:
+    """A press while a run's cleanup puts the namespace back (a second press, after the one that stopped the body,
+    or the first): the cleanup finishes, then the fit stops, its training state put back."""
+    net, opt, weights, before, _ = seeded_net(stand_in)
+    ns: dict[str, Any] = {}
+    cleaned: list[bool] = []
+
+    def step(b: int) -> None:
+        ns["out"] = net(torch.randn(b, 8))
+        ns["out"].square().mean().backward()
+        opt.step()
+
+    def clean() -> None:
+        signal.raise_signal(signal.SIGINT)  # Python's own handler would raise here, halfway through
+        ns.clear()
+        cleaned.append(True)
+
+    with pytest.raises(KeyboardInterrupt):
+        runner.fit(step, [8, 16, 32], source=FakeSource(), name="batch", clean=clean, modules=[net],  # type: ignore[arg-type]
+                   optimizers=[opt], margin_bytes=0)
+    assert cleaned == [True] and not ns, "the run was undone, the namespace put back, before the fit stopped"
+    assert attrs(net) == before and all(torch.equal(w, p) for w, p in zip(weights, net.parameters(), strict=True))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler

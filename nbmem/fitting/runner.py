@@ -442,16 +442,19 @@ class _Body:
             freed_older = any(_frees_older_blocks(tr.entries) for tr in trace.traces.values())
             return trace, oom
         finally:
-            if self.host is not None:
-                self.host.after(value, counted, bool(oom))
-            self.durations[value] = time.perf_counter() - started
-            if self.clean is not None:
-                self.clean()
-            # A run that freed blocks older than itself can hide garbage of its own behind them: collect then.
-            free_cached(self.src, self.devs, unless_back_to=None if freed_older else start)
-            for d, room in list(self.rooms.items()):  # what the run's kernels took outside the allocator: no room
-                self.rooms[d], lost = room_now(self.src, d, room)
-                self.lost[d] = self.lost.get(d, 0) + lost
+            with interrupts_held() as held:  # a Ctrl-C (the first, or a second one) waits until the run is undone
+                if self.host is not None:
+                    self.host.after(value, counted, bool(oom))
+                self.durations[value] = time.perf_counter() - started
+                if self.clean is not None:
+                    self.clean()
+                # A run that freed blocks older than itself can hide garbage of its own behind them: collect then.
+                free_cached(self.src, self.devs, unless_back_to=None if freed_older else start)
+                for d, room in list(self.rooms.items()):  # what the kernels took outside the allocator: no room
+                    self.rooms[d], lost = room_now(self.src, d, room)
+                    self.lost[d] = self.lost.get(d, 0) + lost
+            if held.pressed:
+                raise KeyboardInterrupt
 
 
 def _frees_older_blocks(entries: Sequence[Mapping[str, Any]]) -> bool:
