@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from nbmem.fitting import hostroom as H
-from nbmem.fitting import runner
+from nbmem.fitting import nearby, runner
 from nbmem.fitting.hostroom import HostRoom, HostUse, HostWatch
 from nbmem.fitting.model import Room, RunTrace
 from nbmem.fitting.multigpu import RunSet
@@ -237,7 +237,7 @@ def fit_with(host: PinnedHost, host_room: HostRoom, vals: list[int]) -> tuple[An
     runs: list[RunSet] = []
     res = None
     if not runner._runs(body, vals, True, runs, [], frozenset()):
-        res = runner._refine(body, runs, frozenset())
+        res = nearby.refine(body, runs, frozenset())
     watch.close()
     final = H.with_host(analyse([r.traces[0] for r in runs], body.rooms[0], name="batch"), watch.fit(), "batch")
     assert res is None or res.largest_value == final.largest_value

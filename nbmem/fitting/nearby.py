@@ -147,6 +147,15 @@ def confirm(body: _Body, runs: list[RunSet], res: FitResult | None, cell_files: 
     return res if res is not None else body.analyse(runs, cell_files)
 
 
+def near_answer(body: _Body, runs: list[RunSet], stopped: bool, cell_files: frozenset[str], max_value: int | None,
+                here: bool) -> FitResult | None:
+    """The runs after the fit's schedule: ``refine`` unless the schedule ``stopped`` early (a value skipped, or an
+    out-of-memory), then ``confirm`` where the answer is for this machine's GPUs (``here``; not another GPU's).
+    The analysis of ``runs`` as they stand at the end (largest value only), or None where none was made."""
+    res = None if stopped else refine(body, runs, cell_files)
+    return confirm(body, runs, res, cell_files, max_value) if here else res
+
+
 def _steps(body: _Body, value: int) -> tuple[RunSet, str]:
     """``CONFIRM_STEPS`` runs of the body at ``value`` under one trace, the namespace put back only after the last;
     their host bytes are not a run's (the host model's points are single runs)."""
@@ -166,4 +175,4 @@ def _steps(body: _Body, value: int) -> tuple[RunSet, str]:
             body.host.uses.pop()
 
 
-__all__ = ["CONFIRM_RUNS", "REFINE_FACTOR", "REFINE_RUNS", "REFINE_SECONDS", "confirm", "refine"]
+__all__ = ["CONFIRM_RUNS", "REFINE_FACTOR", "REFINE_RUNS", "REFINE_SECONDS", "confirm", "near_answer", "refine"]

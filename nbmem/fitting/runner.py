@@ -46,8 +46,7 @@ from nbmem.fitting.multigpu import (
     synchronize,
     used_devices,
 )
-from nbmem.fitting.nearby import CONFIRM_RUNS, REFINE_RUNS, confirm
-from nbmem.fitting.nearby import refine as _refine
+from nbmem.fitting.nearby import CONFIRM_RUNS, REFINE_RUNS, near_answer
 from nbmem.fitting.prediction import FitResult, proportional_bound
 from nbmem.fitting.progress import FitProgress, Show, interrupts_held, planned_runs
 from nbmem.fitting.remedies import Remedy
@@ -122,9 +121,9 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
     before: dict[int, int] = {}
     try:
         before = body.measure()
-        refined = None if _runs(body, vals, warmup, runs, skipped, cell_files) else _refine(body, runs, cell_files)
-        if target is None:  # another GPU's answer is not this one's to run
-            refined = confirm(body, runs, refined, cell_files, max_value)
+        # another GPU's answer (``target``) is not this one's to run
+        refined = near_answer(body, runs, _runs(body, vals, warmup, runs, skipped, cell_files), cell_files,
+                              max_value, target is None)
         if want is not None and (candidates or left_out):
             # with the cell's lines as the sites, as refine's analyses and the final one have them
             plain = (refined if refined is not None and max_value is None and target is None else
@@ -248,9 +247,8 @@ def _measure_remedies(body: _Body, candidates: Sequence[remedies.Candidate], val
         try:
             with c.applied():
                 sub.measure()
-                refined = None if _runs(sub, vals, warmup, runs, [], frozenset()) else _refine(sub, runs, frozenset())
-                if on[0] is None:
-                    refined = confirm(sub, runs, refined, frozenset(), max_value)
+                refined = near_answer(sub, runs, _runs(sub, vals, warmup, runs, [], frozenset()), frozenset(),
+                                      max_value, on[0] is None)
                 res = (refined if refined is not None and max_value is None and on[0] is None else
                        analyse_devices(runs, sub.answer_rooms(*on), sub.segments, name=name, max_value=max_value,
                                        largest_only=True))
