@@ -376,6 +376,29 @@ def test_a_fit_with_want_measures_checkpointing_by_runs_under_it_and_puts_everyt
     assert [r["remedy"] for r in res.row()["remedies"]] == ["gradient accumulation", "activation checkpointing"]
 
 
+def test_each_remedys_runs_start_from_the_users_training_state_as_the_users_next_cell_would(
+        stand_in: dict[str, list[Any]]) -> None:
+    """The plain runs trained the model and made AdamW's state; a remedy's first run must not find them (the user's
+    next cell, with the remedy, makes the optimizer's state in its first step, as the model of a first run has it)."""
+    net, opt, weights, _, _ = seeded_net(stand_in)
+    firsts: list[tuple[bool, int, bool]] = []
+
+    def step(b: int) -> None:
+        ckpt = "forward" in vars(net.blocks[0])
+        if not firsts or firsts[-1][0] != ckpt:
+            firsts.append((ckpt, len(opt.state), all(torch.equal(a, p) for a, p in zip(weights, net.parameters()))))
+        net(torch.randn(b, 8)).square().mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    res = runner.fit(step, [8, 16, 32], source=FakeSource(), name="batch", modules=[net], optimizers=[opt],
+                     margin_bytes=0, want=10_000)  # type: ignore[arg-type]
+    assert [r.name for r in res.remedies] == ["gradient accumulation", "activation checkpointing"]
+    assert firsts[0] == (False, 0, True)
+    assert (True, 0, True) in firsts, f"the remedy's first run found the plain runs' state: {firsts}"
+    assert not opt.state and all(torch.equal(a, p) for a, p in zip(weights, net.parameters()))
+
+
 def test_a_want_that_fits_runs_no_remedy(stand_in: dict[str, list[Any]]) -> None:
     net = Net()
     stand_in["net"].append(net)

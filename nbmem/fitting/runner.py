@@ -133,8 +133,19 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
             ran_ok = [r.value for r in runs if r.counted and not r.oom]
             if plain.largest_value is not None and want > plain.largest_value and ran_ok:
                 remedy_notes += left_out
+                def as_the_user_has_it() -> None:
+                    # each remedy's runs start where the user's next cell would: their training state, and none
+                    # of cuBLAS's workspaces the fit's runs made (a first step makes them mid-step, which the
+                    # model's first run then has, as a plain fit's does)
+                    if saved is not None:
+                        restore_state(saved)
+                        devs = body.every_device()
+                        free_cached(src, devs)
+                        give_back_workspaces(src, {d: before.get(d, 0) for d in devs})
+
                 measured = _measure_remedies(body, candidates, vals, warmup, plain.largest_value, max(ran_ok),
-                                             max_value, remedy_notes, others_ran, (target, own_used))
+                                             max_value, remedy_notes, others_ran, (target, own_used),
+                                             as_the_user_has_it)
     except BaseException as e:
         runs.clear()  # the error's frames keep this one: let go of the traces (and the copy, below) now
         failed = e
@@ -146,7 +157,8 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
         stopped: KeyboardInterrupt | None = None
         with interrupts_held() as held:  # Ctrl-C now waits until everything is back, cuBLAS's workspaces too
             restored = restore_state(saved) if saved is not None else None
-            lines = (tuple(saved.restored), tuple(saved.not_restored)) if saved is not None else ((), ())
+            lines = ((tuple(saved.restored), tuple(dict.fromkeys(saved.not_restored))) if saved is not None
+                     else ((), ()))
             saved = None
             devs = body.every_device()
             free_cached(src, devs)
@@ -230,12 +242,14 @@ def _runs(body: _Body, vals: Sequence[int], warmup: bool, runs: list[RunSet], sk
 
 def _measure_remedies(body: _Body, candidates: Sequence[remedies.Candidate], vals: Sequence[int], warmup: bool,
                       plain_largest: int, timed: int, max_value: int | None, notes: list[str], ran: list[int],
-                      on: tuple[Target | None, Callable[[int], int | None] | None]) -> list[Remedy]:
+                      on: tuple[Target | None, Callable[[int], int | None] | None],
+                      reset: Callable[[], None] = lambda: None) -> list[Remedy]:
     """Each remedy's largest value: the fit's runs again with it applied (no stacks), the same analysis over
     them (for ``on``'s GPU where one is asked about), and one timed step at the same value with it and without
     it for its cost. A remedy that fails the body (an error other than out-of-memory) or allows no more than the
     plain fit is left out with a line that says so; the modules are as they were after each
-    (``Candidate.applied``), the training state is the fit's to put back."""
+    (``Candidate.applied``), the training state is the fit's to put back. ``reset`` runs before each remedy's
+    runs, so that they start from the state the user's next cell would."""
     name = body.name
     plain_s = _timed_step(body, timed) if candidates else None
     out: list[Remedy] = []
@@ -245,6 +259,7 @@ def _measure_remedies(body: _Body, candidates: Sequence[remedies.Candidate], val
         runs: list[RunSet] = []
         started = time.perf_counter()
         try:
+            reset()
             with c.applied():
                 sub.measure()
                 refined = near_answer(sub, runs, _runs(sub, vals, warmup, runs, [], frozenset()), frozenset(),

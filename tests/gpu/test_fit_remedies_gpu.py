@@ -95,3 +95,31 @@ def test_each_remedys_prediction_runs_under_it_and_the_fit_leaves_the_model_as_i
         gc.collect()
         torch.cuda.empty_cache()
     assert attrs(model) == before
+
+
+def test_each_remedys_runs_start_with_the_users_bytes_not_the_plain_runs_workspaces_or_state(room: None) -> None:
+    """The plain runs made AdamW's state and cuBLAS's workspaces (the user had neither): a remedy's first run
+    starts without them, as the user's next cell would, so its first step makes them where the model sees them."""
+    torch.manual_seed(0)
+    model = Net().cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    ns: dict[str, Any] = {}
+    firsts: dict[tuple[bool, bool], tuple[int, int]] = {}
+
+    def step(b: int) -> None:
+        mode = ("forward" in vars(model.blocks[0]), torch.is_autocast_enabled("cuda"))
+        firsts.setdefault(mode, (torch.cuda.memory_allocated(), len(opt.state)))
+        ns["x"] = torch.randn(b, 64, 256, device="cuda")
+        ns["loss"] = torch.nn.functional.cross_entropy(model(ns["x"]), torch.randint(0, 10, (b,), device="cuda"))
+        ns["loss"].backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    torch._C._cuda_clearCublasWorkspaces()  # the user has made none yet
+    res, weights, _, held = fit_far_beyond(model, opt, step, ns)  # ``held`` counts the weights' copies
+    assert {r.name for r in res.remedies} >= {remedies.CHECKPOINTING, remedies.BF16}, str(res)
+    assert len(firsts) == 3, firsts
+    assert set(firsts.values()) == {(held, 0)}, f"each first run finds the user's {held:,} bytes: {firsts}"
+    gc.collect()
+    assert torch.cuda.memory_allocated() == held and not opt.state
+    assert all(torch.equal(w, p) for w, p in zip(weights, model.parameters()))
