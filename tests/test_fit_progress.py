@@ -156,6 +156,40 @@ def test_ahead_says_nothing_for_runs_that_are_short_together() -> None:
     assert shown.calls[-1][0].endswith("the runs near the answer will take about 24 s in all"), shown.calls[-1]
 
 
+def test_a_first_compile_that_took_long_says_what_the_fit_will_take_from_the_next_run_on() -> None:
+    shown = Shown()
+    clock = Clock()
+    p = FitProgress(shown, "batch", 5, 12, clock=clock)
+    p.step(8)
+    clock.now += 14.0  # torch.compile's first graph
+    p.compiled(14.0)
+    p.step(16)
+    assert "this run will take" not in shown.calls[-1][0], "the compile's time is not the step's"
+    assert shown.calls[-1][0].endswith("torch.compile compiles a graph at each new range of batch (the first took "
+                                       "14 s): this fit takes about 42 s, most of it compiling"), shown.calls[-1]
+    quick = FitProgress(Shown(), "batch", 5, 12, clock=clock)
+    quick.step(8)
+    quick.compiled(3.0)  # a small graph: the fit stays short, nothing is said
+    clock.now += 3.0
+    quick.step(16)
+    assert "compil" not in quick.show.calls[-1][0]  # type: ignore[attr-defined]
+
+
+def test_a_runs_expected_time_is_scaled_from_the_runs_own_time_not_the_analysis_between_runs() -> None:
+    clock = Clock()
+    p = FitProgress(Shown(), "batch", 4, 7, clock=clock)
+
+    def body(v: int) -> None:
+        clock.now += v / 100  # 0.32 s at 32
+
+    run = p.watch(body)
+    run(16)
+    run(32)
+    clock.now += 5.0  # the fit's analysis after the small runs
+    p.step(64)
+    assert p.expected_s(3200) == pytest.approx(32.0), "0.32 s at 32, scaled; not 5.32 s"
+
+
 def test_a_fit_interrupted_puts_everything_back_and_says_so_in_one_line(
         stand_in: dict[str, Any], clocked: Clock) -> None:
     """Ctrl-C during a run under a remedy: the remedy undone, the training state and the RNG put back, the error

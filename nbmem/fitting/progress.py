@@ -56,19 +56,28 @@ class FitProgress:
         self._at: tuple[int, float] | None = None  # the run under way: its value, its start
         self._took: dict[int, float] = {}  # each value's last run, start to the next start
         self._ahead = ""  # what the runs about to come will take, where that is long
+        self._compiling = ""  # what torch.compile's compiles will add, once the first was seen
+        self._compiles = 0
+        self._compiling_run = False  # the run under way compiled: its time is not the step's
+        self._ran: float | None = None  # the last watched run's own time
 
     def watch(self, run: Callable[[int], object]) -> Callable[[int], object]:
         """``run`` that says each of its runs first."""
         def watched(value: int) -> object:
             self.step(value)
-            return run(value)
+            started = self.clock()
+            try:
+                return run(value)
+            finally:  # the run's own time: not the fit's analysis between runs, which does not grow with the value
+                self._ran = self.clock() - started
         return watched
 
     def step(self, value: int) -> None:
         """A run at ``value`` starts: the line updated, with its expected time where that is long."""
         now = self.clock()
-        if self._at is not None:
-            self._took[self._at[0]] = now - self._at[1]
+        if self._at is not None and not self._compiling_run:
+            self._took[self._at[0]] = self._ran if self._ran is not None else now - self._at[1]
+        self._compiling_run, self._ran = False, None
         self._at = (value, now)
         self.runs += 1
         expected = self.expected_s(value)
@@ -80,6 +89,8 @@ class FitProgress:
             text += f" · this run will take about {_about(expected)}"
         elif self._ahead:
             text += f" · {self._ahead}"
+        elif self._compiling:
+            text += f" · {self._compiling}"
         self.show(text, False)
         self.shown = True
 
@@ -93,6 +104,18 @@ class FitProgress:
             self.show(f"nbmem fit: run {self.runs} of {self._of()} · {fmt_seconds(self.clock() - self.started)} "
                       f"so far · {self._ahead}", False)
             self.shown = True
+
+    def compiled(self, run_s: float) -> None:
+        """torch.compile compiled a graph in the run under way, which took ``run_s``: its time is the compiler's,
+        not the step's, so no later run's is scaled from it. At the first: it compiles again at a second shape (one
+        graph for every size) and may once more at sizes far from the first ones, each about as long; where that
+        adds up to long, the line says so from the next run on."""
+        self._compiling_run = True
+        if self._compiles == 0 and 2 * run_s > LONG_S:
+            self._compiling = (f"torch.compile compiles a graph at each new range of {self.name} (the first took "
+                               f"{_about(run_s)}): this fit takes about "
+                               f"{_about(self.clock() - self.started + 2 * run_s)}, most of it compiling")
+        self._compiles += 1
 
     def expected_s(self, value: int) -> float | None:
         """How long a run at ``value`` will take: the last run at the largest value so far, scaled to it (None

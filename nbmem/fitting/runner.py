@@ -52,7 +52,7 @@ from nbmem.fitting.progress import FitProgress, Show, interrupts_held, planned_r
 from nbmem.fitting.remedies import Remedy
 from nbmem.fitting.state import FitRefused, restore_state, snapshot_state
 from nbmem.fitting.torchcheck import _torch, expandable_on, graphs_compiled, is_out_of_memory, refusal
-from nbmem.formatting import fmt_bytes
+from nbmem.formatting import fmt_bytes, fmt_seconds
 from nbmem.measure.sources import TorchSource
 
 #: How many allocator events one run may record; a run that fills it cannot be lined up with the others.
@@ -178,6 +178,10 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
     if workspaces:
         notes.append(workspaces)
     notes += left_allocated(before, after, bool(workspaces))
+    if body.compile_s >= 1:
+        notes.append(f"torch.compile's compiling took {fmt_seconds(body.compile_s)} of the fit's "
+                     f"{fmt_seconds(time.perf_counter() - started)} (a graph for each new range of {name}; they "
+                     "stay compiled for your own runs)")
     if not restore and steps:
         notes.append(f"not restored: the fit ran the body {steps} times, and whatever it trains was trained")
     if any(body.lost.values()):
@@ -368,6 +372,7 @@ class _Body:
     compiled: list[int] = field(default_factory=list)  # values whose first run compiled a graph (run again)
     lost: dict[int, int] = field(default_factory=dict)  # device -> what went outside the allocator in the runs
     host: HostWatch | None = None  # each run's host bytes, and the room there
+    compile_s: float = 0.0  # the time of the runs during which torch.compile compiled
 
     def measure(self) -> dict[int, int]:
         """Each device's room, read after the cache is given back; what is allocated on each before the runs."""
@@ -423,9 +428,14 @@ class _Body:
     def _again_if_compiled(self, value: int, counted: bool) -> tuple[RunSet, str]:
         """A counted run during which torch.compile compiled (a new shape) runs again at the same value: the
         compile's own allocations (autotuning, code generation) happen once, and its graph is what later steps run."""
-        graphs = graphs_compiled()
+        graphs, started = graphs_compiled(), time.perf_counter()
         got = self._met(self._timed(value, counted))
-        if counted and not got[1] and graphs_compiled() != graphs:
+        if graphs_compiled() == graphs:
+            return got
+        if self.progress is not None:
+            self.progress.compiled(time.perf_counter() - started)
+        self.compile_s += time.perf_counter() - started
+        if counted and not got[1]:
             self.compiled.append(value)
             if self.host is not None and self.host.uses:
                 self.host.uses.pop()  # the compiler's own host memory (code generation) is not the step's
