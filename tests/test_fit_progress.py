@@ -175,6 +175,38 @@ def test_a_first_compile_that_took_long_says_what_the_fit_will_take_from_the_nex
     assert "compil" not in quick.show.calls[-1][0]  # type: ignore[attr-defined]
 
 
+def test_a_compiled_models_fit_says_at_its_first_run_that_compiling_comes_first() -> None:
+    shown = Shown()
+    clock = Clock()
+    FitProgress(shown, "batch", 5, 12, clock=clock, compiled_model=True).step(8)
+    assert shown.calls == [("nbmem fit: run 1 of 5–12 · batch=8 · a torch.compile'd model: it compiles a graph first "
+                            "at each new range of batch, each 10 s or more", False)], "at once, not after a second"
+    plain = Shown()
+    FitProgress(plain, "batch", 5, 12, clock=clock).step(8)
+    assert not plain.calls
+
+
+def test_the_runner_tells_the_line_when_a_module_is_torch_compiled(stand_in: dict[str, Any], clocked: Clock) -> None:
+    net = Net()
+    stand_in["net"].append(net)
+
+    class OptimizedModule(torch.nn.Module):  # what torch.compile wraps a module in, by name
+        def __init__(self) -> None:
+            super().__init__()
+            self._orig_mod = net
+
+    def step(b: int) -> None:
+        net(torch.randn(b, 8)).sum().backward()
+
+    for modules, first in (([OptimizedModule()], True), ([net], False)):
+        shown = Shown()
+        runner.fit(step, [8, 16, 32], source=FakeSource(), name="batch", modules=modules, margin_bytes=0,  # type: ignore[arg-type]
+                   show=shown)
+        said = [t for t, _ in shown.calls if "torch.compile'd" in t]
+        assert said == ([shown.calls[0][0]] if first else []), shown.calls[:2]
+        assert not first or said[0].startswith("nbmem fit: run 1 of 4–11 · batch=8 · ")
+
+
 def test_a_runs_expected_time_is_scaled_from_the_runs_own_time_not_the_analysis_between_runs() -> None:
     clock = Clock()
     p = FitProgress(Shown(), "batch", 4, 7, clock=clock)

@@ -48,8 +48,9 @@ class FitProgress:
     ``most``: how many runs the fit may make (``planned_runs``); the time counts from its making."""
 
     def __init__(self, show: Show | None, name: str, least: int, most: int, *,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, compiled_model: bool = False) -> None:
         self.show, self.name, self.least, self.most, self.clock = show, name, least, most, clock
+        self.compiled_model = compiled_model  # a torch.compile'd model: its first run compiles, said at once
         self.started = clock()
         self.runs = 0
         self.shown = False
@@ -81,6 +82,11 @@ class FitProgress:
         self._at = (value, now)
         self.runs += 1
         expected = self.expected_s(value)
+        if self.show is not None and self.runs == 1 and self.compiled_model:
+            self.show(f"nbmem fit: run 1 of {self._of()} · {self.name}={value:,} · a torch.compile'd model: it "
+                      f"compiles a graph first at each new range of {self.name}, each 10 s or more", False)
+            self.shown = True
+            return
         if self.show is None or (now - self.started < QUIET_S and (expected is None or expected <= LONG_S)):
             return
         so_far = fmt_seconds(now - self.started)

@@ -113,7 +113,7 @@ def checkpointing(torch: Any, tops: Sequence[Any], others: Sequence[Any] = ()) -
     left = f"{CHECKPOINTING} left out"
     if not tops:
         return f"{left}: no model (a torch.nn.Module) was found in what the body uses"
-    if any(_is_compiled(m) for top in tops for m in top.modules()):
+    if any(is_compiled(m) for top in tops for m in top.modules()):
         return f"{left}: the model is torch.compile'd, and wrapping its blocks would make it compile again"
     hf = [m for m in tops if _hf_checkpointable(m)]
     if hf:
@@ -218,7 +218,8 @@ def _already_checkpointed(block: Any) -> bool:
     return "forward" in (reach.dict_of(block) or {})
 
 
-def _is_compiled(m: Any) -> bool:
+def is_compiled(m: Any) -> bool:
+    """A module torch.compile wrapped (read by its type's name: nothing of the module's runs)."""
     return reach.type_name(type(m)).endswith("OptimizedModule")
 
 
@@ -302,7 +303,7 @@ def _put_module_attrs_back(saved: list[tuple[dict[Any, Any], dict[Any, Any], dic
 
 
 __all__ = ["BF16", "CHECKPOINTING", "MIN_GAIN", "Candidate", "bf16_autocast", "candidates", "checkpointing",
-           "repeated_blocks", "top_modules"]
+           "is_compiled", "repeated_blocks", "top_modules"]
 
 
 @dataclass(frozen=True, slots=True)

@@ -106,7 +106,8 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
         raise FitRefused(f"fitting needs the allocator's trace, and {unsupported}")
     modules, optimizers, others = list(modules), list(optimizers), list(others)
     candidates, left_out = remedies.candidates(t, modules, others) if want is not None else ([], [])
-    progress = FitProgress(show, name, *planned_runs(len(vals) + warmup, REFINE_RUNS + CONFIRM_RUNS, len(candidates)))
+    progress = FitProgress(show, name, *planned_runs(len(vals) + warmup, REFINE_RUNS + CONFIRM_RUNS, len(candidates)),
+                           compiled_model=any(remedies.is_compiled(m) for m in modules))
     saved = snapshot_state(modules, optimizers, others, iterators=iterators) if restore else None
     modules = optimizers = others = ()
     measured: list[Remedy] = []
