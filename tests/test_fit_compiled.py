@@ -113,16 +113,3 @@ def test_a_second_warm_up_that_runs_out_of_memory_stops_the_runs_and_caps_the_an
     assert ran == [(8, False), (16, False)] and skipped == [16, 32]
     assert [r.value for r in runs if r.oom] == [16], "the failure is kept: it caps the answer"
     assert any("second warm-up, at batch=16, ran out of memory" in n for n in notes), notes
-
-
-def test_the_runs_that_compiled_are_timed_and_the_first_tells_the_progress_line(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    from nbmem.fitting import runner
-
-    runs_of(monkeypatch, Compiler())
-    body, _, runs = body_for_runs()
-    told: list[float] = []
-    body.progress = type("Line", (), {"compiled": lambda self, s: told.append(s), "ahead": lambda *a: None})()
-    runner._runs(body, [8, 16, 32], True, runs, [], frozenset())  # type: ignore[arg-type]
-    assert len(told) == 2, "the two warm-ups compiled, each told"
-    assert body.compile_s == pytest.approx(sum(told), abs=0.01) and body.compiled == [16]

@@ -156,23 +156,89 @@ def test_ahead_says_nothing_for_runs_that_are_short_together() -> None:
     assert shown.calls[-1][0].endswith("the runs near the answer will take about 24 s in all"), shown.calls[-1]
 
 
-def test_a_first_compile_that_took_long_says_what_the_fit_will_take_from_the_next_run_on() -> None:
+class Compiling:
+    """A body torch.compile'd: its first run at each value in ``compiles`` makes a graph, which takes that long."""
+
+    def __init__(self, clock: Clock, compiles: dict[int, float], step_s: float = 0.001) -> None:
+        self.clock, self.compiles, self.step_s, self.graphs = clock, dict(compiles), step_s, 0
+
+    def __call__(self, v: int) -> None:
+        if v in self.compiles:
+            self.graphs += 1
+            self.clock.now += self.compiles.pop(v)
+        self.clock.now += self.step_s * v
+
+
+def test_a_first_compile_that_took_long_says_what_the_fit_will_take_until_that_time_is_up() -> None:
     shown = Shown()
     clock = Clock()
-    p = FitProgress(shown, "batch", 5, 12, clock=clock)
-    p.step(8)
-    clock.now += 14.0  # torch.compile's first graph
-    p.compiled(14.0)
-    p.step(16)
+    body = Compiling(clock, {8: 14.0})
+    p = FitProgress(shown, "batch", 5, 12, clock=clock, graphs=lambda: body.graphs)
+    run = p.watch(body)
+    run(8)
+    run(16)
     assert "this run will take" not in shown.calls[-1][0], "the compile's time is not the step's"
     assert shown.calls[-1][0].endswith("torch.compile compiles a graph at each new range of batch (the first took "
                                        "14 s): this fit takes about 42 s, most of it compiling"), shown.calls[-1]
-    quick = FitProgress(Shown(), "batch", 5, 12, clock=clock)
-    quick.step(8)
-    quick.compiled(3.0)  # a small graph: the fit stays short, nothing is said
-    clock.now += 3.0
-    quick.step(16)
+    clock.now += 30.0
+    run(32)
+    assert p.expected_s(16_000) == pytest.approx(16.0), "scaled from the run at 16 alone"
+    assert "compiling" not in shown.calls[-1][0], "not once the time it gave is up"
+    assert p.compile_s == pytest.approx(14.0 + 0.008)
+    quick = FitProgress(Shown(), "batch", 5, 12, clock=clock, graphs=lambda: small.graphs)
+    small = Compiling(clock, {8: 3.0})  # a small graph: the fit stays short, nothing is said
+    run = quick.watch(small)
+    run(8)
+    clock.now += 1.0
+    run(16)
     assert "compil" not in quick.show.calls[-1][0]  # type: ignore[attr-defined]
+
+
+def test_a_compile_in_the_first_of_two_steps_under_one_run_is_not_a_steps_time() -> None:
+    """The check at the answer runs the watched body twice in one run (``nearby._steps``): the compile is told
+    apart per step, so the second step's time is the one kept."""
+    clock = Clock()
+    body = Compiling(clock, {1000: 20.0}, step_s=0.01)
+    p = FitProgress(Shown(), "batch", 5, 12, clock=clock, graphs=lambda: body.graphs)
+    run = p.watch(body)
+    run(1000)
+    run(1000)
+    p.step(10)
+    assert p.expected_s(1000) == pytest.approx(10.0), "the step's 10 s, not the compiling run's 30 s"
+
+
+def test_a_run_that_failed_gives_no_steps_time() -> None:
+    clock = Clock()
+    p = FitProgress(Shown(), "batch", 5, 12, clock=clock)
+
+    def body(v: int) -> None:
+        clock.now += 1.0
+        if v > 50:
+            raise RuntimeError("CUDA out of memory")
+
+    run = p.watch(body)
+    run(10)
+    with pytest.raises(RuntimeError):
+        run(100)
+    p.step(20)
+    assert p.expected_s(100) == pytest.approx(10.0), "from the run at 10; the failed one stopped halfway"
+
+
+def test_the_fits_note_says_how_long_the_runs_that_compiled_took(stand_in: dict[str, Any], clocked: Clock,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    net = Net()
+    stand_in["net"].append(net)
+    body = Compiling(clocked, {8: 14.0, 16: 9.0})
+    monkeypatch.setattr(runner, "graphs_compiled", lambda: body.graphs)
+
+    def step(b: int) -> None:
+        body(b)
+        net(torch.randn(b, 8)).sum().backward()
+
+    res = runner.fit(step, [8, 16, 32], source=FakeSource(), name="batch", modules=[net], margin_bytes=0)  # type: ignore[arg-type]
+    said = [n for n in res.notes if n.startswith("the runs during which torch.compile made a graph took")]
+    assert len(said) == 1 and said[0].startswith("the runs during which torch.compile made a graph took 23.02 s of "
+                                                 "the fit's "), res.notes
 
 
 def test_a_compiled_models_fit_says_at_its_first_run_that_compiling_comes_first() -> None:
@@ -180,7 +246,7 @@ def test_a_compiled_models_fit_says_at_its_first_run_that_compiling_comes_first(
     clock = Clock()
     FitProgress(shown, "batch", 5, 12, clock=clock, compiled_model=True).step(8)
     assert shown.calls == [("nbmem fit: run 1 of 5–12 · batch=8 · a torch.compile'd model: it compiles a graph first "
-                            "at each new range of batch, each 10 s or more", False)], "at once, not after a second"
+                            "at each new range of batch, often 10 s or more each", False)], "at once, not a second on"
     plain = Shown()
     FitProgress(plain, "batch", 5, 12, clock=clock).step(8)
     assert not plain.calls
@@ -271,6 +337,61 @@ class Workspaces(FakeSource):
         self.cleared += 1
         self.workspace_bytes = 0
         return True
+
+
+def test_ctrl_c_while_the_user_state_is_put_back_before_a_remedys_runs_waits_then_stops_the_fit(
+        stand_in: dict[str, Any], clocked: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A real SIGINT while the workspaces go back before a remedy's runs (the user's given back, not yet made
+    again): that finishes, then the fit stops, everything put back, and no remedy ran."""
+    torch.manual_seed(0)
+    net = Net()
+    stand_in["net"].append(net)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    weights = [p.detach().clone() for p in net.parameters()]
+    real = runner.give_back_workspaces
+    calls: list[bool] = []
+
+    def give_back(src: Any, before: Any) -> Any:
+        calls.append(True)
+        if len(calls) == 1:
+            signal.raise_signal(signal.SIGINT)  # Python's own handler would raise here, halfway
+        return real(src, before)
+
+    monkeypatch.setattr(runner, "give_back_workspaces", give_back)
+    src = Workspaces()
+
+    def step(b: int) -> None:
+        net(torch.randn(b, 8)).square().mean().backward()
+        src.workspace_bytes = 4 << 20
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    with pytest.raises(KeyboardInterrupt):
+        runner.fit(step, [8, 16, 32], source=src, name="batch", modules=[net], optimizers=[opt],  # type: ignore[arg-type]
+                   margin_bytes=0, want=10_000)
+    assert len(calls) == 1 and src.cleared == 1 and src.workspace_bytes == 0, "the give-back ran to its end"
+    assert not any(ckpt for _, ckpt in stand_in["runs"]), "no remedy's run after the press"
+    assert all(torch.equal(w, p) for w, p in zip(weights, net.parameters(), strict=True)) and not opt.state
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+
+
+@pytest.mark.parametrize("restore", [True, False])
+def test_a_remedys_first_run_finds_none_of_the_workspaces_the_plain_runs_made(
+        stand_in: dict[str, Any], clocked: Clock, restore: bool) -> None:
+    net = Net()
+    stand_in["net"].append(net)
+    src = Workspaces()
+    found: dict[bool, int] = {}
+
+    def step(b: int) -> None:
+        found.setdefault("forward" in vars(net.blocks[0]), src.workspace_bytes)
+        net(torch.randn(b, 8)).sum().backward()
+        src.workspace_bytes = 4 << 20
+
+    res = runner.fit(step, [8, 16, 32], source=src, name="batch", modules=[net], margin_bytes=0,  # type: ignore[arg-type]
+                     want=10_000, restore=restore)
+    assert [r.name for r in res.remedies][-1] == "activation checkpointing"
+    assert found == {False: 0, True: 0}, "the remedy starts as the user's next cell would, restored or not"
 
 
 @pytest.mark.parametrize("first", [KeyboardInterrupt, None])

@@ -48,43 +48,56 @@ class FitProgress:
     ``most``: how many runs the fit may make (``planned_runs``); the time counts from its making."""
 
     def __init__(self, show: Show | None, name: str, least: int, most: int, *,
-                 clock: Callable[[], float] = time.monotonic, compiled_model: bool = False) -> None:
+                 clock: Callable[[], float] = time.monotonic, compiled_model: bool = False,
+                 graphs: Callable[[], int] = lambda: 0) -> None:
         self.show, self.name, self.least, self.most, self.clock = show, name, least, most, clock
         self.compiled_model = compiled_model  # a torch.compile'd model: its first run compiles, said at once
+        self.graphs = graphs  # torch.compile's graph count (``torchcheck.graphs_compiled``)
         self.started = clock()
         self.runs = 0
         self.shown = False
+        self.compile_s = 0.0  # the runs during which torch.compile made a graph, in all
         self._at: tuple[int, float] | None = None  # the run under way: its value, its start
         self._took: dict[int, float] = {}  # each value's last run, start to the next start
         self._ahead = ""  # what the runs about to come will take, where that is long
-        self._compiling = ""  # what torch.compile's compiles will add, once the first was seen
+        self._compiling = ""  # what torch.compile's compiles will make the fit take, once the first was seen ...
+        self._compiling_until = 0.0  # ... said until then
         self._compiles = 0
-        self._compiling_run = False  # the run under way compiled: its time is not the step's
-        self._ran: float | None = None  # the last watched run's own time
+        self._ran: float | None = None  # the last watched run's own time (None: not watched, start to start)
+        self._skip = False  # the last run's time is not a step's: it compiled, or it failed
 
     def watch(self, run: Callable[[int], object]) -> Callable[[int], object]:
-        """``run`` that says each of its runs first."""
+        """``run`` that says each of its runs first, and times each: the run's own time, not the fit's analysis
+        between runs, which does not grow with the value. A run that compiled or failed gives no step's time."""
         def watched(value: int) -> object:
             self.step(value)
-            started = self.clock()
+            graphs, started = self.graphs(), self.clock()
             try:
-                return run(value)
-            finally:  # the run's own time: not the fit's analysis between runs, which does not grow with the value
-                self._ran = self.clock() - started
+                out = run(value)
+            except BaseException:
+                self._skip = True  # it stopped halfway
+                raise
+            took = self.clock() - started
+            if self.graphs() != graphs:
+                self._skip = True
+                self._compiled(took)
+            else:
+                self._ran = took
+            return out
         return watched
 
     def step(self, value: int) -> None:
         """A run at ``value`` starts: the line updated, with its expected time where that is long."""
         now = self.clock()
-        if self._at is not None and not self._compiling_run:
+        if self._at is not None and not self._skip:
             self._took[self._at[0]] = self._ran if self._ran is not None else now - self._at[1]
-        self._compiling_run, self._ran = False, None
+        self._ran, self._skip = None, False
         self._at = (value, now)
         self.runs += 1
         expected = self.expected_s(value)
         if self.show is not None and self.runs == 1 and self.compiled_model:
             self.show(f"nbmem fit: run 1 of {self._of()} · {self.name}={value:,} · a torch.compile'd model: it "
-                      f"compiles a graph first at each new range of {self.name}, each 10 s or more", False)
+                      f"compiles a graph first at each new range of {self.name}, often 10 s or more each", False)
             self.shown = True
             return
         if self.show is None or (now - self.started < QUIET_S and (expected is None or expected <= LONG_S)):
@@ -95,7 +108,7 @@ class FitProgress:
             text += f" · this run will take about {_about(expected)}"
         elif self._ahead:
             text += f" · {self._ahead}"
-        elif self._compiling:
+        elif self._compiling and now - self.started < self._compiling_until:
             text += f" · {self._compiling}"
         self.show(text, False)
         self.shown = True
@@ -111,16 +124,17 @@ class FitProgress:
                       f"so far · {self._ahead}", False)
             self.shown = True
 
-    def compiled(self, run_s: float) -> None:
-        """torch.compile compiled a graph in the run under way, which took ``run_s``: its time is the compiler's,
-        not the step's, so no later run's is scaled from it. At the first: it compiles again at a second shape (one
-        graph for every size) and may once more at sizes far from the first ones, each about as long; where that
-        adds up to long, the line says so from the next run on."""
-        self._compiling_run = True
+    def _compiled(self, run_s: float) -> None:
+        """torch.compile made a graph in the run that just ended, which took ``run_s``: the compiler's time, not
+        a step's. At the first: it compiles again at a second shape (one graph for every size) and may once more
+        at sizes far from the first ones, each about as long; where that adds up to long, the line says so from
+        the next run on, until that time is up."""
+        self.compile_s += run_s
         if self._compiles == 0 and 2 * run_s > LONG_S:
+            self._compiling_until = self.clock() - self.started + 2 * run_s
             self._compiling = (f"torch.compile compiles a graph at each new range of {self.name} (the first took "
-                               f"{_about(run_s)}): this fit takes about "
-                               f"{_about(self.clock() - self.started + 2 * run_s)}, most of it compiling")
+                               f"{_about(run_s)}): this fit takes about {_about(self._compiling_until)}, most of "
+                               "it compiling")
         self._compiles += 1
 
     def expected_s(self, value: int) -> float | None:

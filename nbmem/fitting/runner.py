@@ -107,7 +107,8 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
     modules, optimizers, others = list(modules), list(optimizers), list(others)
     candidates, left_out = remedies.candidates(t, modules, others) if want is not None else ([], [])
     progress = FitProgress(show, name, *planned_runs(len(vals) + warmup, REFINE_RUNS + CONFIRM_RUNS, len(candidates)),
-                           compiled_model=any(remedies.is_compiled(m) for m in modules))
+                           compiled_model=any(remedies.is_compiled(m) for m in modules),
+                           graphs=lambda: graphs_compiled())
     saved = snapshot_state(modules, optimizers, others, iterators=iterators) if restore else None
     modules = optimizers = others = ()
     measured: list[Remedy] = []
@@ -120,6 +121,7 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
                  margin_bytes=margin_bytes, host=HostWatch(*room_for(host_limit)), progress=progress)
     failed: BaseException | None = None
     before: dict[int, int] = {}
+    reset_said: list[str] = []  # what giving back the workspaces before a remedy's runs said
     try:
         before = body.measure()
         # another GPU's answer (``target``) is not this one's to run
@@ -138,11 +140,16 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
                     # each remedy's runs start where the user's next cell would: their training state, and none
                     # of cuBLAS's workspaces the fit's runs made (a first step makes them mid-step, which the
                     # model's first run then has, as a plain fit's does)
-                    if saved is not None:
-                        restore_state(saved)
+                    with interrupts_held() as held:  # a Ctrl-C between giving the user's back and making them again
+                        if saved is not None:
+                            restore_state(saved)
                         devs = body.every_device()
                         free_cached(src, devs)
-                        give_back_workspaces(src, {d: before.get(d, 0) for d in devs})
+                        said = give_back_workspaces(src, {d: before.get(d, 0) for d in devs})[1]
+                        if said:
+                            reset_said.append(said)
+                    if held.pressed:
+                        raise KeyboardInterrupt()
 
                 measured = _measure_remedies(body, candidates, vals, warmup, plain.largest_value, max(ran_ok),
                                              max_value, remedy_notes, others_ran, (target, own_used),
@@ -176,13 +183,14 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
         failed = None
         if ended_well and held.pressed:  # a press while the fit already stops with an error adds nothing
             raise stopped or KeyboardInterrupt()
+    workspaces = workspaces or (reset_said[-1] if reset_said else None)  # the user's, lost before a remedy's runs
     if workspaces:
         notes.append(workspaces)
     notes += left_allocated(before, after, bool(workspaces))
-    if body.compile_s >= 1:
-        notes.append(f"torch.compile's compiling took {fmt_seconds(body.compile_s)} of the fit's "
-                     f"{fmt_seconds(time.perf_counter() - started)} (a graph for each new range of {name}; they "
-                     "stay compiled for your own runs)")
+    if progress.compile_s >= 1:
+        notes.append(f"the runs during which torch.compile made a graph took {fmt_seconds(progress.compile_s)} of "
+                     f"the fit's {fmt_seconds(progress.clock() - progress.started)} (a graph for each new range of "
+                     f"{name}; they stay compiled for your own runs)")
     if not restore and steps:
         notes.append(f"not restored: the fit ran the body {steps} times, and whatever it trains was trained")
     if any(body.lost.values()):
@@ -263,8 +271,8 @@ def _measure_remedies(body: _Body, candidates: Sequence[remedies.Candidate], val
                     margin_bytes=body.margin_bytes, host=body.host.fresh() if body.host is not None else None)
         runs: list[RunSet] = []
         started = time.perf_counter()
+        reset()  # not the body's: its errors, and a Ctrl-C, stop the fit
         try:
-            reset()
             with c.applied():
                 sub.measure()
                 refined = near_answer(sub, runs, _runs(sub, vals, warmup, runs, [], frozenset()), frozenset(),
@@ -373,7 +381,6 @@ class _Body:
     compiled: list[int] = field(default_factory=list)  # values whose first run compiled a graph (run again)
     lost: dict[int, int] = field(default_factory=dict)  # device -> what went outside the allocator in the runs
     host: HostWatch | None = None  # each run's host bytes, and the room there
-    compile_s: float = 0.0  # the time of the runs during which torch.compile compiled
 
     def measure(self) -> dict[int, int]:
         """Each device's room, read after the cache is given back; what is allocated on each before the runs."""
@@ -429,14 +436,9 @@ class _Body:
     def _again_if_compiled(self, value: int, counted: bool) -> tuple[RunSet, str]:
         """A counted run during which torch.compile compiled (a new shape) runs again at the same value: the
         compile's own allocations (autotuning, code generation) happen once, and its graph is what later steps run."""
-        graphs, started = graphs_compiled(), time.perf_counter()
+        graphs = graphs_compiled()
         got = self._met(self._timed(value, counted))
-        if graphs_compiled() == graphs:
-            return got
-        if self.progress is not None:
-            self.progress.compiled(time.perf_counter() - started)
-        self.compile_s += time.perf_counter() - started
-        if counted and not got[1]:
+        if counted and not got[1] and graphs_compiled() != graphs:
             self.compiled.append(value)
             if self.host is not None and self.host.uses:
                 self.host.uses.pop()  # the compiler's own host memory (code generation) is not the step's
