@@ -343,11 +343,7 @@ def test_ctrl_c_while_the_user_state_is_put_back_before_a_remedys_runs_waits_the
         stand_in: dict[str, Any], clocked: Clock, monkeypatch: pytest.MonkeyPatch) -> None:
     """A real SIGINT while the workspaces go back before a remedy's runs (the user's given back, not yet made
     again): that finishes, then the fit stops, everything put back, and no remedy ran."""
-    torch.manual_seed(0)
-    net = Net()
-    stand_in["net"].append(net)
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
-    weights = [p.detach().clone() for p in net.parameters()]
+    net, opt, weights, _, _ = test_fit_remedies.seeded_net(stand_in)
     real = runner.give_back_workspaces
     calls: list[bool] = []
 
