@@ -19,6 +19,7 @@ for bit, after the last, also after a failure, so the training steps the fit ran
 
 from __future__ import annotations
 
+import functools
 import time
 import traceback
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -50,7 +51,7 @@ from nbmem.fitting.nearby import CONFIRM_RUNS, REFINE_RUNS, near_answer
 from nbmem.fitting.prediction import FitResult, proportional_bound
 from nbmem.fitting.progress import FitProgress, Show, interrupts_held, planned_runs
 from nbmem.fitting.remedies import Remedy
-from nbmem.fitting.state import FitRefused, restore_state, snapshot_state
+from nbmem.fitting.state import FitRefused, StateCopy, restore_state, snapshot_state
 from nbmem.fitting.torchcheck import _torch, expandable_on, graphs_compiled, is_out_of_memory, refusal
 from nbmem.formatting import fmt_bytes, fmt_seconds
 from nbmem.measure.sources import TorchSource
@@ -108,7 +109,7 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
     candidates, left_out = remedies.candidates(t, modules, others) if want is not None else ([], [])
     progress = FitProgress(show, name, *planned_runs(len(vals) + warmup, REFINE_RUNS + CONFIRM_RUNS, len(candidates)),
                            compiled_model=any(remedies.is_compiled(m) for m in modules),
-                           graphs=lambda: graphs_compiled())
+                           graphs=lambda: graphs_compiled())  # looked up when called: the tests stand in for it
     saved = snapshot_state(modules, optimizers, others, iterators=iterators) if restore else None
     modules = optimizers = others = ()
     measured: list[Remedy] = []
@@ -136,24 +137,9 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
             ran_ok = [r.value for r in runs if r.counted and not r.oom]
             if plain.largest_value is not None and want > plain.largest_value and ran_ok:
                 remedy_notes += left_out
-                def as_the_user_has_it() -> None:
-                    # each remedy's runs start where the user's next cell would: their training state, and none
-                    # of cuBLAS's workspaces the fit's runs made (a first step makes them mid-step, which the
-                    # model's first run then has, as a plain fit's does)
-                    with interrupts_held() as held:  # a Ctrl-C between giving the user's back and making them again
-                        if saved is not None:
-                            restore_state(saved)
-                        devs = body.every_device()
-                        free_cached(src, devs)
-                        said = give_back_workspaces(src, {d: before.get(d, 0) for d in devs})[1]
-                        if said:
-                            reset_said.append(said)
-                    if held.pressed:
-                        raise KeyboardInterrupt()
-
                 measured = _measure_remedies(body, candidates, vals, warmup, plain.largest_value, max(ran_ok),
                                              max_value, remedy_notes, others_ran, (target, own_used),
-                                             as_the_user_has_it)
+                                             functools.partial(_as_the_user_has_it, body, saved, before, reset_said))
     except BaseException as e:
         runs.clear()  # the error's frames keep this one: let go of the traces (and the copy, below) now
         failed = e
@@ -173,8 +159,7 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
             if body.host is not None:
                 body.host.close()
             if ended_well:
-                before = {d: before.get(d, 0) for d in devs}  # a device the runs were first to use had nothing on it
-                after, workspaces = give_back_workspaces(src, before)
+                before, after, workspaces = body.workspaces_back(before)
                 if held.pressed:  # the fit stops, as asked, now that everything is back, and says so
                     failed = stopped = KeyboardInterrupt()
             if failed is not None:
@@ -253,10 +238,25 @@ def _runs(body: _Body, vals: Sequence[int], warmup: bool, runs: list[RunSet], sk
     return False
 
 
+def _as_the_user_has_it(body: _Body, saved: StateCopy | None, before: Mapping[int, int], said: list[str]) -> None:
+    """Each remedy's runs start where the user's next cell would: their training state (``saved``), and none of
+    cuBLAS's workspaces the fit's runs made (a first step makes them mid-step, which the model's first run then
+    has, as a plain fit's does). What giving them back said goes into ``said``."""
+    with interrupts_held() as held:  # a Ctrl-C between giving the user's workspaces back and making them again
+        if saved is not None:
+            restore_state(saved)
+        free_cached(body.src, body.every_device())
+        line = body.workspaces_back(before)[2]
+        if line:
+            said.append(line)
+    if held.pressed:
+        raise KeyboardInterrupt()
+
+
 def _measure_remedies(body: _Body, candidates: Sequence[remedies.Candidate], vals: Sequence[int], warmup: bool,
                       plain_largest: int, timed: int, max_value: int | None, notes: list[str], ran: list[int],
                       on: tuple[Target | None, Callable[[int], int | None] | None],
-                      reset: Callable[[], None] = lambda: None) -> list[Remedy]:
+                      reset: Callable[[], None]) -> list[Remedy]:
     """Each remedy's largest value: the fit's runs again with it applied (no stacks), the same analysis over
     them (for ``on``'s GPU where one is asked about), and one timed step at the same value with it and without
     it for its cost. A remedy that fails the body (an error other than out-of-memory) or allows no more than the
@@ -394,6 +394,14 @@ class _Body:
         """The devices with a context now: the ones measured, and any a run was the first to use."""
         t = _torch()
         return sorted(set(self.devs) | set(context_devices(t, self.src) if t is not None else ()))
+
+    def workspaces_back(self, before: Mapping[int, int]) -> tuple[dict[int, int], dict[int, int], str | None]:
+        """cuBLAS's workspaces the runs made given back on every device with a context (``give_back_workspaces``)
+        against ``before``, where a device the runs were first to use had nothing: that mapping, the bytes
+        allocated after, and a line for the report where it could not be done exactly."""
+        every = {d: before.get(d, 0) for d in self.every_device()}
+        after, said = give_back_workspaces(self.src, every)
+        return every, after, said
 
     def allocated(self) -> int:
         return sum(allocated_reserved(self.src, d)[0] for d in self.devs)
