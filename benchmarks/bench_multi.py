@@ -12,11 +12,11 @@
   blocks on cuda:0 and the rest and the head on cuda:1, activations moved between them, cuda:0 holding a big
   tensor as well.
 
-``on``: a fit with ``on="16GiB"`` and ``on="24GiB"`` on the whole GPU, for bench_fit's MLP, small transformer LM
-and CNN (fresh: model and optimizer made). The truth for that size is the same bisection on this GPU under
-``torch.cuda.set_per_process_memory_fraction((size - context) / total)``, which caps this process's allocator at
-that size less this process's CUDA context (NVML's figure beyond the allocator's): a GPU of that size holds the
-context too.
+``on``: a fit with ``on="16GiB"`` and ``on="24GiB"`` on the whole GPU, for bench_fit's MLP, bf16 and fp32
+transformer LMs, CNN with BatchNorm, LSTM and encoder (fresh: model and optimizer made). The truth for that size
+is the same bisection on this GPU under ``torch.cuda.set_per_process_memory_fraction((size - context) / total)``,
+which caps this process's allocator at that size less this process's CUDA context (NVML's figure beyond the
+allocator's): a GPU of that size holds the context too.
 
 - answer: ``nbmem.fitting.runner.fit`` at three small values (warm-up included), state restored afterwards;
 - real boundary: the largest value for which the body runs 3 times in a row without CUDA out of memory (on any
@@ -51,7 +51,7 @@ GiB, MiB = 2**30, 2**20
 #: A bisection step may still start this long after ``--budget-s``; a row may not.
 GRACE_S = 60.0
 ON_SIZES = ("16GiB", "24GiB")
-ON_FAMILIES = ("mlp", "lm-bf16", "cnn-bn")
+ON_FAMILIES = ("mlp", "lm-bf16", "cnn-bn", "lstm", "encoder", "lm-fp32")
 PARTS = ("twogpu", "on")
 
 
