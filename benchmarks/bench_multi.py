@@ -454,8 +454,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             plan = twogpu_plan(gpu, a.hold_gib)
         else:
             print("on: the truth for each size is the same bisection on cuda:0 under "
-                  "torch.cuda.set_per_process_memory_fraction(size / total memory), not a GPU of that size",
-                  flush=True)
+                  "torch.cuda.set_per_process_memory_fraction((size - this process's CUDA context) / total memory), "
+                  "as a card of that size holds the context too (each row's note has the figures)", flush=True)
             plan = on_plan(gpu, [f for f in a.families.split(",") if f], [s for s in a.sizes.split(",") if s])
         used = range(n) if part == "twogpu" else (0,)
         run_plan(plan, rows, started, a.budget_s, a.out, after=functools.partial(gpu.settle, used), machine=machine)
