@@ -500,6 +500,7 @@ class ChildrenUse:
     device: str
     after_bytes: int | None  # at the cell's end
     peak_bytes: int  # the most while it ran: its two ends and the sampler's readings between (a lower bound)
+    pids: tuple[int, ...] = ()  # the children seen holding memory there, at its end or at a reading between
 
 
 @dataclass(frozen=True, slots=True)

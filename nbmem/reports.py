@@ -339,11 +339,18 @@ def unnamed_texts(unattributed: Sequence[tuple[str, int]], pools: Sequence[PoolU
     return out
 
 
+def _pids(pids: Sequence[int]) -> str:
+    if not pids:
+        return ""
+    shown = ", ".join(map(str, pids[:8])) + (f" and {len(pids) - 8} more" if len(pids) > 8 else "")
+    return f" (PID {shown})" if len(pids) == 1 else f" (PIDs {shown})"
+
+
 def child_texts(use: Sequence[ChildrenUse], children: Sequence[ChildProcess]) -> list[str]:
     """The report's lines on this notebook's child processes: what they held on each GPU while the cell ran,
     and the ones it left running, by PID and command line."""
-    out = [f"child processes of this notebook on {u.device}: {fmt_bytes(u.after_bytes)} at the end, at most "
-           f"{fmt_bytes(u.peak_bytes)} while the cell ran (sampled)" for u in use]
+    out = [f"child processes of this notebook on {u.device}{_pids(u.pids)}: {fmt_bytes(u.after_bytes)} at the end, "
+           f"at most {fmt_bytes(u.peak_bytes)} while the cell ran (sampled)" for u in use]
     for c in children:
         cmd = c.command if len(c.command) <= COMMAND_SHOWN else c.command[:COMMAND_SHOWN - 1] + "…"
         # psutil's start times count from the boot time in whole seconds: a clock time, not "in this cell".

@@ -180,7 +180,8 @@ def test_a_cell_that_leaves_a_child_running_names_it_and_says_how_to_stop_it(ip:
     assert rep is not None and [(c.device, c.pid, c.used_bytes) for c in rep.children] == [("cuda:0", pid, 100 * MiB)]
     started = rep.children[0].started_wall
     assert "time.sleep(120)" in rep.children[0].command and started is not None and abs(started - time.time()) < 5
-    assert [(u.device, u.after_bytes, u.peak_bytes) for u in rep.children_use] == [("cuda:0", 100 * MiB, 100 * MiB)]
+    assert [(u.device, u.after_bytes, u.peak_bytes, u.pids) for u in rep.children_use] == [
+        ("cuda:0", 100 * MiB, 100 * MiB, (pid,))]
     assert session.should_show(rep)
     assert f"PID {pid} is still running" in str(rep) and "os.kill(PID, signal.SIGTERM)" in str(rep)
     # Named once: the next cell leaves it as it was, and says nothing of it.
@@ -200,8 +201,12 @@ def test_a_child_that_ran_and_ended_inside_the_cell_is_counted_from_the_samples(
     ok(ip, "_p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(1.5)'])\n"
            "_children.append(_p)\n_p.wait()")
     rep = root_of(ip).session.last_report
+    pid = ip.user_ns["_p"].pid
     assert rep.children == (), "nothing is left running"
-    assert [(u.device, u.after_bytes, u.peak_bytes) for u in rep.children_use] == [("cuda:0", 0, 100 * MiB)]
+    # Gone at the cell's end, it is named by the PID the sampler's readings saw while it ran.
+    assert [(u.device, u.after_bytes, u.peak_bytes, u.pids) for u in rep.children_use] == [
+        ("cuda:0", 0, 100 * MiB, (pid,))]
+    assert f"child processes of this notebook on cuda:0 (PID {pid}): 0 B at the end, at most 100 MiB" in str(rep)
 
 
 def test_a_child_that_reaches_the_gpu_after_its_cell_ended_is_named_by_the_next_report(

@@ -221,16 +221,20 @@ def children_use(before: Boundary, after: Boundary, samples: Iterable[Sample], *
     Children that held the same all along are no news of this cell."""
     start = {d: g.children_bytes or 0 for d, g in before.nvml.items()}
     peaks: dict[str, int] = {}
-    for dev, value in [*((s.device, s.children_used_bytes) for s in samples),
-                       *((d, g.children_bytes) for d, g in after.nvml.items())]:
+    # Children that started and ended inside the cell (accelerate's notebook_launcher waits for its ranks) are
+    # gone at its end: their PIDs are known only from the readings between.
+    pids: dict[str, set[int]] = {}
+    for dev, value, kids in [*((s.device, s.children_used_bytes, s.children) for s in samples),
+                             *((d, g.children_bytes, g.children) for d, g in after.nvml.items())]:
         if value is not None:
             peaks[dev] = max(peaks.get(dev, start.get(dev, 0)), value)
+        pids.setdefault(dev, set()).update(p.pid for p in kids if p.used_bytes)
     out = []
     for dev, peak in sorted(peaks.items()):
         end = after.nvml[dev].children_bytes if dev in after.nvml else None
         moved = max(peak - start.get(dev, 0), abs((end or 0) - start.get(dev, 0)) if end is not None else 0)
         if peak and moved >= threshold_bytes:
-            out.append(ChildrenUse(dev, end, peak))
+            out.append(ChildrenUse(dev, end, peak, tuple(sorted(pids.get(dev, ())))))
     return tuple(out)
 
 

@@ -209,3 +209,123 @@ def test_autocast_gradscaler_checkpoint_loop_rerun_three_times_finds_nothing_new
         assert rec.peak_allocated_bytes == torch.cuda.max_memory_allocated(), "the peak is exact"
         assert abs(rec.delta_allocated_bytes) < MiB, "a re-run keeps no more than the run before"
     assert gpu.user_ns["out"].dtype == torch.float16 and gpu.user_ns["scaler"].get_scale() > 0
+
+
+# -- accelerate's notebook_launcher ---------------------------------------------------------------------------
+LAUNCHER_SCRIPT = r'''
+import json, os, sys, threading, time
+import pynvml
+import torch  # not CUDA: importing torch makes no context
+from IPython.core.interactiveshell import InteractiveShell
+
+tmp = sys.argv[1]
+ip = InteractiveShell.instance()
+for src in ("%load_ext nbmem", "%cudamem on", "import torch"):
+    assert ip.run_cell(src, store_history=True).success, src
+import nbmem
+from nbmem.ipython.root import session_of
+
+seen = {}
+
+
+def nvml_of(pids):
+    pynvml.nvmlInit()
+    out = {}
+    for i in range(pynvml.nvmlDeviceGetCount()):
+        for p in pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(i)):
+            if p.pid in pids:
+                out[f"cuda:{i}"] = out.get(f"cuda:{i}", 0) + int(p.usedGpuMemory)
+    return out
+
+
+def watch():
+    """While the launcher's cell runs: once both ranks hold their memory, what nbmem's sampler says of them beside
+    NVML's own figure; then the ranks are let go."""
+    try:
+        deadline = time.monotonic() + 150
+        ready = {}
+        while time.monotonic() < deadline and len(ready) < 2:
+            for r in (0, 1):
+                f = os.path.join(tmp, f"ready{r}")
+                if os.path.exists(f) and os.path.getsize(f):
+                    ready[r] = tuple(map(int, open(f).read().split()))
+            time.sleep(0.1)
+        pids = {pid for pid, _ in ready.values()}
+        truth = nvml_of(pids)
+        got = {}
+        while time.monotonic() < deadline:
+            df = nbmem.samples()
+            got = {d: float(df[df.device == d].iloc[-1]["children_used_bytes"]) for d in truth}
+            if all(abs(got[d] - truth[d]) <= 0.01 * truth[d] for d in truth):
+                break
+            time.sleep(0.2)
+        others = {p.pid for smp in session_of(ip).store.latest_tick() for p in smp.processes}
+        seen.update(ranks={str(r): v for r, v in ready.items()}, truth=truth, got=got,
+                    others=sorted(others & pids), status=list(nbmem.status().children))
+    finally:
+        open(os.path.join(tmp, "go"), "w").close()
+
+
+threading.Thread(target=watch, daemon=True).start()
+cell = f"""
+from accelerate import notebook_launcher
+
+def train(tmp):
+    import os, time, torch
+    rank = int(os.environ.get("LOCAL_RANK", os.environ.get("RANK", "0")))
+    dev = rank % torch.cuda.device_count()
+    block = torch.empty(256 << 20, dtype=torch.uint8, device=f"cuda:{{dev}}")
+    torch.cuda.synchronize(dev)
+    with open(os.path.join(tmp, f"ready{{rank}}"), "w") as f:
+        f.write(f"{{os.getpid()}} {{dev}}")
+    deadline = time.monotonic() + 170
+    while not os.path.exists(os.path.join(tmp, "go")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    del block
+
+notebook_launcher(train, args=({tmp!r},), num_processes=2)
+"""
+r = ip.run_cell(cell, store_history=True)
+rep = session_of(ip).last_report
+print(json.dumps(dict(
+    success=r.success, error=repr(r.error_before_exec or r.error_in_exec), seen=seen,
+    cuda_initialized=torch.cuda.is_initialized(),
+    use={u.device: [u.after_bytes, u.peak_bytes, list(u.pids)] for u in (rep.children_use if rep else ())},
+    report=str(rep))))
+'''
+
+
+def test_accelerates_notebook_launcher_runs_with_nbmem_loaded_and_its_ranks_are_the_notebooks(tmp_path: Any) -> None:
+    """accelerate's ``notebook_launcher`` refuses to start when CUDA is initialized in the notebook, then forks
+    one rank per GPU and waits for them. With nbmem loaded and every cell monitored it still starts (nbmem made
+    no CUDA context), the ranks are this notebook's children on each GPU while they run (NVML's figure, not other
+    processes), and the cell's report says what they held there. A fresh process: this one has CUDA."""
+    import importlib.util
+    import json
+    import subprocess
+    import sys
+
+    if importlib.util.find_spec("accelerate") is None:
+        pytest.skip("accelerate is not installed")
+    devices = min(GPUS, 2)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")])}
+    out = subprocess.run([sys.executable, "-c", LAUNCHER_SCRIPT, str(tmp_path)], capture_output=True, text=True,
+                         env=env, timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["success"], (res["error"], out.stdout[-3000:])
+    assert res["cuda_initialized"] is False
+    seen = res["seen"]
+    ranks = seen["ranks"]
+    assert sorted(ranks) == ["0", "1"] and {dev for _, dev in ranks.values()} == set(range(devices))
+    # While they ran: each GPU's children, as the sampler read them, are NVML's figure for the ranks there (1 %).
+    truth, got = seen["truth"], seen["got"]
+    assert set(truth) == {f"cuda:{d}" for d in range(devices)}
+    assert all(abs(got[d] - truth[d]) <= 0.01 * truth[d] for d in truth), (got, truth)
+    assert seen["others"] == [], "a rank is not another process"
+    assert all(any(f"PID {pid} holds" in line for line in seen["status"]) for pid, _ in ranks.values())
+    # The launcher's cell: what they held at most on each GPU, and which rank it was, though they ended with it.
+    for d, t in truth.items():
+        assert d in res["use"] and res["use"][d][1] >= 0.99 * t, (res["use"], res["report"])
+        assert res["use"][d][2] == sorted(pid for pid, dev in ranks.values() if f"cuda:{dev}" == d), res["use"]
+        assert f"child processes of this notebook on {d} (PID " in res["report"]
