@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -49,9 +50,17 @@ class Sampler(Generic[T]):
         self._stop.clear()
         self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
         self._thread.start()
+        # A daemon thread still running when the interpreter finalizes is ended where it next takes the GIL; in a
+        # C++ call (torch's allocator stats) that unwinding aborts the process ("terminate called without an
+        # active exception") as IPython exits. Stopped first, it is never there.
+        atexit.register(self._stop_at_exit)
+
+    def _stop_at_exit(self) -> None:
+        self.stop(timeout_s=2.0)
 
     def stop(self, timeout_s: float = 5.0) -> None:
         """Stop the thread and wait for it to end."""
+        atexit.unregister(self._stop_at_exit)
         self._stop.set()
         t, self._thread = self._thread, None
         if t is not None and t is not threading.current_thread():

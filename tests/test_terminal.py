@@ -137,3 +137,17 @@ def test_the_cell_table_fits_80_columns_and_says_where_the_rest_is(device):
     assert "nbmem.report()" in CellTable(recs)._repr_html_()
     assert "no cell measured yet" in str(CellTable(()))
 
+
+
+def test_nbmems_threads_have_ended_before_the_interpreter_does() -> None:
+    """A daemon thread still running when Python finalizes is ended where it next takes the GIL; inside a C++ call
+    (torch's allocator stats, read by the sampler) that aborts the process as IPython exits ("terminate called
+    without an active exception"). nbmem's threads are stopped at exit, before that. The check is registered
+    first, so it runs after nbmem's own (atexit runs the last registered first)."""
+    names = "sorted(t.name for t in threading.enumerate() if t.name.startswith('nbmem'))"
+    out = terminal("import atexit, threading, time\n"  # bound now: IPython empties the namespace at exit
+                   f"atexit.register(lambda threading=threading: print('nbmem threads at exit:', {names}))\n"
+                   "%load_ext nbmem\n%cudamem on\ntime.sleep(0.3)\n"
+                   f"print('nbmem threads:', {names})")
+    assert "nbmem threads: ['nbmem-sampler']" in out, out[-2000:]
+    assert "nbmem threads at exit: []" in out, out[-2000:]

@@ -13,6 +13,7 @@ kernel waits behind every queued cell, and the sidebar is most wanted while a lo
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import logging
 import os
@@ -249,8 +250,13 @@ class Publisher:
             self._stop.clear()
             self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
             self._thread.start()
+            atexit.register(self._stop_at_exit)  # as the sampler: not inside a C++ call when the interpreter ends
+
+    def _stop_at_exit(self) -> None:
+        self.stop(timeout_s=2.0)
 
     def stop(self, timeout_s: float = 5.0) -> None:
+        atexit.unregister(self._stop_at_exit)
         self._stop.set()
         self._wake.set()
         t, self._thread = self._thread, None
