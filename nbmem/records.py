@@ -500,7 +500,9 @@ class ChildrenUse:
     device: str
     after_bytes: int | None  # at the cell's end
     peak_bytes: int  # the most while it ran: its two ends and the sampler's readings between (a lower bound)
-    pids: tuple[int, ...] = ()  # the children seen holding memory there, at its end or at a reading between
+    # The children seen holding memory there at either end or a reading between; the figures above are all of
+    # theirs together, so one whose memory did not move is named beside one whose did.
+    pids: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -284,6 +284,8 @@ UNATTRIBUTED = ("allocated, but no name reaches it: memory torch keeps in C++, s
 STOP_CHILD = ("nbmem never stops a process: when you are done, `.join()` or `.terminate()` what started it, or "
               "`import os, signal; os.kill(PID, signal.SIGTERM)`")
 COMMAND_SHOWN = 120
+#: A report line names this many of the child processes on a GPU, then says how many more.
+PIDS_SHOWN = 8
 
 
 def pool_text(p: PoolUse) -> str:
@@ -342,7 +344,8 @@ def unnamed_texts(unattributed: Sequence[tuple[str, int]], pools: Sequence[PoolU
 def _pids(pids: Sequence[int]) -> str:
     if not pids:
         return ""
-    shown = ", ".join(map(str, pids[:8])) + (f" and {len(pids) - 8} more" if len(pids) > 8 else "")
+    shown = ", ".join(map(str, pids[:PIDS_SHOWN])) + (
+        f" and {len(pids) - PIDS_SHOWN} more" if len(pids) > PIDS_SHOWN else "")
     return f" (PID {shown})" if len(pids) == 1 else f" (PIDs {shown})"
 
 

@@ -25,7 +25,8 @@ from nbmem.ipython.root import root_of
 from nbmem.measure import processes
 from nbmem.measure.processes import Split, has_children, lineage_of, split_children
 from nbmem.measure.sources import NvmlSource
-from nbmem.records import GpuProcess
+from nbmem.records import Boundary, GpuProcess, GpuReading
+from nbmem.reports import child_texts
 from tests.conftest import ok
 
 MiB = 2**20
@@ -229,3 +230,25 @@ def test_a_child_that_reaches_the_gpu_after_its_cell_ended_is_named_by_the_next_
     assert [c.pid for c in session.last_report.children] == [pid]
     ok(ip, "x = 2")
     assert session.last_report.children == ()
+
+
+# -- what a report says of them (pure) --------------------------------------------------------------------------
+def _boundary(children: dict[int, int]) -> Boundary:
+    kids = tuple(GpuProcess(pid, used, "python3") for pid, used in children.items())
+    gpu = GpuReading(80 * 1024 * MiB, 80 * 1024 * MiB, 0, 0, children_bytes=sum(children.values()), children=kids)
+    return Boundary(0.0, 0.0, None, None, {}, {"cuda:0": gpu})
+
+
+def test_a_child_the_cell_stopped_before_any_reading_is_named_from_the_cells_start() -> None:
+    # It held 1 GiB when the cell began and was gone at the first reading (os.kill, as a report advises).
+    use = processes.children_use(_boundary({4242: 1024 * MiB}), _boundary({}), [], threshold_bytes=MiB)
+    assert [(u.device, u.after_bytes, u.peak_bytes, u.pids) for u in use] == [("cuda:0", 0, 1024 * MiB, (4242,))]
+    assert child_texts(use, ())[0].startswith("child processes of this notebook on cuda:0 (PID 4242): 0 B at the end")
+
+
+def test_a_report_names_a_few_children_by_pid_and_counts_the_rest() -> None:
+    few = processes.children_use(_boundary({}), _boundary({11: 800 * MiB, 7: 800 * MiB}), [], threshold_bytes=MiB)
+    assert "on cuda:0 (PIDs 7, 11): 1.56 GiB at the end" in child_texts(few, ())[0]
+    many = processes.children_use(_boundary({}), _boundary({pid: 600 * MiB for pid in range(100, 110)}), [],
+                                  threshold_bytes=MiB)
+    assert "(PIDs 100, 101, 102, 103, 104, 105, 106, 107 and 2 more)" in child_texts(many, ())[0]

@@ -221,9 +221,10 @@ def children_use(before: Boundary, after: Boundary, samples: Iterable[Sample], *
     Children that held the same all along are no news of this cell."""
     start = {d: g.children_bytes or 0 for d, g in before.nvml.items()}
     peaks: dict[str, int] = {}
-    # Children that started and ended inside the cell (accelerate's notebook_launcher waits for its ranks) are
-    # gone at its end: their PIDs are known only from the readings between.
-    pids: dict[str, set[int]] = {}
+    # The PIDs come from both ends and every reading between: children that started and ended inside the cell
+    # (accelerate's notebook_launcher waits for its ranks) are gone at its end, and one the cell stopped
+    # (os.kill, as a report advises) was there only at its start. Each holds a CUDA context, so there are few.
+    pids: dict[str, set[int]] = {d: {p.pid for p in g.children if p.used_bytes} for d, g in before.nvml.items()}
     for dev, value, kids in [*((s.device, s.children_used_bytes, s.children) for s in samples),
                              *((d, g.children_bytes, g.children) for d, g in after.nvml.items())]:
         if value is not None:
