@@ -48,12 +48,13 @@ class Sampler(Generic[T]):
         if self._thread is not None:
             return
         self._stop.clear()
-        self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
-        self._thread.start()
         # A daemon thread still running when the interpreter finalizes is ended where it next takes the GIL; in a
         # C++ call (torch's allocator stats) that unwinding aborts the process ("terminate called without an
-        # active exception") as IPython exits. Stopped first, it is never there.
+        # active exception") as IPython exits. At exit it is stopped first, given 2 s to finish a reading. Made
+        # before the thread, so a stop() that follows at once always finds it to take back.
         atexit.register(self._stop_at_exit)
+        self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
+        self._thread.start()
 
     def _stop_at_exit(self) -> None:
         self.stop(timeout_s=2.0)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
+import weakref
+from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -91,3 +95,48 @@ def test_resizing_keeps_the_newest_ticks():
     for i in range(10, 14):
         st.add_tick([sample(float(i))])
     assert [s.t_wall for s in st.sample_list()] == [8.0, 9.0, 10.0, 11.0, 12.0, 13.0]
+
+
+class _Exits:
+    """Stands in for the atexit module: what was registered, and not taken back."""
+
+    def __init__(self) -> None:
+        self.funcs: list[Any] = []
+
+    def register(self, f: Any) -> None:
+        self.funcs.append(f)
+
+    def unregister(self, f: Any) -> None:
+        self.funcs = [g for g in self.funcs if g != f]
+
+
+@pytest.mark.parametrize("kind", ["sampler", "gauge"])
+def test_the_thread_is_stopped_at_exit_and_a_stopped_one_is_not_kept_for_it(kind: str, monkeypatch: Any) -> None:
+    """At interpreter exit the thread is stopped before Python finalizes (a daemon thread ended there inside a C++
+    call aborts the process); once stopped, nothing of it is kept until exit."""
+    import importlib
+
+    mod = importlib.import_module("nbmem.sampler" if kind == "sampler" else "nbmem.ui.widget")
+
+    def make() -> Any:
+        if kind == "sampler":
+            return Sampler(lambda: [], lambda b: None, interval_s=0.01)
+        hold = SimpleNamespace(__enter__=lambda *a: None, __exit__=lambda *a: None)
+        return mod.Publisher(SimpleNamespace(hold_sync=lambda: hold), build=dict, rate_hz=100)
+
+    exits = _Exits()
+    monkeypatch.setattr(mod, "atexit", exits)
+    t = make()
+    t.start()
+    thread = t._thread
+    assert thread.is_alive() and len(exits.funcs) == 1
+    exits.funcs[0]()  # what the interpreter runs at exit
+    assert not thread.is_alive() and exits.funcs == []
+    monkeypatch.undo()  # the real atexit: a stopped thread's owner is not held until exit
+    t = make()
+    t.start()
+    t.stop()
+    gone = weakref.ref(t)
+    del t
+    gc.collect()
+    assert gone() is None

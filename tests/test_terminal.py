@@ -138,7 +138,6 @@ def test_the_cell_table_fits_80_columns_and_says_where_the_rest_is(device):
     assert "no cell measured yet" in str(CellTable(()))
 
 
-
 def test_nbmems_threads_have_ended_before_the_interpreter_does() -> None:
     """A daemon thread still running when Python finalizes is ended where it next takes the GIL; inside a C++ call
     (torch's allocator stats, read by the sampler) that aborts the process as IPython exits ("terminate called

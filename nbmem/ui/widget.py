@@ -248,9 +248,9 @@ class Publisher:
     def start(self) -> None:
         if self._thread is None:
             self._stop.clear()
+            atexit.register(self._stop_at_exit)  # as the sampler's: not inside a C++ call when the interpreter ends
             self._thread = threading.Thread(target=self._run, name=THREAD_NAME, daemon=True)
             self._thread.start()
-            atexit.register(self._stop_at_exit)  # as the sampler: not inside a C++ call when the interpreter ends
 
     def _stop_at_exit(self) -> None:
         self.stop(timeout_s=2.0)
