@@ -43,6 +43,11 @@ def nb(ip):
     ("--fit batch=8,16 --on 24", r"--on takes a memory size"),
     ("--fit batch=8,16 --on 100MB", r"--on takes a memory size .*too small for a GPU"),
     ("--fit batch=8,16 --on L4 --lines", r"does not take --lines"),
+    # A name's second word left unquoted: the fix, not the line form of a command that does not exist.
+    ("--fit batch=8,16 --on A100 40GB", r"--on and --host-limit take one value each, not '40GB' after it: quote a "
+                                        r"name with a space \(`--on \"A100 40GB\"`\)\. Nothing was run\."),
+    ("--fit batch=8,16 --on 24 GiB", r"not 'GiB' after it"),
+    ("--fit batch=8,16 --on", r"^%%cudamem: could not read .*expected one argument.*Nothing was run\.$"),
     ("--host-limit 8GiB", r"--host-limit goes with --fit"),
     ("--fit batch=8,16 --host-limit lots", r"--host-limit: host_limit takes a memory size such as '8GiB'.*'lots'"),
 ])

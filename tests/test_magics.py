@@ -490,7 +490,7 @@ def test_a_displayed_variable_is_news_in_the_cell_that_showed_it(ip):
 
 
 def test_an_unclosed_quote_is_a_usage_error_and_the_cell_does_not_run(ip):
-    with pytest.raises(UsageError, match=r"could not read \"'x\" \(No closing quotation\)"):
+    with pytest.raises(UsageError, match=r"^%%cudamem: could not read \"'x\" \(No closing quotation\)"):
         ip.run_cell_magic("cudamem", "'x", "ran = True")
     assert "ran" not in ip.user_ns
     with pytest.raises(UsageError, match="No closing quotation"):

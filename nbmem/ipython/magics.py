@@ -229,6 +229,15 @@ class NbmemMagics(Magics):
         %%cudamem gives the cell's exact peak from the allocator's event trace, without ever resetting
         your peak counter (%config Nbmem.trace = True does so for every monitored cell, at a cost);
         --lines adds memory per line of the cell.
+
+        Will it fit? `%%cudamem --fit batch=8,16,32` runs the cell at those values (a cell that uses
+        `batch`), puts your training state back, and answers the largest value that fits on every GPU the
+        cell uses, from the allocator's real allocations; with --want N, a value that does not fit gets
+        remedies, each with the largest value it allows. --on SIZE|GPU answers for another GPU from the
+        same runs (--on 24GiB, --on L4, --on "A100 40GB"); --host-limit SIZE caps host memory for a cell
+        that keeps memory there; --no-restore leaves the state as the runs left it. Needs CUDA. The same
+        in Python: nbmem.fit(body, "batch", [8, 16, 32], on="L4").
+
         Options: %config Nbmem (interval, history, threshold, scan, scan_budget, show, reset_peak,
         trace, lines, trace_entries, gauge).
         """
@@ -240,6 +249,10 @@ class NbmemMagics(Magics):
             raise UsageError("%cudamem clean: --all-flagged is now --last-report, which removes exactly the holders "
                              "the last cell report listed (its 'would run' line).")
         if cell is not None:
+            if (args.command is not None or args.names) and (args.on_gpu is not None or args.host_limit is not None):
+                # `--on A100 40GB`: the name's second word came apart from it, as a shell splits it.
+                raise UsageError(f"%%cudamem: --on and --host-limit take one value each, not {args.command!r} "
+                                 "after it: quote a name with a space (`--on \"A100 40GB\"`). Nothing was run.")
             if args.command is not None or args.names:
                 raise UsageError(f"%%cudamem takes options only, not {args.command!r}: put `%%cudamem` alone "
                                  f"on the first line, or use the line form `%cudamem {args.command}`.")
@@ -421,7 +434,8 @@ def _unreadable(parser: Any, line: str, cell: str | None, e: BaseException) -> s
         what, allowed = (f"%cudamem {command}", COMMANDS[command]) if command else ("%%cudamem", CELL_OPTIONS)
         return option_refusal(what, unknown, [_FLAG_NAMES[k] for k in sorted(allowed) if k != "names"])
     why = f" ({e})" if str(e) and not isinstance(e, SystemExit) else ""
-    return f"%cudamem: could not read {line[:80]!r}{why}; `%cudamem?` lists the options."
+    what = "%cudamem" if cell is None else "%%cudamem"
+    return f"{what}: could not read {line[:80]!r}{why}; `%cudamem?` lists the options. Nothing was run."
 
 
 def _cleanup_request(args: Any, last: Any) -> CleanupRequest:
