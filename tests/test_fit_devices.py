@@ -237,6 +237,11 @@ def test_on_another_gpu_the_same_runs_are_replayed_against_its_memory_less_this_
     ("a100-80gb", 80 * GB, "A100 80GB"), ("A100", 40 * GB, "A100 40GB"), ("T4", 16 * GB, "T4 (16 GB)"),
     ("RTX 4090", 24 * GB, "RTX 4090 (24 GB)"), ("GeForce RTX 3060 12GB", 12 * GB, "RTX 3060 12GB"),
     ("H200", 141 * GB, "H200 141GB"), ("V100 32GB", 32 * GB, "V100 32GB"), ("L40S", 48 * GB, "L40S (48 GB)"),
+    # As nvidia-smi and torch.cuda.get_device_name print them, and as a fit's report names this machine's GPU.
+    ("NVIDIA H100 80GB HBM3", 80 * GB, "H100 80GB"), ("NVIDIA A100-SXM4-40GB", 40 * GB, "A100 40GB"),
+    ("NVIDIA A100-PCIE-80GB", 80 * GB, "A100 80GB"), ("Tesla T4", 16 * GB, "T4 (16 GB)"),
+    ("Tesla V100-SXM2-32GB", 32 * GB, "V100 32GB"), ("H100 PCIe", 80 * GB, "H100 80GB"),
+    ("NVIDIA GeForce RTX 4090", 24 * GB, "RTX 4090 (24 GB)"),
 ])
 def test_on_takes_a_size_or_a_gpus_name(spec: str, memory: int, label: str | None) -> None:
     got = parse_on(spec)
@@ -245,7 +250,8 @@ def test_on_takes_a_size_or_a_gpus_name(spec: str, memory: int, label: str | Non
         assert got.label == label
 
 
-@pytest.mark.parametrize("spec", ["banana", "24", "GiB", "24 parsecs", "A100 41GB", "", "0.1GB", "-24GB"])
+@pytest.mark.parametrize("spec", ["banana", "24", "GiB", "24 parsecs", "A100 41GB", "", "0.1GB", "-24GB",
+                                  "H100 NVL", "NVIDIA H200 NVL", "A10G", "SXM4", "PCIe"])
 def test_a_bad_on_is_refused_in_one_line_that_lists_the_accepted_forms(spec: str) -> None:
     with pytest.raises(ValueError) as e:
         parse_on(spec)

@@ -71,9 +71,15 @@ class Target:
     gpu: Gpu | None = None
 
 
+#: Words in the names nvidia-smi and torch.cuda.get_device_name print ("NVIDIA A100-SXM4-40GB", "Tesla T4",
+#: "NVIDIA H100 80GB HBM3") that say the form factor or memory kind, not the memory size. "NVL" is not one of
+#: them: an H100 NVL has 94 GB, not the H100's 80.
+_FORM = re.compile(r"(?<![a-z0-9])(sxm\d*|pcie|hbm\d*e?)(?![a-z0-9])")
+
+
 def _key(text: str) -> str:
     t = text.lower().replace("nvidia", "").replace("geforce", "").replace("tesla", "")
-    return re.sub(r"[\s_\-]+", "", t)
+    return re.sub(r"[\s_\-]+", "", _FORM.sub("", t))
 
 
 def parse_on(spec: object) -> Target:
