@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import threading
 import time
@@ -121,8 +122,7 @@ def test_the_thread_is_stopped_at_exit_and_a_stopped_one_is_not_kept_for_it(kind
     def make() -> Any:
         if kind == "sampler":
             return Sampler(lambda: [], lambda b: None, interval_s=0.01)
-        hold = SimpleNamespace(__enter__=lambda *a: None, __exit__=lambda *a: None)
-        return mod.Publisher(SimpleNamespace(hold_sync=lambda: hold), build=dict, rate_hz=100)
+        return mod.Publisher(SimpleNamespace(hold_sync=contextlib.nullcontext), build=dict, rate_hz=100)
 
     exits = _Exits()
     monkeypatch.setattr(mod, "atexit", exits)

@@ -249,11 +249,11 @@ class NbmemMagics(Magics):
             raise UsageError("%cudamem clean: --all-flagged is now --last-report, which removes exactly the holders "
                              "the last cell report listed (its 'would run' line).")
         if cell is not None:
-            if (args.command is not None or args.names) and (args.on_gpu is not None or args.host_limit is not None):
-                # `--on A100 40GB`: the name's second word came apart from it, as a shell splits it.
-                raise UsageError(f"%%cudamem: --on and --host-limit take one value each, not {args.command!r} "
-                                 "after it: quote a name with a space (`--on \"A100 40GB\"`). Nothing was run.")
             if args.command is not None or args.names:
+                if args.on_gpu is not None or args.host_limit is not None:
+                    # `--on A100 40GB`: the name's second word came apart from it, as a shell splits it.
+                    raise UsageError(f"%%cudamem: --on and --host-limit take one value each, not {args.command!r} "
+                                     "after it: quote a name with a space (`--on \"A100 40GB\"`). Nothing was run.")
                 raise UsageError(f"%%cudamem takes options only, not {args.command!r}: put `%%cudamem` alone "
                                  f"on the first line, or use the line form `%cudamem {args.command}`.")
             self._only(args, CELL_OPTIONS, "%%cudamem")
