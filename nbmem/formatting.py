@@ -37,6 +37,22 @@ def fmt_bytes(n: int | float | None, *, signed: bool = False) -> str:
     return f"{sign}{v:.{digits}f} {_UNITS[unit]}"
 
 
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(gib|gb|g|mib|mb|m|tib|tb|t)\s*$", re.IGNORECASE)
+#: A bare G, M or T is binary: what nvidia-smi and torch print is GiB, and people type "24G" for it.
+_SIZE_UNITS = {"gib": 1 << 30, "g": 1 << 30, "gb": 10**9, "mib": 1 << 20, "m": 1 << 20, "mb": 10**6,
+               "tib": 1 << 40, "t": 1 << 40, "tb": 10**12}
+
+
+def read_size(text: str) -> tuple[int, bool] | None:
+    """A typed memory size ("24GiB", "24GB", "24G", "8000MiB") as bytes and whether its unit is binary;
+    None for anything else. The one reader of sizes, so every option takes the same spellings."""
+    m = _SIZE.match(text)
+    if m is None:
+        return None
+    unit = m.group(2).lower()
+    return int(float(m.group(1)) * _SIZE_UNITS[unit]), not unit.endswith("b") or unit.endswith("ib")
+
+
 def fmt_count(n: int) -> str:
     """A count as people say it: 950, 12.3K, 2.1M, 169M, 6.74B (three significant digits)."""
     if abs(n) < 1000:

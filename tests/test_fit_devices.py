@@ -13,6 +13,7 @@ import torch
 from nbmem.fitting import devices, multigpu, runner, torchcheck
 from nbmem.fitting.allocator import SegmentState
 from nbmem.fitting.devices import GB, GPUS, GiB, parse_on
+from nbmem.fitting.hostroom import parse_host_limit
 from nbmem.fitting.model import Room, RunTrace
 from nbmem.fitting.multigpu import NOTHING_ON_CUDA, RunSet, analyse_devices
 from nbmem.fitting.state import FitRefused
@@ -257,6 +258,13 @@ def test_a_bad_on_is_refused_in_one_line_that_lists_the_accepted_forms(spec: str
         parse_on(spec)
     said = str(e.value)
     assert "\n" not in said and "24GiB, 24GB" in said and "T4" in said and "A100 40GB" in said
+
+
+@pytest.mark.parametrize("spec", ["24GiB", "24 GiB", "24G", "24GB", "24gb", "1.5TB", "1T", "40000MiB", "40000MB",
+                                  "2048M"])
+def test_on_and_host_limit_read_a_size_as_the_same_bytes(spec: str) -> None:
+    # Two options, one reader: a size typed for --on means the same memory typed for --host-limit.
+    assert parse_on(spec).memory_bytes == parse_host_limit(spec)
 
 
 def test_every_gpu_in_the_table_has_its_memory_and_its_source_and_is_found_by_its_own_name() -> None:

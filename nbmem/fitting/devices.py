@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 
 from nbmem.fitting.model import Room, margin_bytes_for
-from nbmem.formatting import fmt_bytes
+from nbmem.formatting import fmt_bytes, read_size
 
 GB = 10**9
 GiB = 1 << 30
@@ -53,10 +53,6 @@ _ALIASES = {"a100": "A100 40GB", "h100": "H100 80GB", "h200": "H200 141GB", "v10
             "3060": "RTX 3060 12GB", "3090": "RTX 3090", "4080": "RTX 4080 16GB", "4090": "RTX 4090",
             "rtx3060": "RTX 3060 12GB", "rtx4080": "RTX 4080 16GB", "l40s48gb": "L40S"}
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(gib|gb|g|mib|mb|m|tib|tb|t)\s*$", re.IGNORECASE)
-_UNITS = {"gib": GiB, "g": GiB, "gb": GB, "mib": 1 << 20, "m": 1 << 20, "mb": 10**6, "tib": 1 << 40, "t": 1 << 40,
-          "tb": 10**12}
-
 #: What ``--on`` accepts, for the one-line refusal of anything else.
 ACCEPTED = ("a memory size (24GiB, 24GB, 24G = GiB, 24000MiB) or a GPU: "
             + ", ".join(g.name for g in GPUS))
@@ -82,6 +78,12 @@ def _key(text: str) -> str:
     return re.sub(r"[\s_\-]+", "", _FORM.sub("", t))
 
 
+def _decimal_label(spec: str) -> str:
+    """A decimal size as typed, spaced and upper-cased: "24gb" -> "24 GB" (a GiB-only label would hide the unit)."""
+    number, unit = re.match(r"\s*([\d.]+)\s*([a-zA-Z]+)", spec).groups()  # type: ignore[union-attr]
+    return f"{number} {unit.upper()}"
+
+
 def parse_on(spec: object) -> Target:
     """``--on`` as a ``Target``: a size (``24GiB``, ``24GB``, ``24G``) or a GPU's name (``L4``, ``"A100 40GB"``);
     a ValueError in one line that lists the accepted forms otherwise."""
@@ -91,13 +93,12 @@ def parse_on(spec: object) -> Target:
         spec = spec.strip().strip("'\"")  # IPython's argument line keeps the quotes of "A100 40GB"
     if not isinstance(spec, str) or not spec:
         raise ValueError(f"takes {ACCEPTED}; got {spec!r:.40}")
-    m = _SIZE.match(spec)
-    if m:
-        n = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    size = read_size(spec)
+    if size is not None:
+        n, binary = size
         if n < GiB // 4:
             raise ValueError(f"takes {ACCEPTED}; {spec.strip()!r} is too small for a GPU")
-        return Target(fmt_bytes(int(n)) if m.group(2).lower() in ("gib", "g", "mib", "m", "tib", "t")
-                      else f"{m.group(1)} {m.group(2).upper()}", int(n))
+        return Target(fmt_bytes(n) if binary else _decimal_label(spec), n)
     key = _key(spec)
     by_key = {_key(g.name): g for g in GPUS}
     gpu = by_key.get(key) or by_key.get(_key(_ALIASES.get(key, "")))

@@ -15,7 +15,6 @@ Growth below noise (a body that keeps nothing on the host) is no limit, and noth
 from __future__ import annotations
 
 import math
-import re
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -24,7 +23,7 @@ from typing import Any
 
 from nbmem.fitting.search import SEARCH_CAP, largest_fitting
 from nbmem.fitting.sizes import fit_size
-from nbmem.formatting import fmt_bytes
+from nbmem.formatting import fmt_bytes, read_size
 from nbmem.measure.host import HostSource, heap_bytes
 
 #: Heap (or RSS) growth with the value below this, between the smallest and the largest run, is noise: Python
@@ -238,20 +237,16 @@ def with_host(result: Any, host: HostFit | None, name: str) -> Any:
 
 
 # -- the room, read ------------------------------------------------------------------------------------------------
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(gib|gb|g|mib|mb|m|tib|tb|t)\s*$", re.IGNORECASE)
-_UNITS = {"gib": 1 << 30, "g": 1 << 30, "gb": 10**9, "mib": 1 << 20, "m": 1 << 20, "mb": 10**6, "tib": 1 << 40,
-          "t": 1 << 40, "tb": 10**12}
-
 
 def parse_host_limit(spec: object) -> int:
     """``host_limit`` in bytes: a whole number of bytes or a size (``"8GiB"``, ``"8GB"``, ``"8000MiB"``)."""
     if isinstance(spec, int) and not isinstance(spec, bool) and spec > 0:
         return spec
-    m = _SIZE.match(spec) if isinstance(spec, str) else None
-    if m is None:
+    size = read_size(spec) if isinstance(spec, str) else None
+    if size is None:
         raise ValueError(f"host_limit takes a memory size such as '8GiB', '8GB' or '8000MiB' (or bytes), "
                          f"got {spec!r:.40}")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    return size[0]
 
 
 def room_for(host_limit: int | None, source: HostSource | None = None) -> tuple[HostRoom | None, str]:
