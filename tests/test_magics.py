@@ -225,6 +225,16 @@ def test_options_a_command_does_not_take_are_refused_and_nothing_runs(ip, line, 
     assert sess.monitoring == was
 
 
+def test_a_nested_cudamem_is_refused_its_body_does_not_run_and_the_outer_cell_still_reports(ip):
+    sess = _ACTIVE[ip].session
+    r = run(ip, "%%cudamem\nouter = 1\nget_ipython().run_cell_magic('cudamem', '', 'inner = 1')")
+    assert not r.success and "inner" not in ip.user_ns and ip.user_ns["outer"] == 1
+    assert "cannot be nested" in str(r.error_in_exec) and "did not run" in str(r.error_in_exec)
+    assert sess.last_report is not None and sess.last_report.cell == last_cell(ip)
+    ok(ip, "%%cudamem\nafter = 1")  # the refusal left no state behind: the next measured cell is not "nested"
+    assert ip.user_ns["after"] == 1 and sess.last_report.cell == last_cell(ip)
+
+
 def test_cell_magic_refuses_line_options_and_does_not_run_the_body(ip):
     r = run(ip, "%%cudamem --cell 4\nran = True")
     assert not r.success and "ran" not in ip.user_ns

@@ -282,7 +282,7 @@ class NbmemMagics(Magics):
         s = self.session
         sh = self.shell
         if self.root.nested:
-            raise UsageError("%%cudamem cannot be nested inside another %%cudamem cell.")
+            raise UsageError("%%cudamem cannot be nested inside another %%cudamem cell. The inner cell did not run.")
         if s.in_cell:  # monitoring began this cell before we knew it was ours
             self._guarded("%%cudamem", s.end_cell)
         number = sh.execution_count - 1
@@ -460,11 +460,12 @@ def parse_fit(spec: str) -> tuple[str, tuple[int, ...]]:
     """``batch=8,16,32`` as (``batch``, (8, 16, 32)); a UsageError that names the fix otherwise."""
     m = _FIT.match(spec)
     if not m:
-        raise UsageError(f"%%cudamem --fit takes NAME=V1,V2,... (e.g. --fit batch=8,16,32), not {spec[:60]!r}.")
+        raise UsageError(f"%%cudamem --fit takes NAME=V1,V2,... (e.g. --fit batch=8,16,32), not {spec[:60]!r}. "
+                         "Nothing was run.")
     name, raw = m.group(1), m.group(2).split(",")
     if not all(v.strip().isdigit() and int(v) > 0 for v in raw):
         raise UsageError(f"%%cudamem --fit {name}=...: the values must be positive whole numbers, comma-separated "
-                         f"(e.g. {name}=8,16,32), not {m.group(2)[:60]!r}.")
+                         f"(e.g. {name}=8,16,32), not {m.group(2)[:60]!r}. Nothing was run.")
     values = tuple(sorted({int(v) for v in raw}))
     if len(values) < 2:
         raise UsageError(f"%%cudamem --fit {name}=...: give 2 to 5 different values (e.g. {name}=8,16,32): one "
