@@ -21,6 +21,7 @@ from nbmem.ipython.root import session_of
 from tests.cells import autocast_steps, checkpointed_training
 from tests.conftest import ok
 from tests.gpu.conftest import GPUS
+from tests.gpu.nvml_truth import nvml_by_pid
 
 MiB = 2**20
 DEFAULT_POOL = (0, 0)
@@ -108,20 +109,6 @@ def hold(rank: int, mib: int, devices: int, ready: Any, stop: Any) -> None:
     ready.put((rank, os.getpid(), dev))
     stop.wait(300)
     del block
-
-
-def nvml_by_pid(pids: set[int]) -> dict[tuple[int, int], int]:
-    """(NVML index, PID) -> bytes, as the driver reports them, for these PIDs."""
-    import pynvml
-
-    pynvml.nvmlInit()
-    out = {}
-    for i in range(pynvml.nvmlDeviceGetCount()):
-        h = pynvml.nvmlDeviceGetHandleByIndex(i)
-        for p in pynvml.nvmlDeviceGetComputeRunningProcesses(h):
-            if p.pid in pids:
-                out[(i, int(p.pid))] = int(p.usedGpuMemory)
-    return out
 
 
 def spawn_workers(gpu: Any, devices: int) -> tuple[set[int], dict[int, int]]:
@@ -216,7 +203,6 @@ def test_autocast_gradscaler_checkpoint_loop_rerun_three_times_finds_nothing_new
 # -- accelerate's notebook_launcher ---------------------------------------------------------------------------
 LAUNCHER_SCRIPT = r'''
 import json, os, sys, threading, time
-import pynvml
 import torch  # not CUDA: importing torch makes no context
 from IPython.core.interactiveshell import InteractiveShell
 
@@ -226,17 +212,15 @@ for src in ("%load_ext nbmem", "%cudamem on", "import torch"):
     assert ip.run_cell(src, store_history=True).success, src
 import nbmem
 from nbmem.ipython.root import session_of
+from tests.gpu.nvml_truth import nvml_by_pid
 
 seen = {}
 
 
 def nvml_of(pids):
-    pynvml.nvmlInit()
     out = {}
-    for i in range(pynvml.nvmlDeviceGetCount()):
-        for p in pynvml.nvmlDeviceGetComputeRunningProcesses(pynvml.nvmlDeviceGetHandleByIndex(i)):
-            if p.pid in pids:
-                out[f"cuda:{i}"] = out.get(f"cuda:{i}", 0) + int(p.usedGpuMemory)
+    for (i, _), used in nvml_by_pid(pids).items():
+        out[f"cuda:{i}"] = out.get(f"cuda:{i}", 0) + used
     return out
 
 
