@@ -43,14 +43,31 @@ _SIZE_UNITS = {"gib": 1 << 30, "g": 1 << 30, "gb": 10**9, "mib": 1 << 20, "m": 1
                "tib": 1 << 40, "t": 1 << 40, "tb": 10**12}
 
 
-def read_size(text: str) -> tuple[int, bool] | None:
-    """A typed memory size ("24GiB", "24GB", "24G", "8000MiB") as bytes and whether its unit is binary;
-    None for anything else. The one reader of sizes, so every option takes the same spellings."""
+@dataclass(frozen=True, slots=True)
+class TypedSize:
+    """A memory size as someone typed it: its bytes, and its number and unit as written ("24", "gb")."""
+
+    size_bytes: int
+    number: str
+    unit: str  # lower case
+
+    @property
+    def binary(self) -> bool:
+        return self.unit in ("gib", "g", "mib", "m", "tib", "t")
+
+    def as_typed(self) -> str:
+        """The number and unit as written, spaced, the unit upper case: "24 GB" for "24gb"."""
+        return f"{self.number} {self.unit.upper()}"
+
+
+def read_size(text: str) -> TypedSize | None:
+    """A typed memory size ("24GiB", "24GB", "24G", "8000MiB"); None for anything else. The one reader of sizes,
+    so every option takes the same spellings."""
     m = _SIZE.match(text)
     if m is None:
         return None
     unit = m.group(2).lower()
-    return int(float(m.group(1)) * _SIZE_UNITS[unit]), not unit.endswith("b") or unit.endswith("ib")
+    return TypedSize(int(float(m.group(1)) * _SIZE_UNITS[unit]), m.group(1), unit)
 
 
 def fmt_count(n: int) -> str:

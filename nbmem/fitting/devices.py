@@ -78,12 +78,6 @@ def _key(text: str) -> str:
     return re.sub(r"[\s_\-]+", "", _FORM.sub("", t))
 
 
-def _decimal_label(spec: str) -> str:
-    """A decimal size as typed, spaced and upper-cased: "24gb" -> "24 GB" (a GiB-only label would hide the unit)."""
-    number, unit = re.match(r"\s*([\d.]+)\s*([a-zA-Z]+)", spec).groups()  # type: ignore[union-attr]
-    return f"{number} {unit.upper()}"
-
-
 def parse_on(spec: object) -> Target:
     """``--on`` as a ``Target``: a size (``24GiB``, ``24GB``, ``24G``) or a GPU's name (``L4``, ``"A100 40GB"``);
     a ValueError in one line that lists the accepted forms otherwise."""
@@ -95,10 +89,10 @@ def parse_on(spec: object) -> Target:
         raise ValueError(f"takes {ACCEPTED}; got {spec!r:.40}")
     size = read_size(spec)
     if size is not None:
-        n, binary = size
-        if n < GiB // 4:
+        if size.size_bytes < GiB // 4:
             raise ValueError(f"takes {ACCEPTED}; {spec.strip()!r} is too small for a GPU")
-        return Target(fmt_bytes(n) if binary else _decimal_label(spec), n)
+        # A decimal size keeps its unit in the label: shown in GiB, "24 GB" would read as a different card.
+        return Target(fmt_bytes(size.size_bytes) if size.binary else size.as_typed(), size.size_bytes)
     key = _key(spec)
     by_key = {_key(g.name): g for g in GPUS}
     gpu = by_key.get(key) or by_key.get(_key(_ALIASES.get(key, "")))

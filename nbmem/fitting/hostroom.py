@@ -246,7 +246,7 @@ def parse_host_limit(spec: object) -> int:
     if size is None:
         raise ValueError(f"host_limit takes a memory size such as '8GiB', '8GB' or '8000MiB' (or bytes), "
                          f"got {spec!r:.40}")
-    return size[0]
+    return size.size_bytes
 
 
 def room_for(host_limit: int | None, source: HostSource | None = None) -> tuple[HostRoom | None, str]:
