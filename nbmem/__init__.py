@@ -6,6 +6,8 @@ CUDA; everything is loaded when the extension is.
 
 from __future__ import annotations
 
+import keyword
+import numbers
 from typing import Any
 
 __version__ = "0.2.0"
@@ -53,8 +55,6 @@ def _session() -> Any:
 
 
 def _cell_number(cell: Any, what: str) -> int | None:
-    import numbers
-
     if cell is None:
         return None
     if isinstance(cell, bool) or not isinstance(cell, numbers.Integral) or int(cell) < 0:
@@ -114,11 +114,11 @@ def fit(body: Any, name: str, values: Any, *, restore: bool = True, warmup: bool
 
     ``body`` is a cell's source (run in the notebook's namespace with ``name`` bound to each value, as
     ``%%cudamem --fit name=...`` does) or a function called with each value. ``values``: 2 to 5 positive
-    whole numbers, small enough to run (e.g. ``[8, 16, 32]``). The smallest runs once first, uncounted (a
-    warm-up, so one-time allocations such as optimizer state are not taken for growth). The training state
-    it reaches (modules, optimizers, LR schedulers, gradient scalers) and the random generators are copied
-    before and put back bit for bit after, also after an error (``restore=False`` skips that; the fit then
-    trains them); ``restored`` and ``not_restored`` name them, a line each.
+    whole numbers (ints or NumPy integers), small enough to run (e.g. ``[8, 16, 32]``). The smallest runs once
+    first, uncounted (a warm-up, so one-time allocations such as optimizer state are not taken for growth). The
+    training state it reaches (modules, optimizers, LR schedulers, gradient scalers) and the random generators
+    are copied before and put back bit for bit after, also after an error (``restore=False`` skips that; the fit
+    then trains them); ``restored`` and ``not_restored`` name them, a line each.
 
     ``want``: the value you want to run at; when it does not fit, ``remedies`` lists what would let it run
     and the largest value each allows: gradient accumulation (from the fit itself), activation checkpointing
@@ -134,46 +134,84 @@ def fit(body: Any, name: str, values: Any, *, restore: bool = True, warmup: bool
     Where the body keeps memory on the host (``save_on_cpu``, pinned buffers, ``.cpu()`` in the step), host
     memory is a limit too: the answer fits there as well, and says when the host limits it. The room there is
     the container's memory limit, else the machine's available memory, less a margin; ``host_limit`` (``"8GiB"``,
-    or bytes) sets the memory this kernel may use by hand. No value predicted not to fit on either is run.
+    or an int of bytes) sets the memory this kernel may use by hand. No value predicted not to fit on either is run.
 
     Returns a ``FitResult``: ``largest_value``, ``power_of_two``, ``fixed_bytes``, ``bytes_per_unit``,
     ``lines`` (where memory grows), ``room`` (the memory it fits into and the margin), ``notes``;
     ``.to_frame()`` and ``.row()`` for code. ``largest_value`` is None with ``reason`` when there is no
-    prediction. A machine without CUDA raises ``RuntimeError`` saying so, and nothing runs.
+    prediction. An argument that is not what it should be (a str, float or bool among the values, a body that is
+    neither source nor a function, a ``host_limit`` of 0) raises ``TypeError`` or ``ValueError``, and a machine
+    without CUDA ``RuntimeError``, each in one line ending "Nothing was run.", before anything runs.
     """
     from nbmem.fitting.state import FitRefused
 
-    if not isinstance(name, str) or not name.isidentifier():
-        raise TypeError(f"nbmem.fit(name=...) takes a variable name, got {name!r:.40}")
-    try:
-        vals = sorted({int(v) for v in values})
-    except (TypeError, ValueError):
-        raise TypeError(f"nbmem.fit(values=...) takes whole numbers, got {values!r:.60}") from None
-    if not 2 <= len(vals) <= 5 or vals[0] < 1:
-        raise ValueError(f"nbmem.fit(values=...) takes 2 to 5 different positive values, got {values!r:.60}")
-    if want is not None and (type(want) is not int or want < 1):
+    if not isinstance(body, str) and not callable(body):
+        raise TypeError(f"nbmem.fit(body=...) takes a cell's source (a str) or a function called with each value, "
+                        f"got {body!r:.40}. {_NOTHING_RAN}")
+    if not isinstance(name, str) or not name.isidentifier() or keyword.iskeyword(name):
+        raise TypeError(f"nbmem.fit(name=...) takes a variable name, got {name!r:.40}. {_NOTHING_RAN}")
+    vals = _fit_values(values)
+    if want is not None and (_whole(want) is None or want < 1):
         raise ValueError(f"nbmem.fit(want=...) takes the {name} you want to run at, a positive whole number, "
-                         f"got {want!r:.40}")
+                         f"got {want!r:.40}. {_NOTHING_RAN}")
+    for flag, given in (("restore", restore), ("warmup", warmup)):
+        if not isinstance(given, bool):
+            raise TypeError(f"nbmem.fit({flag}=...) takes True or False, got {given!r:.40}. {_NOTHING_RAN}")
     from nbmem.fitting.devices import parse_on
     from nbmem.fitting.hostroom import parse_host_limit
 
     try:
         target = None if on is None else parse_on(on)
     except ValueError as e:
-        raise ValueError(f"nbmem.fit(on=...) {e}") from None
+        raise ValueError(f"nbmem.fit(on=...) {e}. {_NOTHING_RAN}") from None
     try:
         host_bytes = None if host_limit is None else parse_host_limit(host_limit)
     except ValueError as e:
-        raise ValueError(f"nbmem.fit: {e}") from None
+        raise ValueError(f"nbmem.fit(host_limit=...) {e}. {_NOTHING_RAN}") from None
     sess = _session()
     if isinstance(body, str) and name not in sess.adapter.mentioned(body):
-        raise ValueError(f"nbmem.fit: the body does not use `{name}`; it runs with {name} bound to each value")
+        raise ValueError(f"nbmem.fit: the body does not use `{name}`; it runs with {name} bound to each value. "
+                         f"{_NOTHING_RAN}")
     try:
-        return sess.fit(body, name, vals, warmup=warmup, restore=restore, want=want, on=target,
-                        host_limit=host_bytes)
+        return sess.fit(body, name, vals, warmup=warmup, restore=restore, want=None if want is None else int(want),
+                        on=target, host_limit=host_bytes)
     except FitRefused as e:
-        raise RuntimeError(f"nbmem.fit: {e}; {'it ran once, no more' if e.ran else 'nothing was run'}"
-                           ) from None
+        raise RuntimeError(f"nbmem.fit: {e}. {'The body ran once, no more.' if e.ran else _NOTHING_RAN}") from None
+
+
+_NOTHING_RAN = "Nothing was run."
+
+
+def _whole(value: object) -> int | None:
+    """``value`` as an int where it is a whole number (an int or a NumPy integer, never a bool); else None."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        return None
+    return int(value)
+
+
+def _fit_values(values: Any) -> list[int]:
+    """``nbmem.fit``'s values, sorted and distinct; a one-line TypeError or ValueError that names the fix.
+
+    Whole numbers only: a float (8.0 too, and inf) or a str is refused rather than rounded or read digit by digit,
+    and so is a bool, which is an int to Python but never a size."""
+    try:
+        # A str is iterable, as characters: "816" is not 8, 16 (nor 1, 6, 8).
+        items = None if isinstance(values, str | bytes | bytearray) else iter(values)
+    except TypeError:
+        items = None
+    if items is None:
+        raise TypeError(f"nbmem.fit(values=...) takes a list of whole numbers such as [8, 16, 32], got "
+                        f"{values!r:.40}. {_NOTHING_RAN}")
+    given = list(items)
+    for v in given:
+        if _whole(v) is None:
+            raise TypeError(f"nbmem.fit(values=...) takes whole numbers such as [8, 16, 32], not {v!r:.40} "
+                            f"({type(v).__name__}). {_NOTHING_RAN}")
+    vals = sorted({int(v) for v in given})
+    if not 2 <= len(vals) <= 5 or vals[0] < 1:
+        raise ValueError(f"nbmem.fit(values=...) takes 2 to 5 different positive values, such as [8, 16, 32], got "
+                         f"{values!r:.60}. {_NOTHING_RAN}")
+    return vals
 
 
 def plot_fit(result: Any = None, ax: Any = None) -> Any:

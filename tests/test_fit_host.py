@@ -8,6 +8,7 @@ import math
 import random
 from typing import Any
 
+import numpy as np
 import pytest
 
 from nbmem.fitting import hostroom as H
@@ -57,15 +58,19 @@ def test_the_host_room_is_the_limit_set_by_hand_else_the_containers_else_the_mac
 
 
 @pytest.mark.parametrize(("spec", "want"), [("8GiB", 8 * GiB), ("8 GB", 8 * 10**9), ("512MiB", 512 * MiB),
-                                            (3 * GiB, 3 * GiB), ("1.5G", 3 * GiB // 2)])
+                                            (3 * GiB, 3 * GiB), ("1.5G", 3 * GiB // 2), (np.int64(GiB), GiB), (1, 1)])
 def test_host_limit_takes_a_size_or_bytes(spec: object, want: int) -> None:
-    assert H.parse_host_limit(spec) == want
+    got = H.parse_host_limit(spec)
+    assert got == want and type(got) is int
 
 
-@pytest.mark.parametrize("spec", ["8", "lots", -1, 0, True, None])
-def test_a_host_limit_that_is_no_size_names_the_fix(spec: object) -> None:
-    with pytest.raises(ValueError, match="host_limit takes a memory size such as '8GiB'"):
+@pytest.mark.parametrize("spec", ["8", "lots", "0GB", "0MiB", "0.0000000001GiB", "-1GB", "", -1, 0, True, None, 8e9,
+                                  float("inf"), float("nan"), np.float64(8e9), [8 * GiB]])
+def test_a_host_limit_that_is_no_size_above_0_names_the_fix(spec: object) -> None:
+    with pytest.raises(ValueError) as e:
         H.parse_host_limit(spec)
+    ints = "" if isinstance(spec, str) else ", or a whole number of bytes"
+    assert str(e.value) == f"takes a memory size above 0, such as '8GiB', '8GB' or '8000MiB'{ints}; not {spec!r}"
 
 
 # -- the model -----------------------------------------------------------------------------------------------------
@@ -297,6 +302,8 @@ def test_nbmem_fit_refuses_a_host_limit_that_is_no_size_before_anything_runs() -
     import nbmem
 
     ran: list[int] = []
-    with pytest.raises(ValueError, match=r"nbmem.fit: host_limit takes a memory size such as '8GiB'"):
+    with pytest.raises(ValueError) as e:
         nbmem.fit(ran.append, "batch", [8, 16], host_limit="lots")
+    assert str(e.value) == ("nbmem.fit(host_limit=...) takes a memory size above 0, such as '8GiB', '8GB' or "
+                            "'8000MiB'; not 'lots'. Nothing was run.")
     assert not ran

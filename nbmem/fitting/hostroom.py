@@ -15,6 +15,7 @@ Growth below noise (a body that keeps nothing on the host) is no limit, and noth
 from __future__ import annotations
 
 import math
+import numbers
 import sys
 import threading
 from collections.abc import Callable, Sequence
@@ -239,14 +240,18 @@ def with_host(result: Any, host: HostFit | None, name: str) -> Any:
 # -- the room, read ------------------------------------------------------------------------------------------------
 
 def parse_host_limit(spec: object) -> int:
-    """``host_limit`` in bytes: a whole number of bytes or a size (``"8GiB"``, ``"8GB"``, ``"8000MiB"``)."""
-    if isinstance(spec, int) and not isinstance(spec, bool) and spec > 0:
-        return spec
-    size = read_size(spec) if isinstance(spec, str) else None
-    if size is None:
-        raise ValueError(f"host_limit takes a memory size such as '8GiB', '8GB' or '8000MiB' (or bytes), "
-                         f"got {spec!r:.40}")
-    return size.size_bytes
+    """``host_limit`` in bytes: a size (``"8GiB"``, ``"8GB"``, ``"8000MiB"``) or a whole number of bytes (an int or
+    a NumPy integer), above 0; a ValueError in one line, ``takes ...``, that names the fix otherwise."""
+    if isinstance(spec, numbers.Integral) and not isinstance(spec, bool):
+        nbytes: int | None = int(spec)
+    else:
+        size = read_size(spec) if isinstance(spec, str) else None
+        nbytes = None if size is None else size.size_bytes
+    if nbytes is None or nbytes < 1:
+        # A bare number in a string ("8") is refused: 8 bytes is never what was meant.
+        ints = "" if isinstance(spec, str) else ", or a whole number of bytes"
+        raise ValueError(f"takes a memory size above 0, such as '8GiB', '8GB' or '8000MiB'{ints}; not {spec!r:.40}")
+    return nbytes
 
 
 def room_for(host_limit: int | None, source: HostSource | None = None) -> tuple[HostRoom | None, str]:

@@ -121,6 +121,7 @@ CELL_OPTIONS = frozenset({"reset_peak", "no_scan", "quiet", "lines", "fit", "no_
 #: What --fit goes with: it runs the cell several times, so a cell's own measurement options do not apply.
 FIT_OPTIONS = frozenset({"fit", "no_restore", "quiet", "want", "on_gpu", "host_limit"})
 _FIT = re.compile(r"\s*([A-Za-z_]\w*)\s*=\s*(\S+)\s*\Z")
+_WHOLE = re.compile(r"[0-9]+(?:_[0-9]+)*")
 _FLAG_NAMES = {"names": "NAME", "reset_peak": "--reset-peak", "no_scan": "--no-scan", "quiet": "--quiet",
                "lines": "--lines",
                "cell": "--cell", "outputs": "--outputs", "traceback": "--traceback", "last_report": "--last-report",
@@ -255,7 +256,8 @@ class NbmemMagics(Magics):
                     raise UsageError(f"%%cudamem: --on and --host-limit take one value each, not {args.command!r} "
                                      "after it: quote a name with a space (`--on \"A100 40GB\"`). Nothing was run.")
                 raise UsageError(f"%%cudamem takes options only, not {args.command!r}: put `%%cudamem` alone "
-                                 f"on the first line, or use the line form `%cudamem {args.command}`.")
+                                 f"on the first line, or use the line form `%cudamem {args.command}`. "
+                                 "Nothing was run.")
             self._only(args, CELL_OPTIONS, "%%cudamem")
             if (args.fit is not None or args.no_restore or args.want is not None or args.on_gpu is not None
                     or args.host_limit is not None):
@@ -336,7 +338,7 @@ class NbmemMagics(Magics):
         try:
             host_limit = None if args.host_limit is None else parse_host_limit(args.host_limit)
         except ValueError as e:
-            raise UsageError(f"%%cudamem --host-limit: {e}. Nothing was run.") from None
+            raise UsageError(f"%%cudamem --host-limit {e}. Nothing was run.") from None
         if name not in self.session.adapter.mentioned(body):
             raise UsageError(f"%%cudamem --fit: the cell does not use `{name}`: a fit binds {name} to each value "
                              f"and runs the cell, so its code must read it (e.g. `x = torch.randn({name}, 512)`). "
@@ -348,7 +350,7 @@ class NbmemMagics(Magics):
                                           display if getattr(self.shell, "kernel", None) is not None else None,
                                           lambda e: self.session.fault("fit progress", e)))
         except FitRefused as e:
-            ran = "The cell ran once, no more." if e.ran else "The cell did not run."
+            ran = "The cell ran once, no more." if e.ran else "Nothing was run."
             raise UsageError(f"%%cudamem --fit: {e}. {ran}") from None
         except KeyboardInterrupt as e:
             # Where it stopped and what it put back is said (the line, the note): the way there is nbmem's insides.
@@ -462,11 +464,11 @@ def parse_fit(spec: str) -> tuple[str, tuple[int, ...]]:
     if not m:
         raise UsageError(f"%%cudamem --fit takes NAME=V1,V2,... (e.g. --fit batch=8,16,32), not {spec[:60]!r}. "
                          "Nothing was run.")
-    name, raw = m.group(1), m.group(2).split(",")
-    if not all(v.strip().isdigit() and int(v) > 0 for v in raw):
+    name, raw = m.group(1), [_whole_number(v) for v in m.group(2).split(",")]
+    if not all(raw):  # None: not a number; 0: not positive
         raise UsageError(f"%%cudamem --fit {name}=...: the values must be positive whole numbers, comma-separated "
                          f"(e.g. {name}=8,16,32), not {m.group(2)[:60]!r}. Nothing was run.")
-    values = tuple(sorted({int(v) for v in raw}))
+    values = tuple(sorted({v for v in raw if v}))
     if len(values) < 2:
         raise UsageError(f"%%cudamem --fit {name}=...: give 2 to 5 different values (e.g. {name}=8,16,32): one "
                          "value shows no growth. Nothing was run.")
@@ -488,8 +490,19 @@ def fit_args(args: Any) -> tuple[str, tuple[int, ...], int | None]:
 
 def parse_want(spec: str, name: str) -> int:
     """``--want 512`` (or ``512_000``) as a whole number; a one-line UsageError that names the fix otherwise."""
-    text = spec.strip().replace("_", "")
-    if not text.isdigit() or int(text) < 1:
+    value = _whole_number(spec)
+    if not value:
         raise UsageError(f"%%cudamem --want takes the {name} you want to run at, a positive whole number "
                          f"(e.g. --want 512), not {spec[:40]!r}. Nothing was run.")
-    return int(text)
+    return value
+
+
+def _whole_number(text: str) -> int | None:
+    """``512`` or ``512_000`` (ASCII digits, as Python writes an int) as an int; None for anything else."""
+    # Not str.isdigit: it takes "²", which int() refuses, and digits of other scripts, which no one means here.
+    if not _WHOLE.fullmatch(text.strip()):
+        return None
+    try:
+        return int(text)
+    except ValueError:  # more digits than int() reads (sys.get_int_max_str_digits)
+        return None

@@ -66,11 +66,11 @@ def _is_number(word: str) -> bool:
 def command_refusal(command: str, commands: Collection[str]) -> str:
     """An unknown command, refused with the closest one named and the list of them all."""
     return (f"%cudamem: unknown command {command!r}{did_you_mean(command, commands)}; the commands are "
-            f"{', '.join(commands)}. Nothing was run; `%cudamem?` says what each one does.")
+            f"{', '.join(commands)}; `%cudamem?` says what each one does. Nothing was run.")
 
 
 def option_refusal(what: str, unknown: list[str], takes: list[str]) -> str:
     """``%cudamem on does not take --bogus; it takes --lines, ...``, with the closest option named."""
     shown = ", ".join(f"{u}{did_you_mean(u, takes)}" for u in unknown)
     return (f"{what} does not take {shown}; it takes {', '.join(takes) or 'no options'}. "
-            f"Nothing was run; `%cudamem?` says what each option does.")
+            "`%cudamem?` says what each option does. Nothing was run.")
