@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from typing import Any, Protocol
 
 from nbmem.holders import reach
@@ -98,19 +99,22 @@ class PathBuilder:
             parts = [*head, f"…({skipped:,} more)", *reversed(tail)]
         return self.w.root_of[node], "".join(parts)
 
-    def paths(self, node: int) -> list[tuple[int, str]]:
+    def paths(self, node: int, via: dict[str, int] | None = None) -> list[tuple[int, str]]:
         """(root index, path) pairs that reach ``node``: the walk's own, then the other ways, at most
         MAX_HOLDERS from any one root, so that every root reaching it is found (a trainer's many ways to a
-        parameter must not hide that ``model`` reaches it too)."""
+        parameter must not hide that ``model`` reaches it too). ``via``, when given, gets each path's last
+        container: the node the path's last step leaves from (-1 for a root bound to ``node`` itself)."""
         out = [self.primary(node)]
+        if via is not None:
+            via[out[0][1]] = self.w.parent[node]
         if not self.w.aliases:
             return out
         seen = {out[0][1]}
         per_root = {out[0][0]: 1}
-        stack: list[tuple[int, list[str], bool]] = [(node, [], True)]
+        stack: list[tuple[int, list[str], bool, int]] = [(node, [], True, -1)]
         steps = 0
         while stack and len(out) < 4 * MAX_HOLDERS and steps < 4000:
-            n, suffix, on_primary = stack.pop()
+            n, suffix, on_primary, last = stack.pop()
             steps += 1
             edges = [(self.w.parent[n], self.w.lk[n], self.w.lv[n], on_primary),
                      *((p, k, v, False) for p, k, v in self.w.aliases.get(n, ()))]
@@ -122,10 +126,13 @@ class PathBuilder:
                             seen.add(path)
                             per_root[lv] = per_root.get(lv, 0) + 1
                             out.append((lv, path))
+                            if via is not None:
+                                via[path] = last
                     continue
                 if len(suffix) >= MAX_ALIAS_STEPS:
                     continue  # a second way this deep is left out: the first way names the tensor
-                stack.append((parent, [*suffix, label(lk, lv, self.tensor_name)], primary))
+                step = label(lk, lv, self.tensor_name)
+                stack.append((parent, [*suffix, step], primary, parent if n == node else last))
         return out
 
 
@@ -147,7 +154,7 @@ def stability(path: str) -> int:
     return 2 if path in ROTATING_OUTPUTS or path.startswith("<last result>") else 0
 
 
-Rank = tuple[int, int, bool, bool, bool, bool, int, str]
+Rank = tuple[int, int, bool, bool, bool, bool, bool, int, str]
 
 
 def is_bare(path: str) -> bool:
@@ -155,16 +162,19 @@ def is_bare(path: str) -> bool:
     return path.isidentifier()
 
 
-def ranker(views: set[str]) -> Callable[[tuple[str, HolderKind]], Rank]:
+def ranker(views: AbstractSet[str], modules: AbstractSet[str] = frozenset()
+           ) -> Callable[[tuple[str, HolderKind]], Rank]:
     """Holder order: kind, stable names, then whole tensors before small views of them (the dataset's
-    ``tensors[0]``, not ``x = dataset[0][0]``), a module's path before an optimizer's, then a path through a
-    container before a bare variable (``losses[4]`` before ``loss``, the loop's last-iteration name: the
-    owner a person deletes is the container), then the shortest."""
+    ``tensors[0]``, not ``x = dataset[0][0]``), a module's path before any other (``modules``: the paths whose
+    last step is a module's attribute; a list of the parameters is not their owner) and an optimizer's after
+    the rest, then a path through a container before a bare variable (``losses[4]`` before ``loss``, the loop's
+    last-iteration name: the owner a person deletes is the container), then the shortest."""
 
     def rank(item: tuple[str, HolderKind]) -> Rank:
         path, kind = item
-        return (KIND_RANK[kind], stability(root_name(path)), path in views, ".keys()[" in path,
-                bool(OPTIMIZER_STEP.search(path)), kind is HolderKind.NAMESPACE and is_bare(path), len(path), path)
+        return (KIND_RANK[kind], stability(root_name(path)), path in views, bool(modules) and path not in modules,
+                ".keys()[" in path, bool(OPTIMIZER_STEP.search(path)), kind is HolderKind.NAMESPACE and is_bare(path),
+                len(path), path)
 
     return rank
 

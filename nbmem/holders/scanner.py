@@ -27,7 +27,7 @@ from nbmem.holders import intent, reach
 from nbmem.holders.graphs import Graph, GraphState, walk_graph
 from nbmem.holders.held import Held, Records, Scan, Updates
 from nbmem.holders.naming import MAX_HOLDERS, PathBuilder, container, container_first, ranker
-from nbmem.holders.walk import ROLE_PARAM, Root, Walk
+from nbmem.holders.walk import ROLE_OPTIM, ROLE_PARAM, Root, Walk, module_names, state_reached
 from nbmem.records import HolderKind, block_bytes, root_name
 
 
@@ -36,7 +36,7 @@ class _RootState:
     sig: tuple[int, int, int]
     kind: HolderKind
     type_name: str
-    state: str  # intent.state_of its type: "model", "optimizer", ... or ""
+    state: str  # intent.py: "model", "optimizer", ..., "holds model, optimizer" (what it reaches), or ""
     holds: dict[int, list[str]]  # storage id -> paths from this root
     tensors: list[tuple[weakref.ref[Any], int, int]]  # (tensor, its storage's id, id of its grad storage or 0)
     objects: int
@@ -60,6 +60,7 @@ class _StorageState:
     graph_tensor: weakref.ref[Any] | None = None
     graph: GraphState | None = None  # walked once, on demand; saved storages are re-checked weakly
     view_paths: set[str] = field(default_factory=set)  # paths to a tensor spanning less than the storage
+    module_paths: set[str] = field(default_factory=set)  # paths whose last step is a module's attribute
 
 
 def _gone(died: deque[int], sid: int, _ref: Any) -> None:
@@ -162,6 +163,7 @@ class Scanner:
     def __init__(self, torch: Callable[[], Any]) -> None:
         self._torch = torch
         self.type_cache = reach.TypeCache()  # per type: how a walk reads it (shared with fits' walks)
+        self.known_names = intent.KnownNames()  # the state_dict keys of the modules walked so far
         self._sig_types = reach.TypeCache()  # per type: how `signature` reads an instance's size
         self._roots: dict[str, _RootState] = {}
         self.storages = Storages()
@@ -311,12 +313,6 @@ class Scanner:
     def _absorb(self, w: Walk, now: Mapping[str, tuple[Root, tuple[int, int, int]]],
                 per_root: Mapping[int, tuple[bool, int, float]], cell: int) -> dict[str, _RootState]:
         """The walk's tensors as per-root state: storage ids, paths, and handles to re-check them by."""
-        fresh: dict[int, _RootState] = {}
-        for i, (done, n, secs) in per_root.items():
-            if done:
-                r = w.roots[i]
-                fresh[i] = _RootState(now[r.path][1], r.kind, reach.type_name(type(r.obj)),
-                                      intent.state_of(type(r.obj)), {}, [], n, secs, True)
         sid_of_node: dict[int, int] = {}
         partial: set[int] = set()  # nodes of tensors that span less than their storage
         for f in w.found:
@@ -339,6 +335,7 @@ class Scanner:
                 st.roles.add(f.role)
             if f.grad_fn and (st.graph_tensor is None or st.graph_tensor() is None):
                 st.graph_tensor = weakref.ref(f.tensor)
+        fresh = _fresh_roots(w, now, per_root, self.storages.states, sid_of_node, self.known_names)
 
         def tensor_name(t: Any) -> str:
             node = w.node_of.get(id(t))
@@ -358,7 +355,9 @@ class Scanner:
             watch = None if f.ephemeral else (weakref.ref(f.tensor), sid, self._grad_sid(f.tensor, w.TB))
             watched: set[int] = set()
             views = self.storages.states[sid].view_paths
-            for i, path in names.paths(f.node):
+            modules = self.storages.states[sid].module_paths
+            via: dict[str, int] = {}
+            for i, path in names.paths(f.node, via):
                 rs = fresh.get(i)
                 if rs is None:
                     continue
@@ -366,6 +365,9 @@ class Scanner:
                 if path not in ps and len(ps) < MAX_HOLDERS:
                     ps.append(path)
                 views.add(path) if f.node in partial else views.discard(path)
+                last = via.get(path, -1)
+                by_module = last >= 0 and w.is_module(last)
+                modules.add(path) if by_module else modules.discard(path)
                 # Every root that reaches the tensor watches it: a gradient or a new storage appearing
                 # under it (model.weight.grad is also opt's) makes each of them walk again.
                 if watch is not None and i not in watched:
@@ -391,8 +393,8 @@ class Scanner:
                 self._records.drop(sid)
                 self._paths.pop(sid, None) if not found else None
                 continue
-            ranked = container_first(sorted(((p, k) for p, (k, _r) in found.items()), key=ranker(st.view_paths)),
-                                     self._is_state)
+            rank = ranker(st.view_paths, st.module_paths)
+            ranked = container_first(sorted(((p, k) for p, (k, _r) in found.items()), key=rank), self._is_state)
             reached = dict.fromkeys((found[p][1], k) for p, k in ranked)
             roots = list(reached)[:2 * MAX_HOLDERS]
             top = ranked[:MAX_HOLDERS]
@@ -451,6 +453,30 @@ class Scanner:
             if st is not None and st.graph is not None:
                 located.update(st.graph.saved)
         return _young_unlocated(torch, self.storages, located)
+
+
+def _fresh_roots(w: Walk, now: Mapping[str, tuple[Root, tuple[int, int, int]]],
+                 per_root: Mapping[int, tuple[bool, int, float]], states: Mapping[int, _StorageState],
+                 sid_of_node: Mapping[int, int], known: intent.KnownNames) -> dict[int, _RootState]:
+    """The roots a walk finished, each with the state it is (intent.py): its own type's, else, for a variable
+    or a module's attribute, what it reaches. A tensor is a parameter or optimizer state by the roles its
+    storage had in any walk (``sd = opt.state_dict()`` walked alone still reaches them)."""
+    known.add(module_names(w))
+    tensor_words = {}
+    for f in w.found:
+        roles = states[sid_of_node[f.node]].roles
+        if ROLE_PARAM in roles or ROLE_OPTIM in roles:
+            tensor_words[f.node] = "parameters" if ROLE_PARAM in roles else "optimizer state"
+    reached = state_reached(w, tensor_words, known)
+    fresh: dict[int, _RootState] = {}
+    for i, (done, n, secs) in per_root.items():
+        if done:
+            r = w.roots[i]
+            state = intent.state_of(type(r.obj))
+            if not state and r.kind in (HolderKind.NAMESPACE, HolderKind.MODULE):
+                state = reached.get(i, "")
+            fresh[i] = _RootState(now[r.path][1], r.kind, reach.type_name(type(r.obj)), state, {}, [], n, secs, True)
+    return fresh
 
 
 def signature(obj: Any, sig_types: reach.TypeCache) -> tuple[int, int, int]:

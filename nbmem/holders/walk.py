@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nbmem.holders import reach
+from nbmem.holders import intent, reach
 from nbmem.holders.naming import L_ATTR, L_INDEX, L_KEY, L_ROOT, L_TEXT, L_TKEY, MAX_HOLDERS, PathBuilder
 from nbmem.records import HolderKind
 
@@ -27,7 +27,11 @@ from nbmem.records import HolderKind
 BULK_MIN = 64
 # Walk strategies, decided once per type.
 (_SKIP, _TENSOR, _DICT, _SEQ, _SET, _NNMOD, _FUNC, _METHOD, _PARTIAL, _PYMOD, _CLASS, _GEN, _CELL, _EXC,
- _LRU, _REFS, _OBJ) = range(17)
+ _LRU, _REFS, _OBJ, _ARRAY, _FRAME) = range(19)
+#: numpy's array and pandas' frames and series: libraries, but their object columns can hold tensors.
+_ARRAY_BASE, _FRAME_BASE = ("numpy", "ndarray"), ("pandas.core.generic", "NDFrame")
+#: The most elements of one object array read (a longer one is read up to here).
+ARRAY_MAX = 1 << 20
 #: C objects whose only way in is what they reference (gc.get_referents, C code): iterators over a
 #: container (``iter(batches)``, ``zip(xs, ys)``, ``itertools.cycle(loader)``) and a dict's views.
 _ITERATOR_MODULES = ("itertools", "_collections", "collections")
@@ -60,10 +64,18 @@ class _TypeInfo:
     strategy: int
     layout: reach.Layout | None = None
     optimizer: bool = False
+    state: str = ""  # intent.state_of the type: "model", "optimizer", ... or ""
 
 
 def classify(t: type, tensor_base: type, module_base: type | None, optim_base: type | None) -> _TypeInfo:
     """How a walk reads instances of ``t``: decided once per type, from type-level data only."""
+    info = _strategy(t, tensor_base, module_base, optim_base)
+    if info.strategy not in (_SKIP, _TENSOR):
+        info.state = intent.state_of(t)
+    return info
+
+
+def _strategy(t: type, tensor_base: type, module_base: type | None, optim_base: type | None) -> _TypeInfo:
     if reach.is_atom_type(t):
         return _TypeInfo(_SKIP)
     d = reach.derives
@@ -92,6 +104,11 @@ def classify(t: type, tensor_base: type, module_base: type | None, optim_base: t
     if d(t, BaseException):
         return _TypeInfo(_EXC, lay)
     mod, name = reach.type_module(t), reach.type_name(t)
+    bases = {(reach.type_module(c), reach.type_name(c)) for c in reach.mro(t)}
+    if _ARRAY_BASE in bases:
+        return _TypeInfo(_ARRAY)
+    if _FRAME_BASE in bases:
+        return _TypeInfo(_FRAME, lay)
     if mod == "functools" and name in ("partial", "_lru_cache_wrapper"):
         return _TypeInfo(_PARTIAL if name == "partial" else _LRU, lay)
     if not reach.is_heap(t) and (name in _VIEWS or (name.endswith("iterator") and mod == "builtins")
@@ -130,6 +147,9 @@ class Walk:
         self.lv: list[Any] = []
         self.root_of: list[int] = []
         self.aliases: dict[int, list[tuple[int, int, Any]]] = {}
+        # Every other way to a node, unbounded, as the parent's node (``~root`` for a root bound to it): what
+        # the training state a root reaches is read from (``state_reached``); ``aliases`` keeps only a few.
+        self.up: dict[int, list[int]] = {}
         self.found: list[_Found] = []
         self.roots: list[Root] = []
         self.objects = 0
@@ -159,16 +179,19 @@ class Walk:
     # -- nodes ----------------------------------------------------------------------------------------
     def root(self, r: Root) -> None:
         self.roots.append(r)
-        self._add(r.obj, -1, L_ROOT, len(self.roots) - 1, len(self.roots) - 1)
+        # numpy's arrays are not tracked by the collector, even those holding objects: as a root, one is walked
+        array = self.info(type(r.obj)).strategy == _ARRAY
+        self._add(r.obj, -1, L_ROOT, len(self.roots) - 1, len(self.roots) - 1, array)
 
-    def _add(self, obj: Any, parent: int, lk: int, lv: Any, root: int) -> int | None:
-        if not reach.is_tracked(obj):
+    def _add(self, obj: Any, parent: int, lk: int, lv: Any, root: int, untracked: bool = False) -> int | None:
+        if not untracked and not reach.is_tracked(obj):
             return None  # atoms, and containers of atoms only: nothing can hide there
         oid = id(obj)
         node = self.node_of.get(oid)
         if node is not None:
             # Another way to the same object (a second root bound to it counts too): a path, not a walk.
             if parent != self.parent[node] or lv is not self.lv[node]:
+                self.up.setdefault(node, []).append(parent if parent >= 0 else ~lv)
                 al = self.aliases.setdefault(node, [])
                 # A name the user bound to it is always kept: a trainer's many ways to the model must not
                 # crowd out `model` itself.
@@ -253,6 +276,9 @@ class Walk:
                 if type(inner) is dict:
                     for k, v in reach.dict_items(inner):
                         add(v, node, L_ATTR, k, root)
+                elif sub != "_modules" and inner is not None:  # a TorchScript module: they live in C++
+                    for k, v in self._script_tensors(d, sub):
+                        add(v, node, L_ATTR, k, root)
             for k, v in reach.dict_items(d):
                 if type(k) is not str or k not in ("_parameters", "_buffers", "_modules"):  # no key's __eq__
                     add(v, node, L_ATTR, k, root)
@@ -296,12 +322,60 @@ class Walk:
                 add(_CELL_CONTENTS.__get__(obj), node, L_TEXT, "", root)
             except ValueError:  # an empty cell
                 pass
+        elif s == _ARRAY:
+            for v in self._array_objects(obj):
+                add(v, node, L_TEXT, "[…]", root)
+        elif s == _FRAME:
+            for a in self._frame_arrays(obj, info):
+                for v in self._array_objects(a):
+                    add(v, node, L_TEXT, ".<values>[…]", root)
         elif s == _EXC:
             for i, v in enumerate(BaseException.__dict__["args"].__get__(obj)):
                 add(v, node, L_TEXT, f".args[{i}]", root)
             self._instance(obj, node, root, info, plain=False)
         else:
             self._instance(obj, node, root, info, plain=False)
+
+    def _script_tensors(self, d: dict[Any, Any], sub: str) -> list[tuple[str, Any]]:
+        """A TorchScript module's parameters or buffers (``torch.jit.trace``, ``torch.jit.script``), read from its
+        C++ module (``_c``) by torch's own accessors: compiled code, not the user's."""
+        C = self.torch._C
+        c = d.get("_c")
+        if type(c) is not getattr(C, "ScriptModule", None):
+            return []
+        read = C.ParameterDict if sub == "_parameters" else C.BufferDict
+        return [(k, v) for k, v in read(c).items() if type(k) is str]
+
+    def _array_objects(self, arr: Any) -> list[Any]:
+        """The objects in a numpy array of dtype object (numpy's own C methods; other dtypes hold no objects)."""
+        np = sys.modules.get("numpy")
+        if np is None:
+            return []
+        nd = np.ndarray
+        if vars(nd)["dtype"].__get__(arr).kind != "O":
+            return []
+        # As a plain ndarray first: a subclass's view or copy would run its __array_finalize__.
+        flat = nd.ravel(arr if type(arr) is nd else nd.view(arr, nd))
+        items = nd.tolist(flat[:ARRAY_MAX] if int(vars(nd)["size"].__get__(flat)) > ARRAY_MAX else flat)
+        return [] if len(items) >= BULK_MIN and self._inert(items) else items
+
+    def _frame_arrays(self, obj: Any, info: _TypeInfo) -> list[Any]:
+        """A pandas frame's or series' blocks of values: its manager (``_mgr``), the manager's blocks and their
+        arrays, found by what each references (C-level; no pandas property runs)."""
+        d = reach.instance_dict(obj, info.layout) if info.layout else None
+        todo = [d.get("_mgr")] if d is not None else []
+        arrays = []
+        for _ in range(3):  # manager -> tuple of blocks -> block -> array
+            nxt = []
+            for x in todo:
+                for r in reach.referents(x):
+                    t = type(r)
+                    if self.info(t).strategy == _ARRAY:
+                        arrays.append(r)
+                    elif t is tuple or reach.type_module(t).startswith("pandas.core.internals"):
+                        nxt.append(r)
+            todo = nxt
+        return arrays
 
     def _inert(self, obj: Any) -> bool:
         """A long plain container: skip it when nothing below it can hold a tensor, proven at C speed."""
@@ -408,9 +482,13 @@ class Walk:
         for meth, label in parts:
             self._add(getattr(TB, meth)(t), node, L_TEXT, label, root)
 
+    def is_module(self, node: int) -> bool:
+        """Whether the node is an ``nn.Module``."""
+        return self.info(type(self.keep[node])).strategy == _NNMOD
+
     def _is_param(self, node: int) -> bool:
         p = self.parent[node]
-        return p >= 0 and self.lk[node] == L_ATTR and self.info(type(self.keep[p])).strategy == _NNMOD
+        return p >= 0 and self.lk[node] == L_ATTR and self.is_module(p)
 
     def _under_optimizer_state(self, node: int) -> bool:
         # opt.state[param]['exp_avg']: the tensor's dict is a value keyed by a tensor in the optimizer's state
@@ -422,6 +500,65 @@ class Walk:
                 return True
             p = self.parent[p]
         return False
+
+
+def state_reached(w: Walk, tensor_words: dict[int, str], known: intent.KnownNames) -> dict[int, str]:
+    """Per root (its index in ``w.roots``), the training state its walk reached, in words (intent.py's rule):
+    objects of a state type, the tensors in ``tensor_words`` (node: "parameters", "optimizer state"), and
+    dicts of tensors keyed like a module's ``state_dict`` (``known``). Reached through attributes, items,
+    closures and bound methods, every way to a node counted; never through an autograd graph, which a walk
+    does not enter."""
+    marks = dict(tensor_words)
+    for node, obj in enumerate(w.keep):
+        word = w.info(type(obj)).state
+        if word:
+            marks[node] = word
+    keys_of: dict[int, list[str]] = {}
+    for f in w.found:
+        edges = [(w.parent[f.node], w.lk[f.node], w.lv[f.node]), *w.aliases.get(f.node, ())]
+        for parent, lk, lv in edges:
+            if parent >= 0 and lk == L_KEY and type(lv) is str and w.info(type(w.keep[parent])).strategy == _DICT:
+                keys_of.setdefault(parent, []).append(lv)
+    for d, keys in keys_of.items():
+        if d not in marks and known.like_state_dict(keys):
+            marks[d] = "checkpoint"
+    found: dict[int, set[str]] = {}
+    for word in set(marks.values()):
+        seen: set[int] = set()
+        todo = [n for n, m in marks.items() if m == word]
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            p = w.parent[n]
+            if p < 0:
+                found.setdefault(w.lv[n], set()).add(word)
+            else:
+                todo.append(p)
+            for q in w.up.get(n, ()):
+                if q < 0:
+                    found.setdefault(~q, set()).add(word)
+                else:
+                    todo.append(q)
+    return {i: intent.words(ws) for i, ws in found.items()}
+
+
+def module_names(w: Walk) -> list[str]:
+    """The ``state_dict`` keys of the modules this walk found: each parameter's or buffer's path from its
+    outermost module (``0.weight``, ``base_model.model.layers.0.mlp.up_proj.weight``)."""
+    out = []
+    for f in w.found:
+        if f.role != ROLE_PARAM:
+            continue
+        parts: list[str] = []
+        n = f.node
+        while (p := w.parent[n]) >= 0 and w.lk[n] == L_ATTR and type(w.lv[n]) is str and w.is_module(p):
+            parts.append(w.lv[n])
+            n = p
+        if parts:
+            out.append(".".join(reversed(parts)))
+    return out
 
 
 @dataclass
