@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as _dt
 import re
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -413,6 +413,30 @@ def merge_cleanups(findings: Iterable[Finding]) -> CleanupOf:
         outputs |= c.outputs
         traceback |= c.traceback
     return CleanupOf(tuple(names), outputs, traceback)
+
+
+@dataclass(frozen=True, slots=True)
+class StillHeld:
+    """What a cleanup could not free of one name it deleted: the bytes still alive and who keeps them."""
+
+    name: str
+    nbytes: int
+    named_by: tuple[str, ...] = ()  # other paths to the same storages (`trainer.model.0.weight`, `Out[15]`)
+    saved_by: tuple[str, ...] = ()  # tensors whose autograd graphs saved them (`out['loss']`)
+    unnamed_bytes: int = 0  # alive, but nothing nbmem walks reaches them
+    frees: CleanupOf = field(default_factory=lambda: CleanupOf())  # what would free the rest
+
+    def text(self) -> str:
+        parts = []
+        if self.named_by:
+            parts.append(f"named by `{'`, `'.join(self.named_by)}`")
+        if self.saved_by:
+            graphs = "graph" if len(self.saved_by) == 1 else "graphs"
+            parts.append(f"saved by the autograd {graphs} of `{'`, `'.join(self.saved_by)}`")
+        if self.unnamed_bytes:
+            parts.append(f"{fmt_bytes(self.unnamed_bytes)} by something no name reaches (C++ or a library)")
+        how = f" → `{cleanup_text(self.frees)}` frees it" if self.frees else ""
+        return f"`{self.name}`: {fmt_bytes(self.nbytes)} of its memory is still held, {'; '.join(parts)}{how}"
 
 
 # -- the report under a cell -------------------------------------------------------------------------------

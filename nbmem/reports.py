@@ -26,6 +26,7 @@ from nbmem.records import (
     MemoryLimit,
     PoolUse,
     Sample,
+    StillHeld,
     cleanup_text,
     known_sum,
     merge_cleanups,
@@ -494,7 +495,7 @@ class CleanupReport(Shown):
     """What a cleanup removed, step by step, and the bytes each step gave back."""
 
     steps: tuple[CleanupStep, ...]
-    still_held: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (deleted name, names still holding its memory)
+    still_held: tuple[StillHeld, ...] = ()  # per deleted name whose memory is still alive: who keeps it
 
     @property
     def freed_allocated_bytes(self) -> int | None:
@@ -518,15 +519,13 @@ class CleanupReport(Shown):
                 f"{fmt_bytes(self.freed_reserved_bytes)} reserved")
 
     def _held_lines(self) -> list[str]:
-        return [f"{name}: its memory is still held by {', '.join(others)} "
-                f"({'not named' if len(others) == 1 else 'none of them named'}, so not removed)"
-                for name, others in self.still_held]
+        return [x.text() for x in self.still_held]
 
     def __str__(self) -> str:
         return "\n".join([self._head(), text_table(CLEANUP_COLUMNS, self._rows()), *self._held_lines()])
 
     def _repr_html_(self) -> str:
-        held = "".join(f"<div>{esc(x)}</div>" for x in self._held_lines())
+        held = "".join(f"<div>{prose(x)}</div>" for x in self._held_lines())
         return ("<div class='nbmem-report'>" + html_table(CLEANUP_COLUMNS, self._rows(), caption=self._head())
                 + held + "</div>")
 

@@ -21,11 +21,12 @@ from nbmem.holders import owners, pools
 from nbmem.holders.freeing import Keepers
 from nbmem.holders.graphs import Graph
 from nbmem.holders.grouping import Grouping
+from nbmem.holders.held import Held
 from nbmem.holders.scanner import Scan, Scanner
 from nbmem.measure.host import heap_bytes
 from nbmem.measure.sources import Probe
 from nbmem.options import Settings
-from nbmem.records import Boundary, CellRecord
+from nbmem.records import Boundary, CellRecord, CleanupOf, StillHeld
 from nbmem.trace.linetrace import Replay
 
 #: Most cells whose findings are kept for ``nbmem.leaks(cell=N)``.
@@ -327,14 +328,37 @@ class Holdings:
                     out.setdefault(name, set()).add(sid)
         return out
 
-    def still_held(self, held_by: Mapping[str, set[int]]) -> tuple[tuple[str, tuple[str, ...]], ...]:
-        """(name, paths) for each deleted name whose memory the latest scan still finds, under other names."""
+    def still_held(self, held_by: Mapping[str, set[int]]) -> tuple[StillHeld, ...]:
+        """For each deleted name whose memory is still alive: who keeps it now (other paths, the autograd graphs
+        that saved it, or nothing nbmem can name) and the cleanup that would free it."""
         cur = self.last_scan
+        alive = self.scanner.storages.alive
+        states = self.scanner.storages.states
+        lefts = {name: [s for s in sids if alive(s)] for name, sids in held_by.items()}
+        if cur is None or not any(lefts.values()):
+            return ()
+        keepers = self._graphs_now(cur)[1]
         out = []
-        for name, sids in held_by.items():
-            others = sorted({p for s in sids if cur is not None and s in cur.storages for p in cur.storages[s].holders})
-            if others:
-                out.append((name, tuple(others[:4])))
+        for name, left in lefts.items():
+            if not left:
+                continue
+            named: dict[str, None] = {}
+            saved: dict[str, None] = {}
+            holders: list[Held] = []
+            unnamed = 0
+            for s in left:
+                h = cur.storages.get(s)
+                kept = [cur.storages[k] for k in keepers.saved_in.get(s, ()) if k in cur.storages and k != s]
+                if h is not None:
+                    named.update(dict.fromkeys(h.holders[:2]))
+                    holders.append(h)
+                saved.update(dict.fromkeys(k.name for k in kept))
+                holders += kept
+                if h is None and not kept:
+                    unnamed += states[s].nbytes
+            need = keepers.needs("", holders)
+            out.append(StillHeld(name, sum(states[s].nbytes for s in left), tuple(named)[:6], tuple(saved)[:6],
+                                 unnamed, CleanupOf(need.names, need.outputs, need.traceback)))
         return tuple(out)
 
     def forget_current(self) -> None:

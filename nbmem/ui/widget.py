@@ -511,7 +511,7 @@ class Gauge(anywidget.AnyWidget):
             if rep.errors:
                 result["error"] = "; ".join(rep.errors)
             if rep.still_held:
-                result["still"] = "; ".join(f"{n} is still held by {', '.join(o)}" for n, o in rep.still_held)
+                result["still"] = "; ".join(x.text() for x in rep.still_held)
         self._publisher.put(action=result)
         self._publisher.poke()
 
