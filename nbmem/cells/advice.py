@@ -1,4 +1,5 @@
-"""What to tell a user whose cell failed on the GPU: out of memory, or CUDA broken for good.
+"""What to tell a user whose cell failed on the GPU (out of memory, or CUDA broken for good), or whose cell made
+a second copy of state an earlier cell made and still holds.
 
 Pure functions over a cell's records, its replayed trace and the exception; they return lines of text.
 """
@@ -9,7 +10,7 @@ import re
 from collections.abc import Mapping, Sequence
 
 from nbmem.formatting import fmt_bytes, fmt_times
-from nbmem.records import Boundary, CellRecord
+from nbmem.records import Boundary, CellRecord, Finding, cleanup_text, merge_cleanups
 from nbmem.trace.linetrace import Replay, line_of_exception
 
 OOM_ADVICE = (
@@ -124,3 +125,33 @@ def oom_advice(records: Sequence[CellRecord], error: BaseException, *, source: s
             out.append(f"{r.device}: allocated {fmt_bytes(r.allocated_after_bytes)}, reserved "
                        f"{fmt_bytes(r.reserved_after_bytes)} ({fmt_bytes(cached)} cached but free)")
     return (*out, *fragmented, *OOM_ADVICE)
+
+
+def _recipe(f: Finding) -> str:
+    """What state is, in words that two copies of one recipe share: its type and size (``Sequential: 2.1M
+    parameters``), without what changes as it trains (gradients, optimizer state)."""
+    return f.description.partition(",")[0]
+
+
+def second_copies(cell: int, made: Sequence[Finding], held: Sequence[Finding]) -> list[str]:
+    """For each piece of state this cell made (``made``) that is like state an earlier cell made and that is still
+    held (``held``: every owner now): a line with that one's bytes, its holders and what deletes it."""
+    earlier = [f for f in held if f.state and f.cell < cell and f.description]
+    out = []
+    for f in made:
+        if not f.state or f.cell != cell or not f.description:
+            continue
+        for e in earlier:
+            if e.name == f.name or _recipe(e) != _recipe(f):
+                continue
+            # What else keeps that copy's training going: state rows of the names that also hold it (a trainer's
+            # optimizer state).
+            also = [g for g in earlier if g is not e and g.name in e.roots]
+            total = e.bytes + sum(g.bytes for g in also)
+            holders = ", ".join(f"`{n}`" for n in e.roots)
+            more = "".join(f"; `{g.name}` holds {g.description.partition(': ')[2] or g.state}, {fmt_bytes(g.bytes)}"
+                           for g in also)
+            out.append(f"`{f.name}` is a second {_recipe(f)}: the one cell [{e.cell}] made is still held, "
+                       f"{fmt_bytes(e.bytes)} by {holders}{more}. If you no longer need it, "
+                       f"`{cleanup_text(merge_cleanups([e, *also]))}` deletes it ({fmt_bytes(total)})")
+    return out

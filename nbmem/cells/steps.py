@@ -105,6 +105,15 @@ def holders(c: Closing, r: CellReport) -> CellReport:
                    unattributed_before=unnamed.before)
 
 
+def second_copies(c: Closing, r: CellReport) -> CellReport:
+    """State this cell made that is like state an earlier cell made and still holds (a model built again while the
+    first is kept by a trainer): said with the earlier one's bytes, holders and what deletes it."""
+    if not c.scan or not any(f.state and f.cell == c.cell for f in r.findings):
+        return r
+    lines = advice.second_copies(c.cell, r.findings, c.holdings.current().owners)
+    return replace(r, notes=(*r.notes, *lines)) if lines else r
+
+
 def child_processes(c: Closing, r: CellReport) -> CellReport:
     """This notebook's child processes: what they held on each GPU while the cell ran, and those it left running."""
     left = processes.left_running(c.after, c.children_seen)
@@ -145,4 +154,5 @@ def memory_pressure(c: Closing, r: CellReport) -> CellReport:
 
 Step = Callable[[Closing, CellReport], CellReport]
 #: The report of a measured cell is the bare report through these, in this order.
-REPORT_STEPS: tuple[Step, ...] = (exact_peaks, line_figures, holders, child_processes, what_to_do, memory_pressure)
+REPORT_STEPS: tuple[Step, ...] = (exact_peaks, line_figures, holders, second_copies, child_processes, what_to_do,
+                                  memory_pressure)
