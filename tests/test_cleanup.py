@@ -42,8 +42,12 @@ def test_deleting_a_name_leaves_other_names_bound_to_the_same_tensor(ip):
     assert ip.user_ns["alias"].numel() == 4 * MiB
     assert shown not in ip.user_ns["Out"] and f"_{shown}" not in ip.user_ns and ip.user_ns["_"] == ""
     assert rep.freed_allocated_bytes == 0, "alias still holds the 16 MiB: nothing was freed"
-    assert rep.still_held == (("x", ("alias",)),)
-    assert "x: its memory is still held by alias (not named, so not removed)" in str(rep)
+    ((held),) = rep.still_held
+    assert (held.name, held.nbytes, held.named_by, held.saved_by, held.unnamed_bytes) == ("x", 16 * MiB, ("alias",),
+                                                                                          (), 0)
+    assert held.frees.names == ("alias",) and not (held.frees.outputs or held.frees.traceback)
+    assert ("`x`: 16.0 MiB of its memory is still held, named by `alias` → `%cudamem clean alias` frees it"
+            in str(rep)), str(rep)
     assert [s.action for s in rep.steps] == ["del", "gc.collect()", "empty_cache()"]
     assert "Out[" in rep.steps[0].note and "_" in rep.steps[0].note
 

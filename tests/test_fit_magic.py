@@ -9,7 +9,8 @@ import torch
 from IPython.core.error import UsageError
 
 import nbmem
-from nbmem.holders.walk import Root, reachable_state
+from nbmem.holders.reached import reachable_state
+from nbmem.holders.walk import Root
 from nbmem.ipython.root import session_of
 from nbmem.records import HolderKind
 from tests.conftest import HAS_GPU, ok

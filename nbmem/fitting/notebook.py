@@ -18,7 +18,8 @@ from nbmem.fitting.prediction import FitResult
 from nbmem.fitting.progress import Show
 from nbmem.fitting.runner import fit, refusal
 from nbmem.fitting.state import FitRefused, training_kinds
-from nbmem.holders.walk import Root, TrainingState, reachable_state
+from nbmem.holders.reached import TrainingState, reachable_state
+from nbmem.holders.walk import Root
 from nbmem.measure.sources import TorchSource
 from nbmem.records import HolderKind
 

@@ -6,7 +6,7 @@ schedulers and gradient scalers (``training_kinds``: what their ``state_dict`` h
 create lazily, such as a scaler's ``_scale``), and the random number generators: torch's CPU generator,
 every CUDA device's once CUDA is up, Python's ``random`` and NumPy's global one. Tensors go to host memory;
 containers are put back in place (a hook handle keeps pointing at its dict). The objects come from a walk
-(``walk.reachable_state``); no method of a user's object is ever called, only torch's tensor operations and
+(``reached.reachable_state``); no method of a user's object is ever called, only torch's tensor operations and
 the C methods of plain containers.
 """
 

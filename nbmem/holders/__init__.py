@@ -2,7 +2,8 @@
 
 ``reach`` holds the hostile-object rules (no ``__getattr__``, ``__len__``, ``__iter__``, ``__eq__``,
 ``__hash__``, ``__repr__`` or property of a user object ever runs); ``walk`` goes from the notebook's roots to
-every live tensor; ``naming`` turns steps into paths a user can type; ``scanner`` and ``graphs`` remember storages
+every live tensor, and ``reached`` reads what a walk reached (the training state each root reaches, what a fit
+copies); ``naming`` turns steps into paths a user can type; ``scanner`` and ``graphs`` remember storages
 (``held``: their records) and the autograd graphs that save them; ``findings`` judges a row per storage and
 ``owners`` groups them by the name the user typed (``grouping`` keeps a scan's groups from cell to cell);
 ``intent`` tells the state a cell meant to keep from a leak, ``freeing`` what must go for a row to be freed;

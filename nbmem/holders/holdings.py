@@ -329,40 +329,44 @@ class Holdings:
         return out
 
     def still_held(self, held_by: Mapping[str, set[int]]) -> tuple[StillHeld, ...]:
-        """For each deleted name whose memory is still alive: who keeps it now (other paths, the autograd graphs
-        that saved it, or nothing nbmem can name) and the cleanup that would free it."""
-        cur = self.last_scan
+        """For each deleted name whose memory is still alive: who keeps it now and the cleanup that would free it."""
         alive = self.scanner.storages.alive
-        states = self.scanner.storages.states
         lefts = {name: [s for s in sids if alive(s)] for name, sids in held_by.items()}
+        cur = self.last_scan
         if cur is None or not any(lefts.values()):
             return ()
-        keepers = self._graphs_now(cur)[1]
-        out = []
-        for name, left in lefts.items():
-            if not left:
-                continue
-            named: dict[str, None] = {}
-            saved: dict[str, None] = {}
-            holders: list[Held] = []
-            unnamed = 0
-            for s in left:
-                h = cur.storages.get(s)
-                kept = [cur.storages[k] for k in keepers.saved_in.get(s, ()) if k in cur.storages and k != s]
-                if h is not None:
-                    named.update(dict.fromkeys(h.holders[:2]))
-                    holders.append(h)
-                saved.update(dict.fromkeys(k.name for k in kept))
-                holders += kept
-                if h is None and not kept:
-                    unnamed += states[s].nbytes
-            need = keepers.needs("", holders)
-            out.append(StillHeld(name, sum(states[s].nbytes for s in left), tuple(named)[:6], tuple(saved)[:6],
-                                 unnamed, CleanupOf(need.names, need.outputs, need.traceback)))
-        return tuple(out)
+        return still_held(lefts, cur, self.scanner.storages.states, self._graphs_now(cur)[1])
 
     def forget_current(self) -> None:
         self._current_of = None
+
+
+def still_held(lefts: Mapping[str, list[int]], cur: Scan, states: Mapping[int, Any], keepers: Keepers
+               ) -> tuple[StillHeld, ...]:
+    """Per deleted name, of its storages still alive (``lefts``): the other paths to them, the autograd graphs that
+    saved them, the bytes nothing nbmem walks reaches, and what would free the rest (``Keepers.needs``)."""
+    out = []
+    for name, left in lefts.items():
+        if not left:
+            continue
+        named: dict[str, None] = {}
+        saved: dict[str, None] = {}
+        holders: list[Held] = []
+        unnamed = 0
+        for s in left:
+            h = cur.storages.get(s)
+            kept = [cur.storages[k] for k in keepers.saved_in.get(s, ()) if k in cur.storages and k != s]
+            if h is not None:
+                named.update(dict.fromkeys(h.holders[:2]))
+                holders.append(h)
+            saved.update(dict.fromkeys(k.name for k in kept))
+            holders += kept
+            if h is None and not kept:
+                unnamed += states[s].nbytes
+        need = keepers.needs("", holders)
+        out.append(StillHeld(name, sum(states[s].nbytes for s in left), tuple(named)[:6], tuple(saved)[:6], unnamed,
+                             CleanupOf(need.names, need.outputs, need.traceback)))
+    return tuple(out)
 
 
 def _same_tensor(a: Any, b: Any) -> bool:

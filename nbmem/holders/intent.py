@@ -6,7 +6,7 @@ tensors of a module's parameters, buffers or an optimizer's state, or a checkpoi
 like a module's ``state_dict``). It reaches it through attributes, items, closures or a bound method, never
 through an autograd graph: a trainer object holding the model and its optimizer, a list of models, an EMA's
 shadow copy, the best weights so far, a ``functools.partial`` or a closure over a model are state. It is
-judged from types and keys read without running user code (``walk.state_reached``), never by size or name.
+judged from types and keys read without running user code (``reached.state_reached``), never by size or name.
 Memory such a variable owns is shown as the cell's state: its bytes and what it holds, with the command
 that deletes it by name, but it is never in the one-click cleanup (``%cudamem clean --last-report``, the
 report's last line, the gauge's *del*). Outputs in ``Out[]`` and the last traceback are judged by their

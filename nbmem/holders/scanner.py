@@ -27,7 +27,8 @@ from nbmem.holders import intent, reach
 from nbmem.holders.graphs import Graph, GraphState, walk_graph
 from nbmem.holders.held import Held, Records, Scan, Updates
 from nbmem.holders.naming import MAX_HOLDERS, PathBuilder, container, container_first, ranker
-from nbmem.holders.walk import ROLE_OPTIM, ROLE_PARAM, Root, Walk, module_names, state_reached
+from nbmem.holders.reached import module_names, state_reached
+from nbmem.holders.walk import ROLE_OPTIM, ROLE_PARAM, Root, Walk
 from nbmem.records import HolderKind, block_bytes, root_name
 
 

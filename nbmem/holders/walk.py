@@ -15,12 +15,11 @@ import time
 import types
 import weakref
 from collections import deque
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nbmem.holders import intent, reach
-from nbmem.holders.naming import L_ATTR, L_INDEX, L_KEY, L_ROOT, L_TEXT, L_TKEY, MAX_HOLDERS, PathBuilder
+from nbmem.holders import inside, intent, reach
+from nbmem.holders.naming import L_ATTR, L_INDEX, L_KEY, L_ROOT, L_TEXT, L_TKEY, MAX_HOLDERS
 from nbmem.records import HolderKind
 
 #: Containers at least this long are first tried as a whole, at C speed.
@@ -39,7 +38,7 @@ _VIEWS = frozenset({"zip", "map", "filter", "enumerate", "reversed", "dict_keys"
 #: A sparse tensor's parts, as labelled in paths.
 SPARSE_LABELS = frozenset({".indices()", ".values()", ".crow_indices()", ".col_indices()", ".ccol_indices()",
                            ".row_indices()"})
-_CELL_CONTENTS: Any = vars(types.CellType)["cell_contents"]
+_CELL_CONTENTS: Any = inside.CELL_CONTENTS
 # Roles of a tensor, for hints.
 ROLE_GRAD, ROLE_PARAM, ROLE_OPTIM = "grad", "param", "optimizer state"
 
@@ -65,6 +64,23 @@ class _TypeInfo:
     layout: reach.Layout | None = None
     optimizer: bool = False
     state: str = ""  # intent.state_of the type: "model", "optimizer", ... or ""
+
+    @property
+    def module(self) -> bool:
+        return self.strategy == _NNMOD
+
+    @property
+    def dict(self) -> bool:
+        return self.strategy == _DICT
+
+    @property
+    def generator(self) -> bool:
+        return self.strategy == _GEN
+
+    @property
+    def object_(self) -> bool:
+        """An object a walk reads by its attributes or its references (an iterator may be one)."""
+        return self.strategy in (_REFS, _OBJ)
 
 
 def classify(t: type, tensor_base: type, module_base: type | None, optim_base: type | None) -> _TypeInfo:
@@ -277,13 +293,14 @@ class Walk:
                     for k, v in reach.dict_items(inner):
                         add(v, node, L_ATTR, k, root)
                 elif sub != "_modules" and inner is not None:  # a TorchScript module: they live in C++
-                    for k, v in self._script_tensors(d, sub):
+                    for k, v in inside.script_tensors(self.torch, d, sub):
                         add(v, node, L_ATTR, k, root)
             for k, v in reach.dict_items(d):
                 if type(k) is not str or k not in ("_parameters", "_buffers", "_modules"):  # no key's __eq__
                     add(v, node, L_ATTR, k, root)
         elif s == _FUNC:
-            self._function(obj, node, root)
+            for v, lk, lv in inside.function_refs(obj):
+                add(v, node, lk, lv, root)
         elif s == _METHOD:
             add(types.MethodType.__self__.__get__(obj), node, L_ATTR, "__self__", root)
             add(types.MethodType.__func__.__get__(obj), node, L_ATTR, "__func__", root)
@@ -323,11 +340,12 @@ class Walk:
             except ValueError:  # an empty cell
                 pass
         elif s == _ARRAY:
-            for v in self._array_objects(obj):
+            for v in self._objects(obj):
                 add(v, node, L_TEXT, "[…]", root)
         elif s == _FRAME:
-            for a in self._frame_arrays(obj, info):
-                for v in self._array_objects(a):
+            d = reach.instance_dict(obj, info.layout) if info.layout else None
+            for a in inside.frame_arrays(d.get("_mgr") if d is not None else None, self._is_array):
+                for v in self._objects(a):
                     add(v, node, L_TEXT, ".<values>[…]", root)
         elif s == _EXC:
             for i, v in enumerate(BaseException.__dict__["args"].__get__(obj)):
@@ -336,46 +354,13 @@ class Walk:
         else:
             self._instance(obj, node, root, info, plain=False)
 
-    def _script_tensors(self, d: dict[Any, Any], sub: str) -> list[tuple[str, Any]]:
-        """A TorchScript module's parameters or buffers (``torch.jit.trace``, ``torch.jit.script``), read from its
-        C++ module (``_c``) by torch's own accessors: compiled code, not the user's."""
-        C = self.torch._C
-        c = d.get("_c")
-        if type(c) is not getattr(C, "ScriptModule", None):
-            return []
-        read = C.ParameterDict if sub == "_parameters" else C.BufferDict
-        return [(k, v) for k, v in read(c).items() if type(k) is str]
+    def _is_array(self, t: type) -> bool:
+        return self.info(t).strategy == _ARRAY
 
-    def _array_objects(self, arr: Any) -> list[Any]:
-        """The objects in a numpy array of dtype object (numpy's own C methods; other dtypes hold no objects)."""
-        np = sys.modules.get("numpy")
-        if np is None:
-            return []
-        nd = np.ndarray
-        if vars(nd)["dtype"].__get__(arr).kind != "O":
-            return []
-        # As a plain ndarray first: a subclass's view or copy would run its __array_finalize__.
-        flat = nd.ravel(arr if type(arr) is nd else nd.view(arr, nd))
-        items = nd.tolist(flat[:ARRAY_MAX] if int(vars(nd)["size"].__get__(flat)) > ARRAY_MAX else flat)
+    def _objects(self, arr: Any) -> list[Any]:
+        """The objects in a numpy array of dtype object; a long run of plain data proven inert is none."""
+        items = inside.array_objects(arr, ARRAY_MAX)
         return [] if len(items) >= BULK_MIN and self._inert(items) else items
-
-    def _frame_arrays(self, obj: Any, info: _TypeInfo) -> list[Any]:
-        """A pandas frame's or series' blocks of values: its manager (``_mgr``), the manager's blocks and their
-        arrays, found by what each references (C-level; no pandas property runs)."""
-        d = reach.instance_dict(obj, info.layout) if info.layout else None
-        todo = [d.get("_mgr")] if d is not None else []
-        arrays = []
-        for _ in range(3):  # manager -> tuple of blocks -> block -> array
-            nxt = []
-            for x in todo:
-                for r in reach.referents(x):
-                    t = type(r)
-                    if self.info(t).strategy == _ARRAY:
-                        arrays.append(r)
-                    elif t is tuple or reach.type_module(t).startswith("pandas.core.internals"):
-                        nxt.append(r)
-            todo = nxt
-        return arrays
 
     def _inert(self, obj: Any) -> bool:
         """A long plain container: skip it when nothing below it can hold a tensor, proven at C speed."""
@@ -420,28 +405,12 @@ class Walk:
         for k, v in reach.slot_values(obj, lay):
             self._add(v, node, L_ATTR, k, root)
 
-    def _function(self, f: types.FunctionType, node: int, root: int) -> None:
-        F: dict[str, Any] = dict(vars(types.FunctionType))
-        code = F["__code__"].__get__(f)
-        closure = F["__closure__"].__get__(f) or ()
-        for name, cell in zip(code.co_freevars, closure):
-            try:
-                v = _CELL_CONTENTS.__get__(cell)
-            except ValueError:
-                continue
-            self._add(v, node, L_TEXT, f".<closure {name}>", root)
-        for i, v in enumerate(F["__defaults__"].__get__(f) or ()):
-            self._add(v, node, L_TEXT, f".__defaults__[{i}]", root)
-        for k, v in reach.dict_items(F["__kwdefaults__"].__get__(f) or {}):
-            self._add(v, node, L_TEXT, f".__kwdefaults__[{reach.key_label(k)}]", root)
-        for k, v in reach.dict_items(F["__dict__"].__get__(f)):
-            self._add(v, node, L_ATTR, k, root)
-
     def _tensor(self, t: Any, node: int, root: int, info: _TypeInfo) -> None:
         TB = self.TB
         layout = TB.layout.__get__(t)
         if layout is not self.torch.strided:
-            self._sparse(t, node, root, layout)
+            for part, label in inside.sparse_parts(self.torch, TB, t, layout):
+                self._add(part, node, L_TEXT, label, root)
         else:
             try:
                 st = TB.untyped_storage(t)
@@ -468,23 +437,9 @@ class Walk:
         if info.layout is not None and reach.is_heap(type(t)):
             self._instance(t, node, root, info, plain=False)
 
-    def _sparse(self, t: Any, node: int, root: int, layout: Any) -> None:
-        TB, torch = self.TB, self.torch
-        parts: tuple[tuple[str, str], ...]
-        if layout is torch.sparse_coo:
-            parts = (("_indices", ".indices()"), ("_values", ".values()"))
-        elif layout in (torch.sparse_csr, torch.sparse_bsr):
-            parts = (("crow_indices", ".crow_indices()"), ("col_indices", ".col_indices()"), ("values", ".values()"))
-        elif layout in (torch.sparse_csc, torch.sparse_bsc):
-            parts = (("ccol_indices", ".ccol_indices()"), ("row_indices", ".row_indices()"), ("values", ".values()"))
-        else:
-            return
-        for meth, label in parts:
-            self._add(getattr(TB, meth)(t), node, L_TEXT, label, root)
-
     def is_module(self, node: int) -> bool:
         """Whether the node is an ``nn.Module``."""
-        return self.info(type(self.keep[node])).strategy == _NNMOD
+        return self.info(type(self.keep[node])).module
 
     def _is_param(self, node: int) -> bool:
         p = self.parent[node]
@@ -500,106 +455,3 @@ class Walk:
                 return True
             p = self.parent[p]
         return False
-
-
-def state_reached(w: Walk, tensor_words: dict[int, str], known: intent.KnownNames) -> dict[int, str]:
-    """Per root (its index in ``w.roots``), the training state its walk reached, in words (intent.py's rule):
-    objects of a state type, the tensors in ``tensor_words`` (node: "parameters", "optimizer state"), and
-    dicts of tensors keyed like a module's ``state_dict`` (``known``). Reached through attributes, items,
-    closures and bound methods, every way to a node counted; never through an autograd graph, which a walk
-    does not enter."""
-    marks = dict(tensor_words)
-    for node, obj in enumerate(w.keep):
-        word = w.info(type(obj)).state
-        if word:
-            marks[node] = word
-    keys_of: dict[int, list[str]] = {}
-    for f in w.found:
-        edges = [(w.parent[f.node], w.lk[f.node], w.lv[f.node]), *w.aliases.get(f.node, ())]
-        for parent, lk, lv in edges:
-            if parent >= 0 and lk == L_KEY and type(lv) is str and w.info(type(w.keep[parent])).strategy == _DICT:
-                keys_of.setdefault(parent, []).append(lv)
-    for d, keys in keys_of.items():
-        if d not in marks and known.like_state_dict(keys):
-            marks[d] = "checkpoint"
-    found: dict[int, set[str]] = {}
-    for word in set(marks.values()):
-        seen: set[int] = set()
-        todo = [n for n, m in marks.items() if m == word]
-        while todo:
-            n = todo.pop()
-            if n in seen:
-                continue
-            seen.add(n)
-            p = w.parent[n]
-            if p < 0:
-                found.setdefault(w.lv[n], set()).add(word)
-            else:
-                todo.append(p)
-            for q in w.up.get(n, ()):
-                if q < 0:
-                    found.setdefault(~q, set()).add(word)
-                else:
-                    todo.append(q)
-    return {i: intent.words(ws) for i, ws in found.items()}
-
-
-def module_names(w: Walk) -> list[str]:
-    """The ``state_dict`` keys of the modules this walk found: each parameter's or buffer's path from its
-    outermost module (``0.weight``, ``base_model.model.layers.0.mlp.up_proj.weight``)."""
-    out = []
-    for f in w.found:
-        if f.role != ROLE_PARAM:
-            continue
-        parts: list[str] = []
-        n = f.node
-        while (p := w.parent[n]) >= 0 and w.lk[n] == L_ATTR and type(w.lv[n]) is str and w.is_module(p):
-            parts.append(w.lv[n])
-            n = p
-        if parts:
-            out.append(".".join(reversed(parts)))
-    return out
-
-
-@dataclass
-class TrainingState:
-    """What a cell's code can change, found by a walk: held only while a fit needs the objects."""
-
-    modules: list[Any]  # the outermost nn.Modules
-    optimizers: list[Any]
-    others: list[Any]  # objects of the kinds asked for (LR schedulers, gradient scalers)
-    iterators: list[str]  # paths to iterators and generators: the code may advance them, nothing puts them back
-
-
-def reachable_state(torch: Any, roots: Sequence[Root], types_: reach.TypeCache, *, budget_s: float | None = None,
-                    kinds: tuple[type, ...] = ()) -> TrainingState:
-    """The outermost ``nn.Module``s, every optimizer and every object of ``kinds`` reachable from ``roots``:
-    the state a cell's code can change, which a fit copies and restores; and the iterators it could advance.
-    Found by a walk (no user code runs); the caller holds the objects only while it needs them."""
-    deadline = None if budget_s is None else time.perf_counter() + budget_s
-    w = Walk(torch, types_, deadline)
-    with torch._C.DisableTorchFunction():
-        for r in roots:
-            if not w.run_root(r)[0]:
-                break
-    found = TrainingState([], [], [], [])
-    paths = PathBuilder(w, lambda t: "")
-    for node, obj in enumerate(w.keep):
-        t = type(obj)
-        info = w.info(t)
-        if info.optimizer:
-            found.optimizers.append(obj)
-        elif info.strategy == _NNMOD:
-            p = w.parent[node]
-            if p < 0 or w.info(type(w.keep[p])).strategy != _NNMOD:
-                found.modules.append(obj)
-        elif any(reach.derives(t, k) for k in kinds):
-            found.others.append(obj)
-        elif info.strategy == _GEN or (info.strategy in (_REFS, _OBJ) and _is_iterator(t)):
-            found.iterators.append(f"{paths.primary(node)[1]} ({reach.type_name(t)})")
-    return found
-
-
-def _is_iterator(t: type) -> bool:
-    """An iterator (its type defines ``__next__``), read from the classes' own namespaces."""
-    return any(type(k) is str and k == "__next__" for c in reach.mro(t) for k, _ in reach.own_items(c))

@@ -20,7 +20,8 @@ torch = pytest.importorskip("torch")
 from nbmem.fitting import runner  # noqa: E402
 from nbmem.fitting.state import training_kinds  # noqa: E402
 from nbmem.holders import reach  # noqa: E402
-from nbmem.holders.walk import Root, reachable_state  # noqa: E402
+from nbmem.holders.reached import reachable_state  # noqa: E402
+from nbmem.holders.walk import Root  # noqa: E402
 from nbmem.records import HolderKind  # noqa: E402
 from tests.test_fit_state import same  # noqa: E402
 
