@@ -37,7 +37,7 @@ class _RootState:
     sig: tuple[int, int, int]
     kind: HolderKind
     type_name: str
-    state: str  # intent.py: "model", "optimizer", ..., "holds model, optimizer" (what it reaches), or ""
+    state: str  # intent.py: "model", "optimizer", ..., "holds a model, an optimizer" (what it reaches), or ""
     holds: dict[int, list[str]]  # storage id -> paths from this root
     tensors: list[tuple[weakref.ref[Any], int, int]]  # (tensor, its storage's id, id of its grad storage or 0)
     objects: int
