@@ -78,6 +78,7 @@ def test_whatever_reaches_a_model_optimizer_or_checkpoint_is_state_found_without
            "opt_state = keeper.opt.state_dict()\n"
            "bound = net.forward\n"
            "call = functools.partial(print, nn.Linear(256, 256))\n"
+           "program = torch.export.export(nn.Linear(256, 256), (torch.randn(2, 256),))\n"
            "acts = {'0': torch.randn(1024, 1024), '1.relu': torch.randn(1024, 1024)}\n"
            "history = [torch.randn(1024, 1024) for _ in range(3)]\n"
            "w = net.weight.repeat(16, 1) * 2\n")
@@ -92,6 +93,7 @@ def test_whatever_reaches_a_model_optimizer_or_checkpoint_is_state_found_without
         "opt_state": "holds optimizer state",
         "bound": "holds a model",
         "call": "holds a model",
+        "program": "holds a model, a checkpoint",
     }, state
     offered = set(session_of(ip).last_report.last_report_cleanup().names)
     assert offered == {"acts", "history", "w"}, offered
