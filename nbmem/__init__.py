@@ -73,8 +73,9 @@ def leaks(cell: int | None = None, detail: bool = False) -> Any:
     Columns: cell, name, holders (the member paths), kind ("namespace", "module", "output",
     "traceback"), device, bytes (storage + autograd graph), storage_bytes, graph_bytes, holds_graph,
     tensors, view_bytes, line, what (in words), also_held_by (other owners reaching some of it), owner,
-    hint, action (the cleanup that frees it). Byte columns are integers, NA where unknown. A cell that
-    was not measured is a LookupError.
+    hint, action (the cleanup that frees it), state (what a cell meant to keep: "model", "optimizer", ...;
+    "" otherwise). Byte columns are integers, NA where unknown. An empty frame says why under its columns
+    (``attrs["note"]``: the threshold, and how to lower it). A cell that was not measured is a LookupError.
     """
     if not isinstance(detail, bool):
         raise TypeError(f"nbmem.leaks(detail=...) takes True or False, got {detail!r:.40}")

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
 import html
 import math
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 _UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
@@ -84,6 +85,17 @@ def fmt_count(n: int) -> str:
 def plural(n: int, noun: str, many: str | None = None) -> str:
     """A count and its noun, agreeing: "1 output", "2 outputs", "12,345 objects" (``many``: an irregular plural)."""
     return f"{n:,} {noun if n == 1 else many or noun + 's'}"
+
+
+#: A name must be this close (difflib's ratio) to be offered as "did you mean".
+CLOSE = 0.6
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """`` (did you mean `clean`?)`` when ``word`` is close to one of ``choices``, else "": the one "did you mean"
+    of every refusal (a command, an option, a variable to clean)."""
+    near = difflib.get_close_matches(word, list(choices), n=1, cutoff=CLOSE)
+    return f" (did you mean `{near[0]}`?)" if near else ""
 
 
 def fmt_times(x: float) -> str:

@@ -11,6 +11,8 @@ import math
 from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
+from nbmem.formatting import fmt_bytes, read_size
+
 
 class OptionError(ValueError):
     """A refused option value; the message is one line that names the allowed values."""
@@ -27,6 +29,7 @@ class Option:
     low: float | None = None
     high: float | None = None
     choices: tuple[str, ...] = ()
+    size: bool = False  # a number of bytes, also typed with its unit ("2 MiB", as ``formatting.read_size`` reads)
 
     @property
     def kind(self) -> type:
@@ -37,12 +40,18 @@ class Option:
             return "one of " + ", ".join(repr(c) for c in self.choices)
         if self.kind is bool:
             return "True or False"
+        if self.size:
+            return (f"a size in bytes, {self.low:g} to {fmt_bytes(self.high)}: a whole number such as 2097152 or "
+                    "`2 * 2**20`, or a string with MiB, GiB or TiB such as '2 MiB'")
         what = "a whole number" if self.kind is int else "a number"
         return f"{what} from {self.low:g} to {self.high:g}"
 
     def check(self, value: Any) -> Any:
         """The value in its canonical type, or OptionError saying what is allowed."""
         ok: Any = None
+        typed = read_size(value) if self.size and isinstance(value, str) else None
+        if typed is not None:
+            value = typed.size_bytes
         if self.choices:
             ok = value if isinstance(value, str) and value in self.choices else None
         elif self.kind is bool:
@@ -61,9 +70,9 @@ class Option:
 
 
 def option(name: str, default: Any, help: str, *, low: float | None = None, high: float | None = None,
-           choices: tuple[str, ...] = ()) -> Any:
+           choices: tuple[str, ...] = (), size: bool = False) -> Any:
     """A ``Settings`` field that is also a user option (the attribute name is filled in below)."""
-    return field(default=default, metadata={"option": Option(name, "", default, help, low, high, choices)})
+    return field(default=default, metadata={"option": Option(name, "", default, help, low, high, choices, size)})
 
 
 @dataclass(frozen=True)
@@ -75,7 +84,8 @@ class Settings:
     history_s: float = option("history", 3600.0, "Seconds of samples kept in memory (a bounded ring; a change "
                               "keeps the newest samples).", low=1, high=7 * 86400)
     threshold_bytes: int = option("threshold", 2**20, "Smallest holder, in bytes, that a report lists (a "
-                                  "container of many smaller tensors counts as one holder).", low=0, high=2**60)
+                                  "container of many smaller tensors counts as one holder); 0 lists every holder.",
+                                  low=0, high=2**60, size=True)
     scan: bool = option("scan", True, "Find which names hold the memory a monitored cell added.")
     scan_budget_s: float = option("scan_budget", 0.5, "Seconds a monitored cell's holder scan may take before it "
                                   "stops and says which roots it did not finish (nbmem.leaks() scans fully).",
@@ -88,8 +98,9 @@ class Settings:
                               "Not needed for exact peaks on a GPU: nbmem reads the allocator's event trace.")
     trace: bool = option("trace", False, "Record the CUDA allocator's events in every monitored cell, for an exact "
                          "peak also when the allocator's counters cannot tell (a cell that freed some of what it "
-                         "allocated, below an earlier peak). Costs about 3 µs per allocation while the cell runs "
-                         "(measured: 20% of a launch-bound training loop on an H100); %%cudamem always records.")
+                         "allocated, below an earlier peak). Costs time per allocation while the cell runs: a "
+                         "launch-bound training loop (1.5 ms steps) ran at 0.87–0.93× of plain, a compute-bound one "
+                         "at 0.99× (an H100, benchmarks/RESULTS.md); %%cudamem always records.")
     lines: bool = option("lines", False, "Record Python stacks of CUDA allocations in monitored cells, for the "
                          "per-line table (%%cudamem --lines does this for one cell). Costs time per allocation.")
     trace_entries: int = option("trace_entries", 100_000, "Most CUDA allocator events recorded while a monitored "

@@ -52,14 +52,14 @@ HOLDER_KINDS: dict[HolderKind, KindInfo] = {
         "`{path}` still holds it: set it to None to free it", "an attribute of module {module}: set it to None"),
     HolderKind.OUTPUT: KindInfo(
         2, "outputs", "output", "the output history ({path})",
-        "kept by the output history{graph}: %cudamem clean --outputs, or end the line with `;`",
+        "kept by the output history{graph}: `%cudamem clean --outputs`, or end the line with `;`",
         "the output history still holds it (`{path}`): `%cudamem clean --outputs` frees it",
         "held by the output history: use “clear outputs”"),
     HolderKind.TRACEBACK: KindInfo(
         3, "traceback", "traceback", "the last exception's frames",
-        "kept by the last exception's frames: %cudamem clean --traceback (ends %debug for it)",
+        "kept by the last exception's frames: `%cudamem clean --traceback` (ends `%debug` for it)",
         "the last exception's frames still hold it (`{path}`): `%cudamem clean --traceback` frees it "
-        "(ends %debug for it)", "held by the last traceback: use “clear traceback”"),
+        "(ends `%debug` for it)", "held by the last traceback: use “clear traceback”"),
 }
 
 

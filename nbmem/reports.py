@@ -223,6 +223,7 @@ class Leaks(Shown):
     cell: int | None = None
     detail: bool = False
     total_bytes: int = 0
+    note: str = "nothing above the threshold"  # why there are no findings (``Holdings.why_empty``)
 
     def _table(self) -> HolderTable:
         args = [f"cell={self.cell}"] if self.cell is not None else []
@@ -235,12 +236,12 @@ class Leaks(Shown):
 
     def __str__(self) -> str:
         if not self.findings:
-            return f"{self.title}: nothing above the threshold"
+            return f"{self.title}: {self.note}"
         return "\n".join([self._caption(), *self._table().text()])
 
     def _repr_html_(self) -> str:
         if not self.findings:
-            return f"<div class='nbmem-report'>{esc(self.title)}: nothing above the threshold</div>"
+            return f"<div class='nbmem-report'>{esc(self.title)}: {prose(self.note)}</div>"
         return "<div class='nbmem-report'>" + self._table().html(self._caption()) + "</div>"
 
 

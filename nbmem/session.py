@@ -230,10 +230,10 @@ class Session:
         return f"nbmem: no GPU seen: {why}. Tracking CPU tensors and RSS; %cudamem? for help."
 
     # -- cells -----------------------------------------------------------------------------------------
-    def begin_cell(self, cell: int, *, source: str = "", reset_peak: bool | None = None,
+    def begin_cell(self, cell: int, *, source: str = "", own: bool = False, reset_peak: bool | None = None,
                    scan: bool | None = None, lines: bool | None = None, trace: bool | None = None) -> None:
         self.cells.begin(cell, source=source, reset_peak=reset_peak, scan=scan, lines=lines, trace=trace,
-                         monitoring=self.monitoring)
+                         monitoring=self.monitoring, own=own)
 
     @property
     def in_cell(self) -> bool:
@@ -275,14 +275,13 @@ class Session:
 
     # -- holders ---------------------------------------------------------------------------------------------
     def measured_cells(self) -> list[int]:
-        return sorted({r.cell for r in self.store.cell_list()})
+        return sorted({r.cell for r in self.cell_list(own=False)})
 
     def leak_rows(self, cell: int | None = None) -> Rows:
         """What cell N added, or (None) everything held now after a full scan: owner rows and the detail."""
         if cell is not None:
             found = self.holdings.of_cell(cell)
-            if found is None and cell not in self.measured_cells():
-                measured = self.measured_cells()
+            if found is None and cell not in (measured := self.measured_cells()):
                 span = f"measured cells: {spans(measured)}" if measured else "no cell has been measured yet"
                 raise LookupError(f"cell {cell} was not measured ({span}); `%cudamem on` measures every cell")
             return found or Rows((), ())
@@ -295,13 +294,14 @@ class Session:
         return list(rows.detail if detail else rows.owners)
 
     def leaks(self, cell: int | None = None, *, detail: bool = False) -> Any:
-        return records_frame(self.leak_list(cell, detail=detail), columns=FINDING_COLUMNS)
+        return records_frame(self.leak_list(cell, detail=detail), columns=FINDING_COLUMNS,
+                             note=self.holdings.why_empty(cell))  # read after the scan the list made
 
     def leaks_table(self, cell: int | None = None, *, detail: bool = False) -> Leaks:
         rows = self.leak_rows(cell)
         title = f"holders of memory cell [{cell}] added" if cell is not None else "holders of memory now"
         return Leaks(rows.detail if detail else rows.owners, title, cell=cell, detail=detail,
-                     total_bytes=rows.total_bytes)
+                     total_bytes=rows.total_bytes, note=self.holdings.why_empty(cell))
 
     def findings(self) -> tuple[Finding, ...]:
         """The owners above the threshold as of the latest scan (what the gauge lists)."""
@@ -386,5 +386,5 @@ class Session:
     def recent_samples(self, seconds: float) -> list[Sample]:
         return self.store.last_samples(seconds, time.time())
 
-    def cell_list(self) -> list[CellRecord]:
-        return self.store.cell_list()
+    def cell_list(self, *, own: bool = True) -> list[CellRecord]:  # own=False: without nbmem's `%cudamem clean`s
+        return [r for r in self.store.cell_list() if own or r.cell not in self.cells.own]

@@ -9,6 +9,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import fields
 from typing import Any
 
+from nbmem.formatting import prose
 from nbmem.records import SAMPLE_COLUMNS, CellRecord, Sample
 
 #: Columns that hold bytes or counts: nullable integers in every frame (NA where unknown).
@@ -105,8 +106,10 @@ def samples_frame(samples: Sequence[Sample]) -> Any:
     return df[list(SAMPLE_COLUMNS)]
 
 
-def records_frame(records: Sequence[Any], *, columns: Sequence[str], index: str | None = None) -> Any:
-    """A frame from frozen records' ``row()`` dicts: bytes and counts as ``Int64`` with NA, seconds as float."""
+def records_frame(records: Sequence[Any], *, columns: Sequence[str], index: str | None = None,
+                  note: str = "") -> Any:
+    """A frame from frozen records' ``row()`` dicts: bytes and counts as ``Int64`` with NA, seconds as float;
+    an empty one says ``note`` (why it is empty) under its columns."""
     import pandas as pd
 
     df = pd.DataFrame([r.row() for r in records], columns=list(columns))
@@ -117,4 +120,39 @@ def records_frame(records: Sequence[Any], *, columns: Sequence[str], index: str 
             df[c] = pd.to_numeric(df[c], errors="coerce").astype("float64")
     if index is not None:
         df = df.set_index(index)
-    return df
+    return noted(df, note) if note and df.empty else df
+
+
+_NOTED: list[type] = []  # the class below, made once: pandas is imported when a frame is asked for, not on load
+
+
+def noted(df: Any, note: str) -> Any:
+    """``df`` as a DataFrame that shows ``note`` (``attrs["note"]``) under its columns while it has no rows."""
+    if not _NOTED:
+        import pandas as pd
+
+        class NotedFrame(pd.DataFrame):
+            """A DataFrame in all but its display: what is made from it (a filter, a copy) is a plain
+            DataFrame, and it pickles as one."""
+
+            @property
+            def _constructor(self) -> Any:
+                return pd.DataFrame
+
+            def __reduce_ex__(self, protocol: Any) -> Any:
+                return pd.DataFrame, (pd.DataFrame(self),)
+
+            def _note(self) -> str:
+                return str(self.attrs.get("note", "")) if self.empty else ""
+
+            def __repr__(self) -> str:
+                return "\n".join(filter(None, [repr(pd.DataFrame(self)), self._note()]))
+
+            def _repr_html_(self) -> str | None:
+                html, note = pd.DataFrame(self)._repr_html_(), self._note()
+                return f"{html}<p>{prose(note)}</p>" if html is not None and note else html
+
+        _NOTED.append(NotedFrame)
+    out = _NOTED[0](df)
+    out.attrs["note"] = note
+    return out

@@ -322,7 +322,7 @@ def test_memory_a_deleted_name_left_to_the_last_exception_says_how_to_free_it(ip
     f = nbmem.leaks(cell=last_cell(ip))
     assert list(f["name"]) == ["<traceback step>"], f
     assert f["hint"].iloc[0] == ("`batch` was deleted or rebound, but the last exception's frames still hold it "
-                                 "(`<traceback step>.b`): `%cudamem clean --traceback` frees it (ends %debug for it)")
+                                 "(`<traceback step>.b`): `%cudamem clean --traceback` frees it (ends `%debug` for it)")
 
 
 class _Moves:

@@ -171,7 +171,11 @@ def test_bad_cell_magic_input_does_not_run_the_body(ip):
 @pytest.mark.parametrize("line,expect", [
     ("Nbmem.interval = -1", "Nbmem.interval must be a number from 0.01 to 60; got -1; kept 0.5."),
     ("Nbmem.show = 'sometimes'", "Nbmem.show must be one of 'auto', 'always', 'never'; got 'sometimes'; kept 'auto'."),
-    ("Nbmem.threshold = -5", "Nbmem.threshold must be a whole number from 0 to 1.15292e+18; got -5; kept 1048576."),
+    ("Nbmem.threshold = -5", "Nbmem.threshold must be a size in bytes, 0 to 1024 PiB: a whole number such as 2097152 "
+                             "or `2 * 2**20`, or a string with MiB, GiB or TiB such as '2 MiB'; got -5; kept 1048576."),
+    ("Nbmem.threshold = '2 KiB'", "Nbmem.threshold must be a size in bytes, 0 to 1024 PiB: a whole number such as "
+                                  "2097152 or `2 * 2**20`, or a string with MiB, GiB or TiB such as '2 MiB'; got "
+                                  "'2 KiB'; kept 1048576."),
     ("Nbmem.scan = 'yes'", "Nbmem.scan must be True or False; got 'yes'; kept True."),
 ])
 def test_a_bad_option_is_refused_in_one_line_and_the_old_value_stays(ip, capsys, line, expect):
@@ -186,6 +190,31 @@ def test_a_bad_option_is_refused_in_one_line_and_the_old_value_stays(ip, capsys,
     ok(ip, "%reload_ext nbmem")  # the bad value IPython kept in its config must not break loading
     assert "cudamem" in ip.magics_manager.magics["line"]
     assert getattr(_ACTIVE[ip].options, name) == getattr(type(m.options)(), name)
+
+
+def test_the_threshold_takes_a_size_with_its_unit_as_formatting_reads_it(ip):
+    m = _ACTIVE[ip]
+    ok(ip, '%config Nbmem.threshold = "2 MiB"')
+    assert m.options.threshold == 2 * MiB and m.session.settings.threshold_bytes == 2 * MiB
+    ok(ip, "%config Nbmem.threshold = 3 * 2**20")
+    assert m.session.settings.threshold_bytes == 3 * MiB
+
+
+def test_config_nbmem_is_titled_as_nbmems_options_and_the_trace_cost_is_the_readmes(ip, capsys):
+    from pathlib import Path
+
+    capsys.readouterr()
+    ok(ip, "%config Nbmem")
+    out = capsys.readouterr().out
+    head = "nbmem's options: `%config Nbmem.NAME = VALUE` sets one (e.g. `%config Nbmem.threshold = 0`)"
+    assert out.splitlines()[:2] == [head, "=" * len(head)] and "_Options" not in out
+    flat = " ".join(out.split())
+    assert ("Costs time per allocation while the cell runs: a launch-bound training loop (1.5 ms steps) ran at "
+            "0.87–0.93× of plain, a compute-bound one at 0.99× (an H100, benchmarks/RESULTS.md)") in flat
+    assert "20%" not in flat
+    readme = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    assert "runs at 0.87–0.93× of plain with the trace" in readme
+    assert "with `Nbmem.trace` 0.87–0.93× and 0.99×" in readme
 
 
 def test_a_bad_value_in_the_config_file_falls_back_to_the_default_with_a_message(shell, capsys):
@@ -590,3 +619,62 @@ def test_which_cells_are_nbmems_own_commands(cell, command):
     from nbmem.ipython.usage import own_command
 
     assert own_command(cell) == command
+
+
+def test_an_empty_leaks_says_the_threshold_and_how_to_lower_it(ip, capsys):
+    import pandas as pd
+
+    ok(ip, "small = torch.zeros(1000)")
+    n = last_cell(ip)
+    why = "nothing above Nbmem.threshold (1.00 MiB); `%config Nbmem.threshold = 0` lists holders of any size"
+    f = nbmem.leaks()
+    assert isinstance(f, pd.DataFrame) and f.empty and f.attrs["note"] == why
+    assert repr(f).splitlines()[-1] == why and "Empty DataFrame" in repr(f)
+    assert f._repr_html_().endswith("<p>nothing above Nbmem.threshold (1.00 MiB); <code>%config Nbmem.threshold = "
+                                    "0</code> lists holders of any size</p>")
+    assert type(f[f["bytes"] > 0]) is pd.DataFrame and type(f.copy()) is pd.DataFrame, "what is made from it is plain"
+    capsys.readouterr()
+    ip.run_line_magic("cudamem", "leaks")
+    ip.run_line_magic("cudamem", f"leaks --cell {n}")
+    assert capsys.readouterr().out.splitlines() == [
+        f"holders of memory now: {why}",
+        f"holders of memory cell [{n}] added: nothing above Nbmem.threshold when it ran (now 1.00 MiB); after "
+        "`%config Nbmem.threshold = 0` the cells you run next list holders of any size, and `%cudamem leaks` lists "
+        "what is held now"]
+    ok(ip, "%config Nbmem.threshold = 0")
+    assert list(nbmem.leaks()["name"]) == ["small"]
+
+
+def test_a_mistyped_variable_to_clean_is_told_the_closest_name(ip):
+    ok(ip, "model = torch.empty(2**20)")
+    with pytest.raises(UsageError) as e:
+        ip.run_line_magic("cudamem", "clean modle")
+    assert str(e.value) == ("%cudamem clean: no variable named 'modle' (did you mean `model`?) in this notebook. "
+                            "Nothing was removed.")
+    with pytest.raises(ValueError, match=re.escape("no variable named 'modle' (did you mean `model`?), 'zzz' in")):
+        nbmem.cleanup(names=["modle", "zzz"])
+    assert "model" in ip.user_ns
+
+
+def test_nbmems_own_cleanup_cells_are_left_out_of_report_and_the_measured_cells(ip, capsys):
+    ok(ip, "x = torch.empty(4 * 2**20)")
+    mine = last_cell(ip)
+    ok(ip, "%cudamem clean x")
+    clean = last_cell(ip)
+    assert clean in nbmem.report().index, "measured, so the records add up"
+    capsys.readouterr()
+    ok(ip, "%cudamem report")
+    cells = [ln.split()[0] for ln in capsys.readouterr().out.splitlines()[1:-1]]
+    assert str(mine) in cells and str(clean) not in cells, cells
+    with pytest.raises(UsageError, match=r"cell 999 was not measured \(measured cells: [^)]*\)") as e:
+        ip.run_line_magic("cudamem", "leaks --cell 999")
+    assert str(clean) not in str(e.value).split("measured cells: ")[1], str(e.value)
+
+
+def test_the_commands_in_hints_are_code(ip):
+    ok(ip, "torch.ones(2**20)")
+    ok(ip, "def f():\n    t = torch.ones(2**20)\n    raise RuntimeError('x')")
+    assert not run(ip, "f()").success
+    hints = set(nbmem.leaks()["hint"])
+    assert hints == {"kept by the output history: `%cudamem clean --outputs`, or end the line with `;`",
+                     "kept by the last exception's frames: `%cudamem clean --traceback` (ends `%debug` for it)"}

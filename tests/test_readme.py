@@ -100,3 +100,11 @@ def test_the_package_metadata_points_nowhere_it_cannot_back():
     """No placeholder URL: a project link is added when the project has a public home, not before."""
     meta = (ROOT / "pyproject.toml").read_text()
     assert "example.invalid" not in meta and "example.com" not in meta
+
+
+def test_the_leaks_columns_the_readme_lists_are_the_frames():
+    from nbmem.records import FINDING_COLUMNS
+
+    row = next(ln for ln in README.splitlines() if ln.startswith("| `nbmem.leaks("))
+    listed = row.rsplit("`", 2)[-2]
+    assert listed.split(", ") == list(FINDING_COLUMNS), listed

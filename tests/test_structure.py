@@ -19,7 +19,7 @@ TOP_RULES: dict[str, set[str]] = {
     "options": {"formatting"},
     "records": {"formatting"},
     "reports": {"formatting", "records"},
-    "store": {"records"},
+    "store": {"formatting", "records"},
     "sampler": {"records", "measure"},
     "session": {"formatting", "options", "records", "reports", "store", "sampler", "measure", "trace", "holders",
                 "recorder", "cells", "clean", "fitting"},

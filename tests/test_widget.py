@@ -580,8 +580,10 @@ def test_in_a_terminal_auto_shows_nothing_and_asking_explains(ip: Any) -> None:
     assert session.subscribers == 1  # the flight recorder alone
     with pytest.raises(RuntimeError, match="needs a Jupyter front end"):
         show_gauge(session, "inline", shell=ip, explicit=True)
-    with pytest.raises(UsageError, match="needs a Jupyter front end"):
+    with pytest.raises(UsageError) as e:
         ip.run_line_magic("cudamem", "gauge")
+    assert str(e.value) == ("%cudamem gauge: the gauge needs a Jupyter front end (JupyterLab, Notebook, VS Code, "
+                            "Colab); in a terminal, `%cudamem status` and `%cudamem report` give the numbers.")
 
 
 def test_show_gauge_closes_the_previous_one(ip: Any) -> None:

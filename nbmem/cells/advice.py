@@ -117,7 +117,7 @@ def oom_advice(records: Sequence[CellRecord], error: BaseException, *, source: s
                              for ln, b in rp.oom.live_by_line[:4])
             out.append(f"{dev}: live when it failed, by the line that allocated it: {live}")
     if not lines_recorded:
-        out.append("%%cudamem --lines on this cell shows which line allocated what was live")
+        out.append("`%%cudamem --lines` on this cell shows which line allocated what was live")
     fragmented = fragmentation(records, requested_bytes(error), largest_free or {})
     for r in records:
         if r.reserved_after_bytes is not None and r.allocated_after_bytes is not None:

@@ -63,14 +63,17 @@ class CellWatch:
         self.children_seen: frozenset[processes.ChildKey] = frozenset()  # on the GPUs when the last cell ended
         self.unattributed_explained = False  # the long text is said once a session, then a pointer to the status
         self.cpu_explained = False  # what a CPU cannot tell, said under the first CPU report shown
+        self.own: set[int] = set()  # nbmem's own cells (`%cudamem clean`): measured, so the records add up; not listed
 
     @property
     def in_cell(self) -> bool:
         return self._open is not None
 
     def begin(self, cell: int, *, source: str, reset_peak: bool | None, scan: bool | None, lines: bool | None,
-              trace: bool | None, monitoring: bool) -> None:
+              trace: bool | None, monitoring: bool, own: bool = False) -> None:
         s = self._settings()
+        if own:
+            self.own.add(cell)
         reset = s.reset_peak if reset_peak is None else reset_peak
         do_scan = s.scan if scan is None else scan
         want_lines = s.lines if lines is None else lines

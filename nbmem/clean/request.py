@@ -5,11 +5,11 @@ Built by ``nbmem.cleanup()``, ``%cudamem clean`` and the gauge's buttons; ``clea
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from nbmem.formatting import plural
+from nbmem.formatting import did_you_mean, plural
 from nbmem.records import CleanupOf
 
 #: Problems, and names in one problem, a refusal lists before it counts the rest.
@@ -22,6 +22,7 @@ class Names(Protocol):
     def has(self, name: str) -> bool: ...
     def protected(self, name: str) -> str | None: ...
     def movable(self, name: str) -> str | None: ...
+    def names(self) -> Iterable[str]: ...  # the notebook's variables, for "did you mean" under a mistyped one
 
 
 class CleanupRefused(ValueError):
@@ -106,7 +107,7 @@ class CleanupRequest:
         problems = []
         unknown = [n for n in dict.fromkeys(self.names + self.to_cpu) if not ns.has(n)]
         if unknown:
-            problems.append(f"no variable named {_some(unknown)} in this notebook")
+            problems.append(f"no variable named {_some(unknown, list(ns.names()))} in this notebook")
         for n in self.names + self.to_cpu:
             if n in unknown:
                 continue
@@ -125,7 +126,8 @@ class CleanupRequest:
                                                      if len(problems) > SHOWN else []))
 
 
-def _some(names: Sequence[str]) -> str:
-    """The first few names, and how many more: a refusal stays readable however many were given."""
-    shown = ", ".join(repr(n)[:40] for n in names[:SHOWN])
+def _some(names: Sequence[str], near: Sequence[str] = ()) -> str:
+    """The first few names, and how many more: a refusal stays readable however many were given; each with the
+    closest of ``near`` (the notebook's names) where one is close."""
+    shown = ", ".join(repr(n)[:40] + did_you_mean(n, near) for n in names[:SHOWN])
     return shown + (f" (and {len(names) - SHOWN:,} more)" if len(names) > SHOWN else "")

@@ -61,7 +61,7 @@ def hint_for(h: Held, graph_bytes: int, *, lost: Sequence[str] = (), shared: Seq
                     f"numbers (`.item()`) or `.detach()` instead, or clear it")
         return f"{group:,} small tensors in `{where}`: clear it, or `del {root_name(where)}`"
     if ROLE_GRAD in h.roles and name.endswith(".grad"):
-        return "a gradient: opt.zero_grad(set_to_none=True) frees gradients between steps"
+        return "a gradient: `opt.zero_grad(set_to_none=True)` frees gradients between steps"
     roots = sorted({root_name(p) for p in h.holders})
     if ROLE_PARAM in h.roles:
         if OPTIMIZER_STEP.search(name):  # no module path reaches it: its model is gone, the optimizer is not
@@ -70,7 +70,7 @@ def hint_for(h: Held, graph_bytes: int, *, lost: Sequence[str] = (), shared: Seq
         others = [r for r in deletable(h) if r != root_name(name)]
         also = f", also held by {', '.join(others)}" if others else ""
         if HolderKind.TRACEBACK in h.holder_kinds:
-            also += " and the last exception's frames (%cudamem clean --traceback)"
+            also += " and the last exception's frames (`%cudamem clean --traceback`)"
         move = f", or `{root_name(name)}.cpu()` moves it" if h.device.startswith("cuda") else ""
         return f"part of `{root_name(name)}`{also}: deleting {'them' if also else 'it'} frees it{move}"
     if ROLE_OPTIM in h.roles:

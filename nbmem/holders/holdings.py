@@ -319,6 +319,22 @@ class Holdings:
                     f"{', '.join(s.unfinished[:3])}: `%cudamem leaks` scans everything")
         return f"nothing above the threshold ({fmt_bytes(self.settings.threshold_bytes)})"
 
+    def why_empty(self, cell: int | None = None) -> str:
+        """Why ``nbmem.leaks()`` (``cell``: of that cell) lists nothing: the threshold and how to lower it."""
+        t, lower = self.settings.threshold_bytes, "`%config Nbmem.threshold = 0`"
+        if cell is None and (self.last_scan is None or self.last_scan.truncated):
+            return self.note()
+        if cell is not None and self.of_cell(cell) is None:
+            return (f"cell {cell} ran without a holder scan (`%cudamem on --no-scan` or `Nbmem.scan = False`): "
+                    "`%cudamem leaks` lists what is held now")
+        if cell is not None:  # judged by the threshold of then
+            return (f"nothing above Nbmem.threshold when it ran (now {fmt_bytes(t)}); "
+                    + (f"after {lower} the cells you run next list holders of any size, and " if t else "")
+                    + "`%cudamem leaks` lists what is held now")
+        if t == 0:
+            return "nothing held (Nbmem.threshold is 0: holders of any size are listed)"
+        return f"nothing above Nbmem.threshold ({fmt_bytes(t)}); {lower} lists holders of any size"
+
     def held_by(self, names: Sequence[str]) -> dict[str, set[int]]:
         """The storages each of these top-level names reached at the last scan (before a cleanup)."""
         out: dict[str, set[int]] = {}

@@ -45,6 +45,13 @@ class _Options(Configurable):
             except OptionError as e:
                 self._notify(f"nbmem: {e}; kept {getattr(self, name)!r}.")
 
+    @classmethod
+    def class_get_help(cls, inst: Any = None) -> str:
+        """What ``%config Nbmem`` prints: nbmem's options under their own title (traitlets' names the class)."""
+        head = "nbmem's options: `%config Nbmem.NAME = VALUE` sets one (e.g. `%config Nbmem.threshold = 0`)"
+        traits = sorted(cls.class_traits(config=True).items())  # "=" under it: `%config` cuts a line's leading "--"
+        return "\n".join([head, "=" * len(head), *(cls.class_get_trait_help(t, inst) for _, t in traits)])
+
     def settings(self) -> Settings:
         return Settings(**{o.attr: getattr(self, o.name) for o in OPTIONS})
 

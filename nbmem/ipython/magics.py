@@ -388,7 +388,7 @@ class NbmemMagics(Magics):
         self.root.display(self.session.status())
 
     def _cmd_report(self, args: Any) -> None:
-        self.root.display(CellTable(tuple(self.session.cell_list())))
+        self.root.display(CellTable(tuple(self.session.cell_list(own=False))))
 
     def _cmd_leaks(self, args: Any) -> None:
         if args.cell is not None and args.cell < 0:

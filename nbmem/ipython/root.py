@@ -21,7 +21,7 @@ from nbmem.ipython.shell import ShellAdapter
 from nbmem.ipython.usage import own_command
 from nbmem.recorder.flight import FlightRecorder, open_flight
 from nbmem.session import Session
-from nbmem.ui.frontend import in_kernel  # stdlib only: the gauge itself is imported where it can be drawn
+from nbmem.ui.frontend import NO_FRONT_END, in_kernel  # stdlib only: the gauge is imported where it can be drawn
 
 _ACTIVE: weakref.WeakKeyDictionary[Any, Loaded] = weakref.WeakKeyDictionary()
 
@@ -55,8 +55,9 @@ class Loaded:
             own = own_command(raw)
             if own is not None and own != "clean":
                 return  # nbmem's own command (or its refusal) moves no memory: nothing to report
-            s.begin_cell(self.shell.execution_count - 1, source=raw)
-            # A cleanup is measured, so the records add up, but its own table already said what it freed.
+            # A cleanup is measured, so the records add up, but its own table already said what it freed, and
+            # `%cudamem report` and the measured cells a refusal lists leave it out.
+            s.begin_cell(self.shell.execution_count - 1, source=raw, own=own == "clean")
             self._quiet = own == "clean"
         except Exception as e:
             self.session.fault("pre_run_cell", e)
@@ -84,8 +85,10 @@ class Loaded:
 
     # -- the gauge -------------------------------------------------------------------------------------
     def show_gauge(self, where: str, *, explicit: bool = False) -> None:
-        if not explicit and not in_kernel(self.shell):
-            return  # terminal IPython, an embedded shell: nowhere to draw it, so anywidget is not even imported
+        if not in_kernel(self.shell):  # terminal IPython, an embedded shell: nowhere to draw it (nor to import it)
+            if explicit:
+                raise UsageError(f"%cudamem gauge: {NO_FRONT_END}.")
+            return
         try:
             from nbmem.ui.widget import show_gauge
         except ImportError as e:  # anywidget (or its front-end packages) not installed
@@ -97,7 +100,6 @@ class Loaded:
             return
         try:
             self.gauge = show_gauge(self.session, where, previous=self.gauge, shell=self.shell, explicit=explicit)
-            # Outside a kernel (terminal IPython, an embedded shell) there is no gauge to wire up.
             if self.gauge is not None:
                 self.gauge.between_cells = self.between
         except Exception as e:

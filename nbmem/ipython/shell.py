@@ -169,6 +169,11 @@ class ShellAdapter:
     def has(self, name: str) -> bool:
         return name in self.shell.user_ns
 
+    def names(self) -> list[str]:
+        """The notebook's own variables (what `%who` lists), for a "did you mean" under a mistyped one."""
+        hidden = getattr(self.shell, "user_ns_hidden", {})
+        return [k for k in list(self.shell.user_ns) if type(k) is str and not k.startswith("_") and k not in hidden]
+
     def protected(self, name: str) -> str | None:
         """Why a name may not be deleted, or None."""
         if name.startswith("__") and name.endswith("__"):

@@ -7,20 +7,13 @@ Plain text over the magic's own tables, below IPython: the adapter (``magics.py`
 
 from __future__ import annotations
 
-import difflib
 import re
 import shlex
-from collections.abc import Collection, Iterable
+from collections.abc import Collection
+
+from nbmem.formatting import did_you_mean
 
 _MAGIC = re.compile(r"%cudamem(?=\s|\?|$)")
-#: A name must be this close (difflib's ratio) to be offered as "did you mean".
-CLOSE = 0.6
-
-
-def did_you_mean(word: str, choices: Iterable[str]) -> str:
-    """`` (did you mean `clean`?)`` when ``word`` is close to one of ``choices``, else ""."""
-    near = difflib.get_close_matches(word, list(choices), n=1, cutoff=CLOSE)
-    return f" (did you mean `{near[0]}`?)" if near else ""
 
 
 def words(line: str) -> list[str]:

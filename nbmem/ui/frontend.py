@@ -60,6 +60,11 @@ def segment_spec() -> dict[str, Any]:
     return dict(json.loads(body))
 
 
+#: Why there is no gauge outside a Jupyter kernel, and what gives the numbers there.
+NO_FRONT_END = ("the gauge needs a Jupyter front end (JupyterLab, Notebook, VS Code, Colab); in a terminal, "
+                "`%cudamem status` and `%cudamem report` give the numbers")
+
+
 def in_kernel(shell: Any) -> bool:
     """True in a Jupyter kernel (JupyterLab, Notebook, VS Code, Colab); False in terminal IPython."""
     zmqshell = sys.modules.get("ipykernel.zmqshell")

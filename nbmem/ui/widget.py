@@ -34,7 +34,7 @@ import traitlets
 from nbmem.clean.request import CleanupRefused, CleanupRequest
 from nbmem.records import HOLDER_KINDS, CellRecord, Finding, HolderKind, Holders, Sample, Tick, kind_words
 from nbmem.reports import CellReport, CleanupReport, memory_name, near_limit
-from nbmem.ui.frontend import ROW_COLUMNS, bundle, in_kernel
+from nbmem.ui.frontend import NO_FRONT_END, ROW_COLUMNS, bundle, in_kernel
 
 if TYPE_CHECKING:
     from nbmem.session import Session
@@ -575,8 +575,7 @@ def show_gauge(session: Session, where: str, *, previous: Gauge | None = None, s
         shell = get_ipython()
     if not in_kernel(shell):
         if explicit:
-            raise RuntimeError("the gauge needs a Jupyter front end (JupyterLab, Notebook, VS Code, Colab); in a "
-                               "terminal, `%cudamem status` and `%cudamem report` give the numbers")
+            raise RuntimeError(NO_FRONT_END)
         return None
     warn_old_ipykernel(session)
     from IPython.display import display
