@@ -10,6 +10,7 @@ row it is on, and every "frees nothing" must free nothing; the state line must d
 
 from __future__ import annotations
 
+import atexit
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -133,6 +134,7 @@ def notebook(src: str) -> Iterator[InteractiveShell]:
     finally:
         sh.run_line_magic("unload_ext", "nbmem")
         InteractiveShell.clear_instance()
+        atexit.unregister(sh.atexit_operations)  # as the shell fixture does: no exit-time sweep of every shell
 
 
 def clean(sh: InteractiveShell, args: str) -> int:

@@ -6,6 +6,7 @@ The ``shell`` fixture sets ``Nbmem.gauge = "none"``, which hid a fault that ever
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
 import subprocess
@@ -75,6 +76,7 @@ def default_shell():
     sh.run_line_magic("unload_ext", "nbmem")
     assert not nbmem_callbacks(sh)
     InteractiveShell.clear_instance()
+    atexit.unregister(sh.atexit_operations)
 
 
 def test_an_embedded_shell_loads_nbmem_with_the_default_gauge_and_no_fault(default_shell, capsys):
