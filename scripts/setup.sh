@@ -9,7 +9,14 @@
 #                        is the CUDA build: several GB.
 #   NBMEM_TORCH=cpu      the CPU build from https://download.pytorch.org/whl/cpu (a few hundred MB), replacing
 #                        any other build in .venv. E.g. `NBMEM_TORCH=cpu bash scripts/demo.sh`.
+#   NBMEM_TORCH=cuda     the CUDA build of the pinned release from PyPI, with or without a GPU, replacing any other
+#                        build (pip is asked for torch===VERSION: the release without a label such as +cpu, which
+#                        on Linux is the CUDA build, wherever pip also finds others). Several GB; setup fails if what
+#                        pip installs is not a CUDA build. scripts/test.sh makes .venv-cuda this way, to run the
+#                        fit tests with the build plain `pip install torch` gives: NBMEM_VENV=.venv-cuda
+#                        NBMEM_TORCH=cuda bash scripts/setup.sh (~3 min 30 s the first time: ~3 GB of wheels).
 #   NBMEM_TORCH=skip     keep the torch already in .venv, whatever its version or build (fails if there is none).
+#   NBMEM_VENV=.venv-cuda     the virtual environment to make or update (default .venv).
 #   NBMEM_PYTHON=python3.12   the interpreter that makes .venv (3.11 or newer; default python3).
 #   NBMEM_DRY_RUN=1      print what would be installed and install nothing.
 set -Eeuo pipefail
@@ -27,8 +34,9 @@ esac
 MIN_PY=3.11 # ipython 9.18.1, ipykernel 7.4.0, pandas 3.1.1, numpy 2.4.6 and matplotlib 3.11.2 (the pins) need it
 PYTHON=${NBMEM_PYTHON:-python3}
 TORCH=${NBMEM_TORCH:-}
-VPY=.venv/bin/python
-STAMP=.venv/.nbmem-setup # a hash of the inputs of step 3, written when it succeeded
+VENV=${NBMEM_VENV:-.venv}
+VPY=$VENV/bin/python
+STAMP=$VENV/.nbmem-setup # a hash of the inputs of step 3, written when it succeeded
 CPU_INDEX=https://download.pytorch.org/whl/cpu
 STEPS=4
 step_no=0
@@ -51,8 +59,8 @@ too_old() { # too_old 3.10.13 → true when older than MIN_PY
 }
 
 case "$TORCH" in
-  "" | default | cpu | skip) ;;
-  *) echo "setup.sh: NBMEM_TORCH=$TORCH is not one of default, cpu, skip (bash scripts/setup.sh --help)"; exit 2 ;;
+  "" | default | cpu | cuda | skip) ;;
+  *) echo "setup.sh: NBMEM_TORCH=$TORCH is not one of default, cpu, cuda, skip (bash scripts/setup.sh --help)"; exit 2 ;;
 esac
 # Nothing chosen: the build this machine can use. Without a driver the CUDA build cannot run, and on plain PyPI
 # (Linux) it is the several-GB download, so the CPU build; macOS and Windows wheels on PyPI are not CUDA builds.
@@ -75,8 +83,8 @@ TORCH_PIN=$(sed -n 's/^torch==\([0-9][^ ;#]*\).*/\1/p' requirements/torch.txt)
 if [ -e "$VPY" ]; then
   v=$(python_version "$VPY")
   if [ -z "$v" ] || too_old "$v"; then
-    echo "setup.sh: .venv's Python (${v:-it does not run}) cannot run nbmem's pinned tools, which need Python $MIN_PY or newer."
-    echo "          Remove it and run again, with a newer interpreter if python3 is old: rm -rf .venv && NBMEM_PYTHON=python$MIN_PY bash $0"
+    echo "setup.sh: $VENV's Python (${v:-it does not run}) cannot run nbmem's pinned tools, which need Python $MIN_PY or newer."
+    echo "          Remove it and run again, with a newer interpreter if python3 is old: rm -rf $VENV && NBMEM_PYTHON=python$MIN_PY bash $0"
     exit 1
   fi
 else
@@ -93,7 +101,7 @@ else
 fi
 dry=""
 [ "$NBMEM_DRY_RUN" = 1 ] && dry="; dry run (NBMEM_DRY_RUN=1): nothing is installed"
-echo "nbmem setup: .venv with Python $v, torch $TORCH_PIN (NBMEM_TORCH=$TORCH)$dry"
+echo "nbmem setup: $VENV with Python $v, torch $TORCH_PIN (NBMEM_TORCH=$TORCH)$dry"
 [ -z "$picked" ] || echo "torch: $picked"
 LOG=$(mktemp -t nbmem-setup.XXXXXX) # each quiet command's output, kept if one fails
 trap '[ "$QUIET_FAILED" = 1 ] || rm -f "$LOG"' EXIT
@@ -101,10 +109,10 @@ trap '[ "$QUIET_FAILED" = 1 ] || rm -f "$LOG"' EXIT
 # 1. the virtual environment
 if [ -e "$VPY" ]; then
   step_no=1
-  echo "[1/$STEPS] .venv exists (Python $v)"
+  echo "[1/$STEPS] $VENV exists (Python $v)"
 else
-  step "creating .venv with $PYTHON" "~5 s"
-  quiet "$LOG" "$PYTHON" -m venv .venv
+  step "creating $VENV with $PYTHON" "~5 s"
+  quiet "$LOG" "$PYTHON" -m venv "$VENV"
   step_done
 fi
 
@@ -116,11 +124,11 @@ case "$TORCH" in
   skip)
     step_no=2
     if [ -z "$have" ] && [ "$NBMEM_DRY_RUN" != 1 ]; then
-      echo "setup.sh: NBMEM_TORCH=skip keeps the torch in .venv, but .venv has none. Install one first, e.g."
-      echo "          .venv/bin/python -m pip install torch==$TORCH_PIN --index-url $CPU_INDEX"
+      echo "setup.sh: NBMEM_TORCH=skip keeps the torch in $VENV, but $VENV has none. Install one first, e.g."
+      echo "          $VPY -m pip install torch==$TORCH_PIN --index-url $CPU_INDEX"
       exit 1
     fi
-    echo "[2/$STEPS] torch: keeping ${have:-the one in .venv} (NBMEM_TORCH=skip)"
+    echo "[2/$STEPS] torch: keeping ${have:-the one in $VENV} (NBMEM_TORCH=skip)"
     ;;
   cpu)
     if [ "$have" = "$TORCH_PIN+cpu" ]; then
@@ -132,6 +140,18 @@ case "$TORCH" in
     else
       step "installing torch $TORCH_PIN, the CPU build, from download.pytorch.org" "~1 min: a ~200 MB download"
       quiet "$LOG" "${pip[@]}" --index-url "$CPU_INDEX" --extra-index-url https://pypi.org/simple "torch==$TORCH_PIN+cpu"
+      step_done
+    fi
+    ;;
+  cuda)
+    # Only the unlabelled release: for torch==2.13.0 pip would take a 2.13.0+cpu it finds (it sorts higher).
+    if [ "$have" = "$TORCH_PIN" ]; then
+      step_no=2
+      echo "[2/$STEPS] torch $have is installed"
+    else
+      step "installing torch $TORCH_PIN, the CUDA build, from PyPI" \
+        "~1 min 30 s: ~3 GB of torch and NVIDIA's libraries"
+      quiet "$LOG" "${pip[@]}" "torch===$TORCH_PIN"
       step_done
     fi
     ;;
@@ -167,17 +187,29 @@ step "checking that nbmem, torch, IPython, JupyterLab and anywidget import" "~5 
 if [ "$NBMEM_DRY_RUN" = 1 ]; then
   echo "    would run: $VPY -I -c 'import nbmem, torch, ...'"
 else
-  if ! "$VPY" -I - <<'EOF'; then
+  rc=0
+  NBMEM_TORCH=$TORCH "$VPY" -I - <<'EOF' || rc=$?
+import os
 import nbmem, torch, IPython, ipykernel, jupyterlab, anywidget, sidecar  # noqa: F401
+want_cuda = os.environ["NBMEM_TORCH"] == "cuda"
 if torch.version.cuda:
-    gpu = "a GPU is visible" if torch.cuda.is_available() else "no GPU is visible: NBMEM_TORCH=cpu saves GBs"
+    gpu = ("a GPU is visible" if torch.cuda.is_available() else
+           "no GPU is visible" if want_cuda else "no GPU is visible: NBMEM_TORCH=cpu saves GBs")
     print(f"      torch {torch.__version__}: the CUDA {torch.version.cuda} build; {gpu}")
 else:
     print(f"      torch {torch.__version__}: the CPU build")
 print(f"      nbmem {nbmem.__version__} from {nbmem.__file__.rsplit('/', 2)[0]}")
+if want_cuda and not torch.version.cuda:
+    raise SystemExit(3)
 EOF
+  if [ "$rc" -ne 0 ]; then
     rm -f "$STAMP"
-    echo "setup.sh: .venv is incomplete (above: what did not import). Run the same command again: it reinstalls."
+    if [ "$rc" = 3 ]; then
+      echo "setup.sh: NBMEM_TORCH=cuda, but the torch pip installed is not a CUDA build: PyPI's torch $TORCH_PIN for"
+      echo "          $(uname -s) $(uname -m) is not one (for Linux x86_64 it is)."
+    else
+      echo "setup.sh: $VENV is incomplete (above: what did not import). Run the same command again: it reinstalls."
+    fi
     exit 1
   fi
 fi

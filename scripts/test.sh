@@ -2,7 +2,11 @@
 # Every check CI runs, in stages, each announced with its expected time, then a summary of all of them:
 #   setup, chromium (installed only if browser tests will run, it is missing, and we are root with apt-get),
 #   ruff, mypy, the JavaScript tests, the leak zoo (../shared/leak-zoo, outside this repository: run when
-#   present, skipped and said so when not), pytest (given this script's arguments).
+#   present, skipped and said so when not), pytest (given this script's arguments), and "cuda fit": the fit tests
+#   and tests/test_sources.py again in .venv-cuda, with the CUDA build of torch (what plain `pip install torch`
+#   gives on Linux) and no GPU visible: a torch.cuda that is compiled in but has no device, which the CPU build
+#   never shows (issue 46). Given options only (-k, -x), that stage runs its tests with them; given paths, it runs
+#   them as given when all are among its tests, and is skipped when any is not.
 # How long: FULL_RUN below, one measured run (the README gives the same figure); each stage announces its own.
 # Exit status: 0 when every stage that ran passed (pytest's 5, "no tests collected", counts as passed).
 set -uo pipefail
@@ -10,7 +14,7 @@ cd "$(dirname "$0")/.."
 # shellcheck source=scripts/lib.sh
 source scripts/lib.sh
 
-STAGES=(setup chromium ruff mypy "js tests" "leak zoo" pytest)
+STAGES=(setup chromium ruff mypy "js tests" "leak zoo" pytest "cuda fit")
 FULL_RUN="22 min 14 s from a fresh clone on a 2-core VM without a GPU" # measured 2026-11-26; setup took 3 min 16 s of it
 declare -A result=() took=()
 n=0
@@ -86,14 +90,41 @@ js_tests() { # one summary line here; node's TAP output (a few hundred lines) in
   fi
   return "$rc"
 }
-pytest_stage() {
-  local rc=0
-  .venv/bin/python -m pytest "$@" || rc=$?
+pytest_in() { # pytest_in VENV ARGS...
+  local venv=$1 rc=0
+  shift
+  "$venv/bin/python" -m pytest "$@" || rc=$?
   if [ "$rc" -eq 5 ]; then
     echo "(pytest collected no tests, e.g. a -k that matches nothing: not a failure)"
     rc=0
   fi
   return "$rc"
+}
+pytest_stage() { pytest_in .venv "$@"; }
+
+# What the "cuda fit" stage runs: CUDA_ARGS, its tests with this script's options where it names no paths, its
+# arguments as given where every path it names is one of those tests; none where it names others (returns 1).
+CUDA_TESTS=(tests/test_fit*.py tests/test_sources.py)
+CUDA_ARGS=()
+cuda_tests_args() {
+  local a p paths=0 others=0
+  for a in "$@"; do
+    p=${a%%::*}
+    p=${p#./}
+    if [ -e "$p" ]; then
+      paths=1
+      case "$p" in tests/test_fit*.py | tests/test_sources.py) ;; *) others=1 ;; esac
+    fi
+  done
+  [ "$others" = 0 ] || return 1
+  if [ "$paths" = 1 ]; then CUDA_ARGS=("$@"); else CUDA_ARGS=("${CUDA_TESTS[@]}" "$@"); fi
+}
+CUDA_VENV=.venv-cuda
+cuda_fit() { # .venv-cuda made or updated by setup.sh, then the tests in it with no GPU visible, even where there is one
+  local t=$SECONDS
+  NBMEM_VENV=$CUDA_VENV NBMEM_TORCH=cuda bash scripts/setup.sh || return
+  echo "($CUDA_VENV ready in $(human_secs $((SECONDS - t))); its tests now, with no GPU visible: CUDA_VISIBLE_DEVICES='')"
+  CUDA_VISIBLE_DEVICES="" pytest_in "$CUDA_VENV" "${CUDA_ARGS[@]}"
 }
 
 stage setup "~10 s with .venv in place, ~3 min from a fresh clone" bash scripts/setup.sh
@@ -130,4 +161,11 @@ else
 fi
 
 stage pytest "~14 min for the whole suite, measured on 2 cores" pytest_stage "$@"
+
+CUDA_FIT_TIME="~6 min from a fresh clone, ~3 min 30 s of it making $CUDA_VENV (~3 GB of wheels); ~3 min after"
+if cuda_tests_args "$@"; then
+  stage "cuda fit" "$CUDA_FIT_TIME" cuda_fit
+else
+  skip "cuda fit" "$CUDA_FIT_TIME" "the pytest arguments name tests other than the fit tests and test_sources.py"
+fi
 summary

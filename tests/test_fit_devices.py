@@ -140,15 +140,16 @@ class TwoGpus(FakeSource):
     def __init__(self, held: dict[int, int]) -> None:
         self.held = held
 
-    def device_count(self) -> int:
-        return 2
-
     def read(self, device: int) -> Any:
         n = self.held.get(device, 0)
         return type("Reading", (), {"allocated_bytes": n, "reserved_bytes": n})()
 
     def device_free(self, device: int) -> tuple[int, int]:
         return (8 * MiB if device == 0 else 1 * GiB), 80 * GiB
+
+    def context_devices(self) -> list[int]:
+        """cuda:0 had a context before the fit; cuda:1 has one once a run used it."""
+        return sorted({0} | set(self.held))
 
 
 @pytest.fixture
@@ -177,7 +178,6 @@ def two_gpus(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     monkeypatch.setattr(runner, "_torch", lambda: Torch())
     monkeypatch.setattr(torchcheck, "_torch", lambda: Torch())
     monkeypatch.setattr(runner, "_one_run", one_run)
-    monkeypatch.setattr(runner, "context_devices", lambda t, src: [0])
     monkeypatch.setattr(multigpu, "gc", type("NoGc", (), {"collect": staticmethod(lambda: 0)}))
     return seen
 

@@ -236,11 +236,15 @@ class FakeCuda:
 
 
 class FakeTorch:
-    """torch, with a stand-in ``torch.cuda``."""
+    """torch, with a stand-in ``torch.cuda``. Its ``_C`` would be the real one, which on the CUDA build answers for
+    this machine's devices (none, without a GPU), not for the stand-in's: asking for it is an error on every
+    build. What the fit reads of the devices comes from the source (``FakeSource``)."""
 
     cuda = FakeCuda()
 
     def __getattr__(self, name: str) -> Any:
+        if name == "_C":
+            raise AttributeError("the stand-in torch has no _C: the fit reads the devices through its source")
         return getattr(torch, name)
 
 
@@ -265,8 +269,8 @@ class FakeSource:
     def clear_cublas_workspaces(self) -> bool:
         return False
 
-    def device_count(self) -> int:
-        return 1
+    def context_devices(self) -> list[int]:
+        return [0]
 
 
 class Bf16Cuda(FakeCuda):

@@ -87,7 +87,19 @@ def test_an_explicit_choice_is_not_second_guessed(checkout: Path) -> None:
 
 def test_an_unknown_torch_choice_is_refused(checkout: Path) -> None:
     out = setup(checkout, NBMEM_DRY_RUN="1", NBMEM_TORCH="gpu")
-    assert out.returncode == 2 and "default, cpu, skip" in out.stdout, out.stdout
+    assert out.returncode == 2 and "default, cpu, cuda, skip" in out.stdout, out.stdout
+
+
+def test_the_cuda_build_is_the_unlabelled_release_in_the_venv_named_even_without_a_driver(checkout: Path) -> None:
+    """What test.sh's "cuda fit" stage makes: torch===PIN, which no local 2.13.0+cpu satisfies, into .venv-cuda."""
+    out = setup(checkout, NBMEM_DRY_RUN="1", NBMEM_TORCH="cuda", NBMEM_VENV=".venv-cuda")
+    assert out.returncode == 0, out.stdout
+    pip = PIP.replace(".venv/", ".venv-cuda/")
+    torch, rest = f"{pip} torch==={TORCH_PIN}", f"{pip} -r requirements/dev.txt -e ."
+    assert f"would run: {torch}\n" in out.stdout and "CUDA build" in out.stdout, out.stdout
+    assert out.stdout.index(torch) < out.stdout.index(rest), "torch must be installed before nbmem asks for it"
+    assert "would run: .venv-cuda/bin/python -I" in out.stdout and "NVIDIA driver" not in out.stdout, out.stdout
+    assert not (checkout / ".venv-cuda").exists() and not (checkout / ".venv").exists(), "a dry run made a venv"
 
 
 def test_an_old_python_is_refused_before_anything_is_made(checkout: Path) -> None:
@@ -129,4 +141,5 @@ def test_one_measured_test_time_everywhere() -> None:
     assert full_run[0] in test_line and full_run[0] in develop, develop
     for text in (test_line, develop, test_sh):
         times = set(re.findall(r"\d+(?:\.\d+)? min(?: \d+ s)?", text.replace(full_run[0], "")))
-        assert times <= {"3 min 16 s", "3 min", "4 min", "14 min"}, times  # stages' own: setup and pytest
+        # stages' own: setup, pytest, and cuda fit (making .venv-cuda, and its tests)
+        assert times <= {"3 min 16 s", "3 min", "4 min", "14 min", "6 min", "3 min 30 s"}, times

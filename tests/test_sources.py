@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -165,8 +166,27 @@ def test_real_nvml_here_is_missing_and_said_so():
 
 def test_torch_source_never_initialises_cuda():
     t = TorchSource()
-    assert t.read(0) is None and t.device_count() == 0
+    assert t.read(0) is None and t.device_count() == 0 and t.context_devices() == []
+    assert t.device_free(0) is None and t.segments() is None and not t.empty_cache(0)
     assert not torch.cuda.is_initialized()
+
+
+def test_the_devices_with_a_context_are_those_torch_says_have_a_primary_context(monkeypatch):
+    """Asked of torch once CUDA is up, for each device torch counts: never of a device it does not count."""
+    asked = []
+
+    def has(i):
+        asked.append(i)
+        return i > 0
+
+    cuda = SimpleNamespace(is_initialized=lambda: True, device_count=lambda: 3, current_device=lambda: 2)
+    binding = SimpleNamespace(_cuda_hasPrimaryContext=has)
+    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(cuda=cuda, _C=binding))
+    assert TorchSource().context_devices() == [1, 2] and asked == [0, 1, 2]
+    monkeypatch.setitem(sys.modules, "torch", SimpleNamespace(cuda=cuda, _C=SimpleNamespace()))
+    assert TorchSource().context_devices() == [2], "without the binding: the current device"
+    cuda.is_initialized = lambda: False
+    assert TorchSource().context_devices() == [] and asked == [0, 1, 2], "nothing asked before CUDA is up"
 
 
 def test_host_numbers():

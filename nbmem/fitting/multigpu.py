@@ -41,14 +41,6 @@ NOTHING_ON_CUDA = ("the body allocated no CUDA memory in its first run: a fit pr
                    "put its tensors on a GPU (e.g. device='cuda')")
 
 
-def context_devices(t: Any, src: TorchSource) -> list[int]:
-    """The devices this process has a CUDA context on (asking makes none); the current one where torch cannot say."""
-    has = getattr(getattr(t, "_C", None), "_cuda_hasPrimaryContext", None)
-    if has is None:
-        return [int(t.cuda.current_device())]
-    return [i for i in range(src.device_count()) if has(i)]
-
-
 def synchronize(t: Any, devices: Sequence[int]) -> None:
     for d in devices:
         t.cuda.synchronize(d)
@@ -254,6 +246,6 @@ def _remake_workspaces(src: TorchSource, devices: Sequence[int], before: Mapping
     return {d: allocated_reserved(src, d)[0] for d in devices}
 
 
-__all__ = ["NOTHING_ON_CUDA", "RunSet", "allocated_reserved", "analyse_devices", "context_devices", "free_cached",
+__all__ = ["NOTHING_ON_CUDA", "RunSet", "allocated_reserved", "analyse_devices", "free_cached",
            "give_back_workspaces", "gpu_name", "left_allocated", "on_target", "read_room", "synchronize",
            "used_devices"]

@@ -36,7 +36,6 @@ from nbmem.fitting.multigpu import (
     RunSet,
     allocated_reserved,
     analyse_devices,
-    context_devices,
     free_cached,
     give_back_workspaces,
     gpu_name,
@@ -118,7 +117,7 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
     runs: list[RunSet] = []
     skipped: list[int] = []
     notes: list[str] = []
-    body = _Body(progress.watch(run), src, context_devices(t, src), stacks, max_entries, clean, name, notes,
+    body = _Body(progress.watch(run), src, src.context_devices(), stacks, max_entries, clean, name, notes,
                  margin_bytes=margin_bytes, host=HostWatch(*room_for(host_limit)), progress=progress)
     failed: BaseException | None = None
     before: dict[int, int] = {}
@@ -392,8 +391,7 @@ class _Body:
 
     def every_device(self) -> list[int]:
         """The devices with a context now: the ones measured, and any a run was the first to use."""
-        t = _torch()
-        return sorted(set(self.devs) | set(context_devices(t, self.src) if t is not None else ()))
+        return sorted(set(self.devs) | set(self.src.context_devices()))
 
     def workspaces_back(self, before: Mapping[int, int]) -> tuple[dict[int, int], dict[int, int], str | None]:
         """cuBLAS's workspaces the runs made given back on every device with a context (``give_back_workspaces``)
@@ -540,7 +538,7 @@ def _one_run(run: Callable[[int], object], value: int, counted: bool, src: Torch
         e.__traceback__ = None
         del e
     finally:
-        synchronize(t, sorted(set(devs) | set(context_devices(t, src))))
+        synchronize(t, sorted(set(devs) | set(src.context_devices())))
         traces = src.finish_trace(trace, read=True) or []
     out = {}
     for d, entries in enumerate(traces):

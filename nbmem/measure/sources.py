@@ -258,6 +258,16 @@ class TorchSource:
             return 0
         return int(t.cuda.device_count())
 
+    def context_devices(self) -> list[int]:
+        """The devices this process has a CUDA context on (asking makes none); none before CUDA is initialised."""
+        t = self._cuda()
+        if t is None:
+            return []
+        has = getattr(t._C, "_cuda_hasPrimaryContext", None)
+        if has is None:  # a torch without the binding: the current device, which has one once CUDA is up
+            return [int(t.cuda.current_device())]
+        return [i for i in range(int(t.cuda.device_count())) if has(i)]
+
     # -- the one choke point -------------------------------------------------------------------
     def _stats(self, index: int) -> dict[str, Any] | None:
         t = self._cuda()
