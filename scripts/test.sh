@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 source scripts/lib.sh
 
 STAGES=(setup chromium ruff mypy "js tests" "leak zoo" pytest "cuda fit")
-FULL_RUN="22 min 14 s from a fresh clone on a 2-core VM without a GPU" # measured 2026-11-26; setup took 3 min 16 s of it
+FULL_RUN="33 min 15 s from a fresh clone on a 2-core VM without a GPU" # measured 2026-11-27; setup took 3 min 45 s of it
 declare -A result=() took=()
 n=0
 t0=$SECONDS
@@ -160,7 +160,7 @@ else
   skip "leak zoo" "~5 s" "not found at ../shared/leak-zoo (it lives beside this repository, not in it)"
 fi
 
-stage pytest "~14 min for the whole suite, measured on 2 cores" pytest_stage "$@"
+stage pytest "~24 min for the whole suite, measured on 2 cores" pytest_stage "$@"
 
 CUDA_FIT_TIME="~6 min from a fresh clone, ~3 min 30 s of it making $CUDA_VENV (~3 GB of wheels); ~3 min after"
 if cuda_tests_args "$@"; then
