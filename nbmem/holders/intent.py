@@ -66,7 +66,7 @@ MAX_NAMES = 200_000
 
 
 def words(reached: Collection[str]) -> str:
-    """A holder's state in words: what it reaches (``holds model, optimizer``). A model's parameters and an
+    """A holder's state in words: what it reaches (``holds a model, an optimizer``). A model's parameters and an
     optimizer's state go without saying beside the model and the optimizer."""
     ws = [w for w in WORDS if w in reached]
     if "model" in ws and "parameters" in ws:
