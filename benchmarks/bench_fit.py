@@ -17,7 +17,7 @@ binds ``x``, ``out``, ``loss`` in a namespace that outlives it, and runs one tra
 - real: the largest value for which the body runs 3 times in a row without CUDA out of memory, found by
   bisection with real OOMs in this process, from the state of the row (restored between tries and freed,
   ``empty_cache``), to 1 %;
-- nbmem: ``nbmem.fitting.runner.fit`` at three small values (warm-up included), state restored afterwards;
+- nbmem: ``nbmem.fitting.runs.runner.fit`` at three small values (warm-up included), state restored afterwards;
 - line: the straight-line baseline of issue 23, a line through ``max_memory_allocated()`` at the same
   three values, solved for free + reserved;
 - batch-probe (PyPI, 0.4.0) and torch-kitsune (0.7.0), where installed: optional comparisons only.
@@ -506,7 +506,7 @@ def main() -> int:
     if a.kitsune_only:
         return kitsune_child(torch, a.kitsune_only.split(","))
 
-    from nbmem.fitting import runner as fitting
+    from nbmem.fitting.runs import runner as fitting
     from nbmem.formatting import fmt_bytes
     from nbmem.ui.plotting import plot_fit
 
@@ -608,9 +608,9 @@ def main() -> int:
 def replay(paths: list[str]) -> int:
     """The fit's analysis over recorded runs (pure: the same traces give the same prediction), against the real
     boundary and the straight line those runs measured."""
-    from nbmem.fitting import allocator as allocmodel
-    from nbmem.fitting import model as fitmodel
-    from nbmem.fitting import prediction as fit
+    from nbmem.fitting.analysis import allocator as allocmodel
+    from nbmem.fitting.analysis import model as fitmodel
+    from nbmem.fitting.analysis import prediction as fit
 
     head = ("family", "state", "var", "real (to)", "nbmem then", "nbmem now", "now/real", "line", "line/real",
             "method", "t analysis")
@@ -729,9 +729,9 @@ def _slim(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def measure(torch: Any, fitting: Any, fam: Family, state: str, row: Row, competitors: dict[str, Any],
             saved: list[dict[str, Any]], keep_traces: bool) -> None:
     """One row: the state, nbmem's fit, the straight line, the real boundary, and the comparisons."""
-    from nbmem.fitting import multigpu
-    from nbmem.fitting import prediction as fitmod
-    from nbmem.fitting.state import restore_state, snapshot_state
+    from nbmem.fitting.analysis import prediction as fitmod
+    from nbmem.fitting.runs import multigpu
+    from nbmem.fitting.runs.state import restore_state, snapshot_state
     from nbmem.measure.sources import TorchSource
 
     model = fam.make("cuda")
@@ -878,8 +878,8 @@ def measure(torch: Any, fitting: Any, fam: Family, state: str, row: Row, competi
 # -- issue 36: host memory as the limit ---------------------------------------------------------------------------
 def offload_main(torch: Any, fitting: Any, host_gib: float, started: float) -> int:
     """The save_on_cpu row: the fit under a host limit, and the real boundary with real failures on both sides."""
-    from nbmem.fitting.hostroom import empty_pinned_cache
-    from nbmem.fitting.state import restore_state, snapshot_state
+    from nbmem.fitting.runs.hostwatch import empty_pinned_cache
+    from nbmem.fitting.runs.state import restore_state, snapshot_state
     from nbmem.formatting import fmt_bytes
     from nbmem.measure.host import HostSource
 
@@ -1036,9 +1036,9 @@ def measure_remedies(torch: Any, fitting: Any, fam: Family, rows: list[RemedyRow
     fit measured (applied as the fit applies it), by bisection with real OOMs."""
     from contextlib import nullcontext
 
-    from nbmem.fitting import multigpu, remedies
-    from nbmem.fitting.model import margin_bytes_for
-    from nbmem.fitting.state import restore_state, snapshot_state
+    from nbmem.fitting.analysis.model import margin_bytes_for
+    from nbmem.fitting.runs import multigpu, remedies
+    from nbmem.fitting.runs.state import restore_state, snapshot_state
     from nbmem.formatting import fmt_bytes
     from nbmem.measure.sources import TorchSource
 

@@ -18,7 +18,7 @@ is the same bisection on this GPU under ``torch.cuda.set_per_process_memory_frac
 which caps this process's allocator at that size less this process's CUDA context (NVML's figure beyond the
 allocator's): a GPU of that size holds the context too.
 
-- answer: ``nbmem.fitting.runner.fit`` at three small values (warm-up included), state restored afterwards;
+- answer: ``nbmem.fitting.runs.runner.fit`` at three small values (warm-up included), state restored afterwards;
 - real boundary: the largest value for which the body runs 3 times in a row without CUDA out of memory (on any
   device), by bisection with real OOMs in this process (bench_fit's ``boundary``, to 1 %), the state restored,
   the cache emptied and cuBLAS's workspaces the last try made given back between tries.
@@ -211,7 +211,7 @@ class Gpu:
                        before: dict[int, int]) -> Callable[[int], bool]:
         """Whether ``step`` runs 3 times in a row at a value without CUDA out of memory; each try starts as a fit
         leaves the user (state restored, cache emptied, the workspaces an earlier try made given back)."""
-        from nbmem.fitting.state import restore_state
+        from nbmem.fitting.runs.state import restore_state
 
         def ok(v: int) -> bool:
             self.settle(devices)
@@ -239,7 +239,7 @@ class Gpu:
                       fraction_of: int | None = None) -> None:
         """The fit (``on`` another GPU's memory), the memory check, then the real boundary (under a memory
         fraction of ``fraction_of`` bytes on cuda:0 where given)."""
-        from nbmem.fitting.state import snapshot_state
+        from nbmem.fitting.runs.state import snapshot_state
 
         torch = self.torch
         before = self.allocated(devices)
@@ -370,7 +370,7 @@ def twogpu_plan(gpu: Gpu, hold_gib: float) -> list[tuple[Row, Callable[[Row, flo
 
 
 def on_plan(gpu: Gpu, names: Sequence[str], sizes: Sequence[str]) -> list[tuple[Row, Callable[[Row, float], None]]]:
-    from nbmem.fitting.devices import parse_on
+    from nbmem.fitting.analysis.devices import parse_on
     from nbmem.measure.sources import NvmlSource
 
     torch = gpu.torch
@@ -430,7 +430,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ap.error(f"--only takes {', '.join(PARTS)} (comma-separated); got {a.only!r}")
     import torch
 
-    from nbmem.fitting import runner as fitting
+    from nbmem.fitting.runs import runner as fitting
 
     if not cuda_or_say(torch, fitting, "bench_multi"):
         return 0

@@ -130,7 +130,7 @@ def fit(body: Any, name: str, values: Any, *, restore: bool = True, warmup: bool
     Every GPU the body allocates on is measured against its own free memory; the answer fits on all of them,
     and ``limited_by`` names the one that limits it. ``on``: the answer for another GPU from the same runs, a
     memory size (``"24GiB"``, ``"24GB"``) or a GPU's name (``"T4"``, ``"L4"``, ``"A100 40GB"``; the table is
-    ``nbmem.fitting.devices.GPUS``), less a CUDA context as large as this one's.
+    ``nbmem.fitting.analysis.devices.GPUS``), less a CUDA context as large as this one's.
 
     Where the body keeps memory on the host (``save_on_cpu``, pinned buffers, ``.cpu()`` in the step), host
     memory is a limit too: the answer fits there as well, and says when the host limits it. The room there is
@@ -144,7 +144,7 @@ def fit(body: Any, name: str, values: Any, *, restore: bool = True, warmup: bool
     neither source nor a function, a ``host_limit`` of 0) raises ``TypeError`` or ``ValueError``, and a machine
     without CUDA ``RuntimeError``, each in one line ending "Nothing was run.", before anything runs.
     """
-    from nbmem.fitting.state import FitRefused
+    from nbmem.fitting.runs.state import FitRefused
 
     if not isinstance(body, str) and not callable(body):
         raise TypeError(f"nbmem.fit(body=...) takes a cell's source (a str) or a function called with each value, "
@@ -158,8 +158,8 @@ def fit(body: Any, name: str, values: Any, *, restore: bool = True, warmup: bool
     for flag, given in (("restore", restore), ("warmup", warmup)):
         if not isinstance(given, bool):
             raise TypeError(f"nbmem.fit({flag}=...) takes True or False, got {given!r:.40}. {_NOTHING_RAN}")
-    from nbmem.fitting.devices import parse_on
-    from nbmem.fitting.hostroom import parse_host_limit
+    from nbmem.fitting.analysis.devices import parse_on
+    from nbmem.fitting.analysis.hostroom import parse_host_limit
 
     try:
         target = None if on is None else parse_on(on)

@@ -48,7 +48,7 @@ from nbmem.sampler import Sampler
 from nbmem.store import Store, records_frame, ticks_for
 
 if TYPE_CHECKING:
-    from nbmem.fitting.prediction import FitResult
+    from nbmem.fitting.analysis.prediction import FitResult
 
 Listener = Callable[[Any], None]
 
@@ -364,7 +364,7 @@ class Session:
         """Run ``body`` once per value (a cell's source, ``name`` bound; or a function of the value) and
         predict the largest value that fits (on ``on``, another GPU, where given); the modules and optimizers
         it reaches are restored after. ``show``: where the fit's progress line goes (``fitting.progress``)."""
-        from nbmem.fitting.notebook import fit_in_notebook  # imported when a fit is asked for, not on load
+        from nbmem.fitting.runs.notebook import fit_in_notebook  # imported when a fit is asked for, not on load
 
         try:
             result = fit_in_notebook(self.adapter, self.probe.torch, self.holdings.scanner.type_cache, body, name,

@@ -14,9 +14,9 @@ from __future__ import annotations
 import itertools
 from typing import Any
 
-from nbmem.fitting import notebook, runner, torchcheck
-from nbmem.fitting.model import RunTrace
-from nbmem.fitting.multigpu import RunSet
+from nbmem.fitting.analysis.model import RunTrace
+from nbmem.fitting.runs import notebook, runner, torchcheck
+from nbmem.fitting.runs.multigpu import RunSet
 from tests.test_fit_remedies import FakeSource, FakeTorch
 
 #: What a unit of the value allocates in a run's made-up trace: 1 GiB holds about 16 of them.

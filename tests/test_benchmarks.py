@@ -110,8 +110,8 @@ def test_bench_multis_summary_counts_rows_never_above_and_within_10_percent_belo
 def test_bench_multis_rows_go_on_after_a_failure_and_stop_at_the_budget(tmp_path: Path) -> None:
     """Each row: the fit's answer and the device that limits it, then the real boundary by bisection from it; a
     row that fails says why and the next runs; the time budget stops a bisection and the rows after it."""
-    from nbmem.fitting.devices import DeviceFit
-    from nbmem.fitting.prediction import FitResult
+    from nbmem.fitting.analysis.devices import DeviceFit
+    from nbmem.fitting.analysis.prediction import FitResult
 
     bm = _bench_multi()
     now = [0.0]
@@ -167,9 +167,9 @@ def test_bench_multis_truth_for_another_gpu_runs_under_the_memory_fraction_and_r
     CPU model: each try runs 3 steps under the fraction from the restored state, and the fraction goes back."""
     import torch
 
-    from nbmem.fitting import runner
-    from nbmem.fitting.devices import DeviceFit
-    from nbmem.fitting.prediction import FitResult
+    from nbmem.fitting.analysis.devices import DeviceFit
+    from nbmem.fitting.analysis.prediction import FitResult
+    from nbmem.fitting.runs import runner
 
     bm = _bench_multi()
     GiB = 1 << 30

@@ -18,15 +18,15 @@ from typing import Any
 import pytest
 
 import nbmem.fitting
-from nbmem.fitting import allocator as allocmodel
-from nbmem.fitting import model as fitmodel
-from nbmem.fitting import prediction as F
-from nbmem.fitting.allocator import CachingAllocatorModel, SegmentState
-from nbmem.fitting.model import Room, RunTrace
-from nbmem.fitting.multigpu import RunSet
-from nbmem.fitting.prediction import analyse
-from nbmem.fitting.search import largest_fitting
-from nbmem.fitting.sizes import fit_size
+from nbmem.fitting.analysis import allocator as allocmodel
+from nbmem.fitting.analysis import model as fitmodel
+from nbmem.fitting.analysis import prediction as F
+from nbmem.fitting.analysis.allocator import CachingAllocatorModel, SegmentState
+from nbmem.fitting.analysis.model import Room, RunTrace
+from nbmem.fitting.analysis.prediction import analyse
+from nbmem.fitting.analysis.search import largest_fitting
+from nbmem.fitting.analysis.sizes import fit_size
+from nbmem.fitting.runs.multigpu import RunSet
 
 MiB, GiB = 2**20, 2**30
 NAMESPACE = ("x", "out", "loss")
@@ -579,21 +579,41 @@ def test_largest_fitting_stays_below_a_failure_under_the_answer() -> None:
 
 
 # -- the layers --------------------------------------------------------------------------------------------------
-@pytest.mark.parametrize("name", ["allocator.py", "model.py", "prediction.py", "devices.py"])
-def test_the_fit_analysis_imports_neither_torch_nor_the_runner_nor_the_plots(name: str) -> None:
-    path = Path(nbmem.fitting.__file__).parent / name
+#: What the fit's analysis half may import of nbmem: numbers in, numbers and text out.
+ANALYSIS_MAY_IMPORT = ("nbmem.records", "nbmem.reports", "nbmem.formatting", "nbmem.trace", "nbmem.fitting.analysis")
+ANALYSIS = sorted(p.name for p in (Path(nbmem.fitting.__file__).parent / "analysis").glob("*.py"))
+
+
+def imported(path: Path) -> set[str]:
     t = ast.parse(path.read_text())
     mods = {("." * n.level) + (n.module or "") for n in ast.walk(t) if isinstance(n, ast.ImportFrom)}
-    mods |= {a.name for n in ast.walk(t) if isinstance(n, ast.Import) for a in n.names}
-    below = {m for m in mods if m.split(".")[0] in ("torch", "matplotlib", "IPython")
-             or m.lstrip(".") in ("runner", "state", "plotting", "sources", "session")}
-    assert not below, f"fitting/{name} imports {sorted(below)}"
+    return mods | {a.name for n in ast.walk(t) if isinstance(n, ast.Import) for a in n.names}
+
+
+@pytest.mark.parametrize("name", ANALYSIS)
+def test_the_fit_analysis_half_imports_no_torch_and_nothing_that_runs(name: str) -> None:
+    """``fitting/analysis`` is pure: it never imports torch, the runs half, the sources, the plots or IPython."""
+    mods = imported(Path(nbmem.fitting.__file__).parent / "analysis" / name)
+    assert not any(m.startswith(".") for m in mods), f"analysis/{name} uses a relative import"
+    ours = {m for m in mods if m.split(".")[0] == "nbmem"}
+    others = {m.split(".")[0] for m in mods - ours}
+    # pandas is allowed: a result renders itself as a frame of numbers
+    assert not others & {"torch", "numpy", "matplotlib", "IPython", "psutil", "pynvml"}, others
+    below = {m for m in ours if not m.startswith(ANALYSIS_MAY_IMPORT)}
+    assert not below, f"fitting/analysis/{name} imports {sorted(below)}"
+
+
+def test_the_layer_rule_sees_a_forbidden_import(tmp_path: Path) -> None:
+    (tmp_path / "x.py").write_text("from nbmem.fitting.runs.runner import fit\nimport torch\n")
+    mods = imported(tmp_path / "x.py")
+    assert {m for m in mods if not m.startswith(ANALYSIS_MAY_IMPORT)} == {"nbmem.fitting.runs.runner", "torch"}
+    assert len(ANALYSIS) >= 8, ANALYSIS
 
 
 def test_the_package_does_not_shadow_nbmem_fit() -> None:
     """``nbmem.fit`` is the function: a sub-package of that name would replace it once imported."""
     import nbmem
-    import nbmem.fitting.runner
+    import nbmem.fitting.runs.runner
 
     assert callable(nbmem.fit) and callable(nbmem.plot_fit)
 
@@ -601,7 +621,7 @@ def test_the_package_does_not_shadow_nbmem_fit() -> None:
 # -- the runner without CUDA -------------------------------------------------------------------------------------
 def test_without_cuda_a_fit_refuses_in_one_line_and_the_body_does_not_run() -> None:
     torch = pytest.importorskip("torch")
-    from nbmem.fitting import runner as fitting
+    from nbmem.fitting.runs import runner as fitting
 
     if torch.cuda.is_available():
         pytest.skip("checks a machine without CUDA")
@@ -614,7 +634,7 @@ def test_without_cuda_a_fit_refuses_in_one_line_and_the_body_does_not_run() -> N
 
 def test_state_goes_to_host_and_back_bit_for_bit() -> None:
     torch = pytest.importorskip("torch")
-    from nbmem.fitting import state as fitting
+    from nbmem.fitting.runs import state as fitting
 
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.BatchNorm1d(16), torch.nn.Linear(16, 2))
     opt = torch.optim.Adam(model.parameters(), lr=0.1)
@@ -644,7 +664,7 @@ def test_state_goes_to_host_and_back_bit_for_bit() -> None:
 
 def test_state_made_during_the_fit_is_dropped_and_a_copy_host_memory_cannot_hold_is_refused() -> None:
     torch = pytest.importorskip("torch")
-    from nbmem.fitting import state as fitting
+    from nbmem.fitting.runs import state as fitting
 
     model = torch.nn.Linear(8, 2)
     opt = torch.optim.Adam(model.parameters())
@@ -660,7 +680,7 @@ def test_state_made_during_the_fit_is_dropped_and_a_copy_host_memory_cannot_hold
 
 def test_a_run_whose_error_was_lost_under_stacks_runs_again_without_them(monkeypatch: pytest.MonkeyPatch) -> None:
     """CPython's "returned NULL without setting an exception": the run again, and the rest, without stacks."""
-    from nbmem.fitting import runner
+    from nbmem.fitting.runs import runner
 
     calls: list[tuple[int, bool]] = []
 
@@ -676,7 +696,7 @@ def test_a_run_whose_error_was_lost_under_stacks_runs_again_without_them(monkeyp
     monkeypatch.setattr(runner, "allocated_reserved", lambda src, dev: (0, 0))
     monkeypatch.setattr(runner, "room_now", lambda src, d, room: (room, 0))
     notes: list[str] = []
-    body = runner._Body(lambda v: None, None, [0], True, 10, None, "batch", notes)  # type: ignore[arg-type]
+    body = runner.FitBody(lambda v: None, None, [0], True, 10, None, "batch", notes)  # type: ignore[arg-type]
     body.rooms[0] = Room("cuda:0", 1 << 30, 0, 0, 0)
     assert body.once(8, True)[0].value == 8 and body.once(16, True)[0].value == 16
     assert calls == [(8, True), (8, False), (16, False)] and body.ran == 3
@@ -687,7 +707,7 @@ def test_a_failed_runs_frames_let_go_of_what_they_held() -> None:
     import gc
     import weakref
 
-    from nbmem.fitting import runner
+    from nbmem.fitting.runs import runner
 
     class Big:
         pass
@@ -752,7 +772,7 @@ def test_where_allocated_memory_itself_does_not_fit_expandable_segments_is_no_re
 
 def test_after_a_run_the_collection_runs_only_where_the_run_left_more_allocated_than_it_started_with(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from nbmem.fitting import multigpu
+    from nbmem.fitting.runs import multigpu
 
     collected: list[int] = []
     monkeypatch.setattr(multigpu.gc, "collect", lambda *a: collected.append(1) or 0)
@@ -790,14 +810,14 @@ def test_a_margin_below_one_percent_is_not_shown_as_zero() -> None:
 ])
 def test_after_a_traced_run_the_collection_is_skipped_only_where_nothing_older_was_freed(
         monkeypatch: pytest.MonkeyPatch, entries: list[dict[str, Any]], collects: bool) -> None:
-    from nbmem.fitting import runner
+    from nbmem.fitting.runs import runner
 
     seen: list[int | None] = []
     monkeypatch.setattr(runner, "_one_run", lambda *a: (RunSet.single(RunTrace(8, entries, True, 0, 0)), ""))
     monkeypatch.setattr(runner, "free_cached", lambda src, devs, unless_back_to=None: seen.append(unless_back_to))
     monkeypatch.setattr(runner, "allocated_reserved", lambda src, dev: (100, 0))
     monkeypatch.setattr(runner, "room_now", lambda src, d, room: (room, 0))
-    body = runner._Body(lambda v: None, None, [0], False, 10, None, "batch", [])  # type: ignore[arg-type]
+    body = runner.FitBody(lambda v: None, None, [0], False, 10, None, "batch", [])  # type: ignore[arg-type]
     body.rooms[0] = Room("cuda:0", 1 << 30, 0, 0, 0)
     body.once(8, True)
     assert seen == [None if collects else 100]
@@ -807,7 +827,7 @@ def test_the_room_shrinks_by_what_went_outside_the_allocator_during_the_runs_and
     """CUDA loads a kernel's code into device memory the first time it runs (a bf16 step, others than an fp32
     one): free plus reserved falls by that much, and a fit that answered for the room read before its runs went
     above the real boundary (bench_fit's GPT-shaped Sequential under bf16 on the H100: 1.007, 225 MiB gone)."""
-    from nbmem.fitting.multigpu import room_now
+    from nbmem.fitting.runs.multigpu import room_now
     from nbmem.records import AllocatorReading
 
     class Src:

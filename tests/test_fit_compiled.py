@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from nbmem.fitting.runner import graphs_compiled
+from nbmem.fitting.runs.runner import graphs_compiled
 
 torch = pytest.importorskip("torch")
 
@@ -24,7 +24,7 @@ def test_it_moves_when_torch_compile_makes_a_graph_and_not_when_a_compiled_shape
 
 
 def test_it_reads_zero_and_imports_nothing_where_dynamo_is_not_loaded() -> None:
-    code = ("import sys, torch\nfrom nbmem.fitting.runner import graphs_compiled\n"
+    code = ("import sys, torch\nfrom nbmem.fitting.runs.runner import graphs_compiled\n"
             "assert graphs_compiled() == 0\nassert 'torch._dynamo' not in sys.modules, 'dynamo was imported'\n")
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -43,9 +43,9 @@ class Compiler:
 
 def runs_of(monkeypatch: pytest.MonkeyPatch, compiler: Compiler,
             fails_from: int | None = None) -> list[tuple[int, bool]]:
-    from nbmem.fitting import runner
-    from nbmem.fitting.model import RunTrace
-    from nbmem.fitting.multigpu import RunSet
+    from nbmem.fitting.analysis.model import RunTrace
+    from nbmem.fitting.runs import runner
+    from nbmem.fitting.runs.multigpu import RunSet
     from tests.test_fit import MiB, record, training_step
 
     body = training_step(per_sample=MiB, param=MiB)
@@ -67,19 +67,19 @@ def runs_of(monkeypatch: pytest.MonkeyPatch, compiler: Compiler,
 
 
 def body_for_runs() -> tuple[object, list[str], list[object]]:
-    from nbmem.fitting import runner
-    from nbmem.fitting.model import Room
+    from nbmem.fitting.analysis.model import Room
+    from nbmem.fitting.runs import runner
     from tests.test_fit import GiB
 
     notes: list[str] = []
-    body = runner._Body(lambda v: None, None, [0], False, 10**6, None, "batch", notes)  # type: ignore[arg-type]
+    body = runner.FitBody(lambda v: None, None, [0], False, 10**6, None, "batch", notes)  # type: ignore[arg-type]
     body.rooms[0], body.segments[0] = Room("cuda:0", 80 * GiB, 0, 0, 0), ()
     return body, notes, []
 
 
 def test_a_warm_up_that_compiled_gets_a_second_at_the_next_value_and_the_counted_runs_compile_nothing(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from nbmem.fitting import runner
+    from nbmem.fitting.runs import runner
 
     ran = runs_of(monkeypatch, Compiler())
     body, notes, runs = body_for_runs()
@@ -91,7 +91,7 @@ def test_a_warm_up_that_compiled_gets_a_second_at_the_next_value_and_the_counted
 
 def test_a_counted_run_that_compiled_runs_again_and_the_compiling_one_is_not_kept(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from nbmem.fitting import runner
+    from nbmem.fitting.runs import runner
 
     ran = runs_of(monkeypatch, Compiler(dynamic_after=10))  # a graph for every shape (dynamic=False)
     body, _, runs = body_for_runs()
@@ -104,7 +104,7 @@ def test_a_counted_run_that_compiled_runs_again_and_the_compiling_one_is_not_kep
 
 def test_a_second_warm_up_that_runs_out_of_memory_stops_the_runs_and_caps_the_answer(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    from nbmem.fitting import runner
+    from nbmem.fitting.runs import runner
 
     ran = runs_of(monkeypatch, Compiler(), fails_from=16)
     body, notes, runs = body_for_runs()

@@ -10,13 +10,14 @@ from typing import Any
 import pytest
 import torch
 
-from nbmem.fitting import devices, multigpu, runner, torchcheck
-from nbmem.fitting.allocator import SegmentState
-from nbmem.fitting.devices import GB, GPUS, GiB, parse_on
-from nbmem.fitting.hostroom import parse_host_limit
-from nbmem.fitting.model import Room, RunTrace
-from nbmem.fitting.multigpu import NOTHING_ON_CUDA, RunSet, analyse_devices
-from nbmem.fitting.state import FitRefused
+from nbmem.fitting.analysis import devices
+from nbmem.fitting.analysis.allocator import SegmentState
+from nbmem.fitting.analysis.devices import GB, GPUS, GiB, parse_on
+from nbmem.fitting.analysis.hostroom import parse_host_limit
+from nbmem.fitting.analysis.model import Room, RunTrace
+from nbmem.fitting.runs import multigpu, runner, torchcheck
+from nbmem.fitting.runs.multigpu import NOTHING_ON_CUDA, RunSet, analyse_devices
+from nbmem.fitting.runs.state import FitRefused
 from tests.test_fit_remedies import FakeSource, FakeTorch
 
 MiB = 1 << 20

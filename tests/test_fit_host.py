@@ -11,12 +11,13 @@ from typing import Any
 import numpy as np
 import pytest
 
-from nbmem.fitting import hostroom as H
-from nbmem.fitting import nearby, runner
-from nbmem.fitting.hostroom import HostRoom, HostUse, HostWatch
-from nbmem.fitting.model import Room, RunTrace
-from nbmem.fitting.multigpu import RunSet
-from nbmem.fitting.prediction import analyse
+from nbmem.fitting.analysis import hostroom as H
+from nbmem.fitting.analysis.hostroom import HostRoom, HostUse
+from nbmem.fitting.analysis.model import Room, RunTrace
+from nbmem.fitting.analysis.prediction import analyse
+from nbmem.fitting.runs import hostwatch, nearby, runner
+from nbmem.fitting.runs.hostwatch import HostWatch
+from nbmem.fitting.runs.multigpu import RunSet
 from nbmem.records import MemoryLimit
 from tests.test_fit import GiB, MiB, record, room, training_step
 
@@ -37,23 +38,23 @@ NO_LIMIT = MemoryLimit(None, None, None, "", host_total_bytes=64 * GiB)
 
 
 def test_the_host_room_is_the_limit_set_by_hand_else_the_containers_else_the_machines_less_a_margin() -> None:
-    by_hand, why = H.room_for(8 * GiB, FakeHost(64 * GiB, 10 * GiB, NO_LIMIT, rss=3 * GiB))  # type: ignore[arg-type]
+    by_hand, why = hostwatch.room_for(8 * GiB, FakeHost(64 * GiB, 10 * GiB, NO_LIMIT, rss=3 * GiB))  # type: ignore[arg-type]
     assert by_hand is not None and not why
     assert (by_hand.limit_bytes, by_hand.used_bytes, by_hand.source) == (8 * GiB, 3 * GiB, "host_limit")
     assert by_hand.margin_bytes == int(0.05 * 8 * GiB)
     assert by_hand.capacity_bytes == 5 * GiB - int(0.05 * 8 * GiB)
     cgroup = MemoryLimit(16 * GiB, 6 * GiB, 0, "cgroup v2 memory.max", host_total_bytes=64 * GiB)
-    boxed, _ = H.room_for(None, FakeHost(16 * GiB, 6 * GiB, cgroup))  # type: ignore[arg-type]
+    boxed, _ = hostwatch.room_for(None, FakeHost(16 * GiB, 6 * GiB, cgroup))  # type: ignore[arg-type]
     assert boxed is not None and boxed.source == "the container's memory limit (cgroup v2 memory.max)"
     assert boxed.capacity_bytes == 10 * GiB - max(256 * MiB, int(0.05 * 16 * GiB))
-    machine, _ = H.room_for(None, FakeHost(64 * GiB, 40 * GiB, NO_LIMIT))  # type: ignore[arg-type]
+    machine, _ = hostwatch.room_for(None, FakeHost(64 * GiB, 40 * GiB, NO_LIMIT))  # type: ignore[arg-type]
     assert machine is not None and machine.source == "the machine's memory"
     assert machine.capacity_bytes == 24 * GiB - int(0.05 * 64 * GiB)
     assert machine.text().startswith(f"{machine.capacity_bytes / GiB:.1f} GiB room: the machine's memory 64.0 GiB − "
                                      "40.0 GiB in use − 3.20 GiB margin (5 %)"), machine.text()
-    small, _ = H.room_for(None, FakeHost(2 * GiB, GiB, NO_LIMIT))  # type: ignore[arg-type]
+    small, _ = hostwatch.room_for(None, FakeHost(2 * GiB, GiB, NO_LIMIT))  # type: ignore[arg-type]
     assert small is not None and small.margin_bytes == 256 * MiB  # never less than the floor
-    unknown, why = H.room_for(None, FakeHost(None, None, MemoryLimit(None, None, None, "", reason="no /proc")))  # type: ignore[arg-type]
+    unknown, why = hostwatch.room_for(None, FakeHost(None, None, MemoryLimit(None, None, None, "", reason="no /proc")))  # type: ignore[arg-type]
     assert unknown is None and why == "no /proc"
 
 
@@ -237,7 +238,7 @@ def fit_with(host: PinnedHost, host_room: HostRoom, vals: list[int]) -> tuple[An
     notes: list[str] = []
     watch = HostWatch(host_room, read_pageable=lambda: 0, read_rss=lambda: GiB, read_pinned=lambda: host.pool,
                       empty_pinned=host.empty)
-    body = runner._Body(host.run, None, [0], False, 10**6, None, "batch", notes, host=watch)  # type: ignore[arg-type]
+    body = runner.FitBody(host.run, None, [0], False, 10**6, None, "batch", notes, host=watch)  # type: ignore[arg-type]
     body.rooms[0], body.segments[0] = Room("cuda:0", 80 * GiB, 0, 0, 0), ()
     runs: list[RunSet] = []
     res = None
@@ -289,7 +290,7 @@ def test_a_host_watch_measures_a_runs_pinned_and_heap_growth_and_stops_its_threa
 
 
 def test_off_glibc_a_runs_pageable_bytes_are_rss_less_the_pinned_pool(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(H, "heap_bytes", None)
+    monkeypatch.setattr(hostwatch, "heap_bytes", None)
     pool = iter([0, 8 * MiB])
     rss = iter([GiB, GiB + 50 * MiB] + [GiB + 20 * MiB] * 10_000)  # 50 MiB more resident, 8 of them pinned
     watch = HostWatch(None, read_rss=lambda: next(rss), read_pinned=lambda: next(pool), empty_pinned=lambda: False)

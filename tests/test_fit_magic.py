@@ -144,7 +144,7 @@ def test_the_state_a_fit_restores_is_found_by_walking_what_the_cell_names(nb):
 
 
 def test_a_fit_finds_schedulers_scalers_and_the_iterators_it_cannot_put_back(nb):
-    from nbmem.fitting.notebook import state_reached
+    from nbmem.fitting.runs.notebook import state_reached
 
     ok(nb, "sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=100)\n"
            "scaler = torch.amp.GradScaler('cpu')\n"
@@ -162,7 +162,7 @@ def test_a_fit_finds_schedulers_scalers_and_the_iterators_it_cannot_put_back(nb)
 
 def test_a_fit_finds_the_state_a_cell_changes_through_the_functions_it_calls(nb):
     """`train_step(batch)` trains `model` and `opt` through its globals: they are what a fit must restore."""
-    from nbmem.fitting.notebook import state_reached
+    from nbmem.fitting.runs.notebook import state_reached
 
     ok(nb, "def _inner(x):\n    return model(x).sum()\n"
            "def train_step(b):\n    loss = _inner(torch.randn(b, 64))\n    loss.backward()\n    opt.step()")

@@ -11,9 +11,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from nbmem.fitting import nearby, runner  # noqa: E402
-from nbmem.fitting.model import RunTrace  # noqa: E402
-from nbmem.fitting.multigpu import RunSet  # noqa: E402
+from nbmem.fitting.analysis.model import RunTrace  # noqa: E402
+from nbmem.fitting.runs import nearby, runner  # noqa: E402
+from nbmem.fitting.runs.multigpu import RunSet  # noqa: E402
 from tests import test_fit_remedies  # noqa: E402
 from tests.test_fit_remedies import FakeSource  # noqa: E402
 

@@ -21,8 +21,8 @@ from IPython.utils.capture import capture_output
 
 torch = pytest.importorskip("torch")
 
-from nbmem.fitting import progress, runner  # noqa: E402
-from nbmem.fitting.progress import FitProgress  # noqa: E402
+from nbmem.fitting.runs import progress, runner  # noqa: E402
+from nbmem.fitting.runs.progress import FitProgress  # noqa: E402
 from tests import test_fit_remedies  # noqa: E402
 from tests.test_fit_remedies import FakeSource, Net, attrs, seeded_net  # noqa: E402
 
@@ -548,7 +548,7 @@ def test_a_line_that_cannot_be_drawn_is_recorded_once_and_the_fit_goes_on() -> N
 
 # -- the adapter: a Jupyter kernel, and terminal IPython ------------------------------------------------------------
 FIT_STOOD_IN = textwrap.dedent("""
-    from nbmem.fitting.progress import FitProgress
+    from nbmem.fitting.runs.progress import FitProgress
     from nbmem.session import Session
 
     def fit(self, body, name, values, *, show=None, **kw):

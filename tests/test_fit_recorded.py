@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from nbmem.fitting.allocator import SegmentState
-from nbmem.fitting.model import Room, RunTrace
-from nbmem.fitting.prediction import analyse
+from nbmem.fitting.analysis.allocator import SegmentState
+from nbmem.fitting.analysis.model import Room, RunTrace
+from nbmem.fitting.analysis.prediction import analyse
 
 DATA = Path(__file__).parent / "data"
 ROWS = json.load(gzip.open(DATA / "fit_traces_h100.json.gz", "rt"))

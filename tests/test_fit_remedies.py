@@ -12,9 +12,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from nbmem.fitting import multigpu, remedies, runner, torchcheck  # noqa: E402
-from nbmem.fitting.model import RunTrace  # noqa: E402
-from nbmem.fitting.multigpu import RunSet  # noqa: E402
+from nbmem.fitting.analysis.model import RunTrace  # noqa: E402
+from nbmem.fitting.runs import multigpu, remedies, runner, torchcheck  # noqa: E402
+from nbmem.fitting.runs.multigpu import RunSet  # noqa: E402
 
 nn = torch.nn
 MiB = 2**20

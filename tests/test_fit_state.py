@@ -15,7 +15,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from nbmem.fitting.state import restore_state, snapshot_state, training_kinds  # noqa: E402
+from nbmem.fitting.runs.state import restore_state, snapshot_state, training_kinds  # noqa: E402
 
 nn = torch.nn
 

@@ -36,7 +36,7 @@ PUBLIC = ["leaks", "cleanup", "fit", "samples", "plot", "plot_fit", "report", "s
 
 
 def modules() -> list[str]:
-    """Every module of the package, sub-packages too, as a path from ``nbmem/`` (``fitting/runner.py``)."""
+    """Every module of the package, sub-packages too, as a path from ``nbmem/`` (``fitting/runs/runner.py``)."""
     return sorted(p.relative_to(PKG).as_posix() for p in PKG.rglob("*.py"))
 
 

@@ -5,7 +5,7 @@
 
 ``request`` checks a whole request first (all or nothing); ``cleaner`` runs it step by step. Nothing else in
 nbmem changes the user's variables (the fit binds its NAME and patches modules only for its runs, and puts them
-back: ``nbmem.fitting.state``).
+back: ``nbmem.fitting.runs.state``).
 
 May import: ``nbmem.records``, ``nbmem.reports``, ``nbmem.formatting``.
 """

@@ -324,10 +324,10 @@ class NbmemMagics(Magics):
 
     def _fit_cell(self, body: str, args: Any) -> None:
         # "Will it fit?" is imported when a fit is asked for: %load_ext does not pay for it.
-        from nbmem.fitting.devices import parse_on
-        from nbmem.fitting.hostroom import parse_host_limit
-        from nbmem.fitting.progress import progress_line
-        from nbmem.fitting.state import FitRefused
+        from nbmem.fitting.analysis.devices import parse_on
+        from nbmem.fitting.analysis.hostroom import parse_host_limit
+        from nbmem.fitting.runs.progress import progress_line
+        from nbmem.fitting.runs.state import FitRefused
 
         name, values, want = fit_args(args)
         self._only(args, FIT_OPTIONS, "%%cudamem --fit")

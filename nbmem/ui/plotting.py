@@ -28,7 +28,7 @@ from nbmem.formatting import fmt_bytes
 from nbmem.ui.frontend import ROW_COLUMNS, segment_spec
 
 if TYPE_CHECKING:
-    from nbmem.fitting.prediction import FitResult
+    from nbmem.fitting.analysis.prediction import FitResult
 
 _SPEC = segment_spec()  # js/segments.js: the gauge's split, read here so nbmem.plot() agrees with the gauge
 _ALL = [*_SPEC["gpu"], *_SPEC["cpu"], _SPEC["cpu_unscanned"], _SPEC["unsplit"], _SPEC["free"]]

@@ -16,8 +16,9 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from nbmem.fitting import runner as fitting  # noqa: E402
-from nbmem.fitting.hostroom import empty_pinned_cache, host_margin_bytes  # noqa: E402
+from nbmem.fitting.analysis.hostroom import host_margin_bytes  # noqa: E402
+from nbmem.fitting.runs import runner as fitting  # noqa: E402
+from nbmem.fitting.runs.hostwatch import empty_pinned_cache  # noqa: E402
 from nbmem.measure.host import HostSource  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -14,7 +14,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from nbmem.fitting import runner as fitting  # noqa: E402
+from nbmem.fitting.runs import runner as fitting  # noqa: E402
 from tests.gpu.test_fit_remedies_more_gpu import CONTEXT, VOCAB, Block, D, adam_state  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -17,7 +17,7 @@ import pytest
 import torch
 from IPython.core.error import UsageError
 
-from nbmem.fitting import runner as fitting
+from nbmem.fitting.runs import runner as fitting
 from nbmem.ipython.root import session_of
 from tests.conftest import _nvml_gpus, ok
 
@@ -196,7 +196,7 @@ def test_a_fit_on_one_device_makes_no_context_on_another() -> None:
     a device the user has not used)."""
     script = textwrap.dedent("""
         import torch
-        from nbmem.fitting import runner as fitting
+        from nbmem.fitting.runs import runner as fitting
         w = torch.nn.Linear(256, 256).cuda()
         def step(b):
             w(torch.randn(b, 256, device="cuda")).sum().backward()

@@ -17,8 +17,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from nbmem.fitting import remedies  # noqa: E402
-from nbmem.fitting import runner as fitting  # noqa: E402
+from nbmem.fitting.runs import remedies  # noqa: E402
+from nbmem.fitting.runs import runner as fitting  # noqa: E402
 from tests.gpu.test_fit_remedies_gpu import attrs, fit_far_beyond  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -17,8 +17,8 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from nbmem.fitting import runner  # noqa: E402
-from nbmem.fitting.state import training_kinds  # noqa: E402
+from nbmem.fitting.runs import runner  # noqa: E402
+from nbmem.fitting.runs.state import training_kinds  # noqa: E402
 from nbmem.holders import reach  # noqa: E402
 from nbmem.holders.reached import reachable_state  # noqa: E402
 from nbmem.holders.walk import Root  # noqa: E402

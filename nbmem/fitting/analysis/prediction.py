@@ -44,19 +44,30 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from nbmem.fitting.allocator import CachingAllocatorModel, SegmentState
-from nbmem.fitting.devices import DeviceFit
-from nbmem.fitting.model import ALLOC, FREE, MARGIN_FRACTION, Room, Run, RunTrace, Sim, Site, Timeline, build_timeline
-from nbmem.fitting.remedies import Remedy, accumulation
-from nbmem.fitting.remedies import expandable as expandable_segments
-from nbmem.fitting.search import SEARCH_CAP, below_failure, largest_fitting
-from nbmem.fitting.sizes import fit_size
+from nbmem.fitting.analysis.allocator import CachingAllocatorModel, SegmentState
+from nbmem.fitting.analysis.devices import DeviceFit
+from nbmem.fitting.analysis.model import (
+    ALLOC,
+    FREE,
+    MARGIN_FRACTION,
+    Room,
+    Run,
+    RunTrace,
+    Sim,
+    Site,
+    Timeline,
+    build_timeline,
+)
+from nbmem.fitting.analysis.modelled import Remedy, accumulation
+from nbmem.fitting.analysis.modelled import expandable as expandable_segments
+from nbmem.fitting.analysis.search import SEARCH_CAP, below_failure, largest_fitting
+from nbmem.fitting.analysis.sizes import fit_size
 from nbmem.formatting import Column, esc, fmt_bytes, fmt_seconds, html_table, prose, text_table
 from nbmem.reports import Shown
 from nbmem.trace.linetrace import cell_line, deepest_user_frame
 
 if TYPE_CHECKING:
-    from nbmem.fitting.hostroom import HostFit
+    from nbmem.fitting.analysis.hostroom import HostFit
 
 
 def power_of_two_below(value: int) -> int:

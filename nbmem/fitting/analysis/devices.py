@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
-from nbmem.fitting.model import Room, margin_bytes_for
+from nbmem.fitting.analysis.model import Room, margin_bytes_for
 from nbmem.formatting import fmt_bytes, read_size
 
 GB = 10**9

@@ -13,11 +13,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from nbmem.fitting.devices import Target
-from nbmem.fitting.prediction import FitResult
-from nbmem.fitting.progress import Show
-from nbmem.fitting.runner import fit, refusal
-from nbmem.fitting.state import FitRefused, training_kinds
+from nbmem.fitting.analysis.devices import Target
+from nbmem.fitting.analysis.prediction import FitResult
+from nbmem.fitting.runs.progress import Show
+from nbmem.fitting.runs.runner import fit, refusal
+from nbmem.fitting.runs.state import FitRefused, training_kinds
 from nbmem.holders.reached import TrainingState, reachable_state
 from nbmem.holders.walk import Root
 from nbmem.measure.sources import TorchSource

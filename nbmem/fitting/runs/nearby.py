@@ -13,17 +13,17 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from nbmem.fitting.hostroom import HostWatch
-from nbmem.fitting.multigpu import RunSet
-from nbmem.fitting.prediction import FitResult
-from nbmem.fitting.progress import FitProgress
-from nbmem.fitting.search import halfway_within
+from nbmem.fitting.analysis.prediction import FitResult
+from nbmem.fitting.analysis.search import halfway_within
+from nbmem.fitting.runs.hostwatch import HostWatch
+from nbmem.fitting.runs.multigpu import RunSet
+from nbmem.fitting.runs.progress import FitProgress
 
 
-class _Body(Protocol):
-    """What of the runner's body these runs use (the runner imports this module, not the other way)."""
+class BodyRuns(Protocol):
+    """What of the runner's ``FitBody`` these runs use (the runner imports this module, not the other way)."""
 
-    name: str  # and ``run``, the body, which ``_steps`` swaps for a while
+    name: str
     ran: int
     notes: list[str]
     durations: dict[int, float]
@@ -31,6 +31,8 @@ class _Body(Protocol):
     host: HostWatch | None
 
     def once(self, value: int, counted: bool) -> tuple[RunSet, str]: ...
+
+    def steps_at(self, value: int, steps: int) -> tuple[RunSet, str]: ...
 
     def analyse(self, runs: list[RunSet], cell_files: frozenset[str]) -> FitResult: ...
 
@@ -48,7 +50,7 @@ CONFIRM_TRIES = 2
 CONFIRM_RUNS = CONFIRM_STEPS * CONFIRM_TRIES
 
 
-def refine(body: _Body, runs: list[RunSet], cell_files: frozenset[str]) -> FitResult | None:
+def refine(body: BodyRuns, runs: list[RunSet], cell_files: frozenset[str]) -> FitResult | None:
     """More counted runs far from the small values while the prediction lies far beyond them: kernels change
     their buffers with size (chunked products, buffers sized by the data), and a point near the answer shows
     it. Each run is halfway from the largest value run to the prediction, so it is predicted to fit with room
@@ -107,7 +109,7 @@ def refine(body: _Body, runs: list[RunSet], cell_files: frozenset[str]) -> FitRe
     return res
 
 
-def confirm(body: _Body, runs: list[RunSet], res: FitResult | None, cell_files: frozenset[str],
+def confirm(body: BodyRuns, runs: list[RunSet], res: FitResult | None, cell_files: frozenset[str],
             max_value: int | None = None) -> FitResult | None:
     """The answer (``res``, of ``runs``; None: analyse them) run: ``CONFIRM_STEPS`` steps in a row at it, traced,
     not counted. Where they run out of memory, their run joins ``runs`` as a failed one, which caps the answer
@@ -133,7 +135,7 @@ def confirm(body: _Body, runs: list[RunSet], res: FitResult | None, cell_files: 
             return res
         if body.progress is not None:
             body.progress.ahead([value] * CONFIRM_STEPS, "the check at the answer")
-        got, oom = _steps(body, value)
+        got, oom = body.steps_at(value, CONFIRM_STEPS)
         if body.progress is not None:
             body.progress.ahead([], "")
         if not oom:
@@ -147,32 +149,13 @@ def confirm(body: _Body, runs: list[RunSet], res: FitResult | None, cell_files: 
     return res if res is not None else body.analyse(runs, cell_files)
 
 
-def near_answer(body: _Body, runs: list[RunSet], stopped: bool, cell_files: frozenset[str], max_value: int | None,
+def near_answer(body: BodyRuns, runs: list[RunSet], stopped: bool, cell_files: frozenset[str], max_value: int | None,
                 here: bool) -> FitResult | None:
     """The runs after the fit's schedule: ``refine`` unless the schedule ``stopped`` early (a value skipped, or an
     out-of-memory), then ``confirm`` where the answer is for this machine's GPUs (``here``; not another GPU's).
     The analysis of ``runs`` as they stand at the end (largest value only), or None where none was made."""
     res = None if stopped else refine(body, runs, cell_files)
     return confirm(body, runs, res, cell_files, max_value) if here else res
-
-
-def _steps(body: _Body, value: int) -> tuple[RunSet, str]:
-    """``CONFIRM_STEPS`` runs of the body at ``value`` under one trace, the namespace put back only after the last;
-    their host bytes are not a run's (the host model's points are single runs)."""
-    one = getattr(body, "run")  # noqa: B009
-
-    def steps(v: int) -> None:
-        for _ in range(CONFIRM_STEPS):
-            one(v)
-
-    setattr(body, "run", steps)  # noqa: B010 (the runner's dataclass field; mypy reads it as read-only)
-    try:
-        return body.once(value, False)
-    finally:
-        setattr(body, "run", one)  # noqa: B010
-        body.ran += CONFIRM_STEPS - 1  # ``once`` counts one start of the body
-        if body.host is not None and body.host.uses:
-            body.host.uses.pop()
 
 
 __all__ = ["CONFIRM_RUNS", "REFINE_FACTOR", "REFINE_RUNS", "REFINE_SECONDS", "confirm", "near_answer", "refine"]

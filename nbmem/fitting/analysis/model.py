@@ -11,8 +11,8 @@ from dataclasses import dataclass
 from difflib import SequenceMatcher
 from typing import Any
 
-from nbmem.fitting.allocator import CachingAllocatorModel, SegmentState
-from nbmem.fitting.sizes import GROWTH_SLACK_BYTES, SizeModel, fit_size
+from nbmem.fitting.analysis.allocator import CachingAllocatorModel, SegmentState
+from nbmem.fitting.analysis.sizes import GROWTH_SLACK_BYTES, SizeModel, fit_size
 from nbmem.formatting import fmt_bytes
 from nbmem.records import block_bytes
 

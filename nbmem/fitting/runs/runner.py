@@ -26,12 +26,15 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from nbmem.fitting import remedies
-from nbmem.fitting.allocator import SegmentState
-from nbmem.fitting.devices import Target, parse_on
-from nbmem.fitting.hostroom import HostWatch, room_for, with_host
-from nbmem.fitting.model import Room, RunTrace
-from nbmem.fitting.multigpu import (
+from nbmem.fitting.analysis.allocator import SegmentState
+from nbmem.fitting.analysis.devices import Target, parse_on
+from nbmem.fitting.analysis.hostroom import with_host
+from nbmem.fitting.analysis.model import Room, RunTrace
+from nbmem.fitting.analysis.modelled import Remedy
+from nbmem.fitting.analysis.prediction import FitResult, proportional_bound
+from nbmem.fitting.runs import remedies
+from nbmem.fitting.runs.hostwatch import HostWatch, room_for
+from nbmem.fitting.runs.multigpu import (
     NOTHING_ON_CUDA,
     RunSet,
     allocated_reserved,
@@ -46,12 +49,10 @@ from nbmem.fitting.multigpu import (
     synchronize,
     used_devices,
 )
-from nbmem.fitting.nearby import CONFIRM_RUNS, REFINE_RUNS, near_answer
-from nbmem.fitting.prediction import FitResult, proportional_bound
-from nbmem.fitting.progress import FitProgress, Show, interrupts_held, planned_runs
-from nbmem.fitting.remedies import Remedy
-from nbmem.fitting.state import FitRefused, StateCopy, restore_state, snapshot_state
-from nbmem.fitting.torchcheck import _torch, expandable_on, graphs_compiled, is_out_of_memory, refusal
+from nbmem.fitting.runs.nearby import CONFIRM_RUNS, REFINE_RUNS, near_answer
+from nbmem.fitting.runs.progress import FitProgress, Show, interrupts_held, planned_runs
+from nbmem.fitting.runs.state import FitRefused, StateCopy, restore_state, snapshot_state
+from nbmem.fitting.runs.torchcheck import _torch, expandable_on, graphs_compiled, is_out_of_memory, refusal
 from nbmem.formatting import fmt_bytes, fmt_seconds
 from nbmem.measure.sources import TorchSource
 
@@ -117,7 +118,7 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
     runs: list[RunSet] = []
     skipped: list[int] = []
     notes: list[str] = []
-    body = _Body(progress.watch(run), src, src.context_devices(), stacks, max_entries, clean, name, notes,
+    body = FitBody(progress.watch(run), src, src.context_devices(), stacks, max_entries, clean, name, notes,
                  margin_bytes=margin_bytes, host=HostWatch(*room_for(host_limit)), progress=progress)
     failed: BaseException | None = None
     before: dict[int, int] = {}
@@ -195,7 +196,7 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
                    duration_s=time.perf_counter() - started)
 
 
-def _runs(body: _Body, vals: Sequence[int], warmup: bool, runs: list[RunSet], skipped: list[int],
+def _runs(body: FitBody, vals: Sequence[int], warmup: bool, runs: list[RunSet], skipped: list[int],
           cell_files: frozenset[str]) -> bool:
     """The fit's runs (a warm-up, then each value ascending, none predicted not to fit) into ``runs``; whether
     they stopped early (a value skipped, or an out-of-memory)."""
@@ -237,7 +238,7 @@ def _runs(body: _Body, vals: Sequence[int], warmup: bool, runs: list[RunSet], sk
     return False
 
 
-def _as_the_user_has_it(body: _Body, saved: StateCopy | None, before: Mapping[int, int], said: list[str]) -> None:
+def _as_the_user_has_it(body: FitBody, saved: StateCopy | None, before: Mapping[int, int], said: list[str]) -> None:
     """Each remedy's runs start where the user's next cell would: their training state (``saved``), and none of
     cuBLAS's workspaces the fit's runs made (a first step makes them mid-step, which the model's first run then
     has, as a plain fit's does). What giving them back said goes into ``said``."""
@@ -252,7 +253,7 @@ def _as_the_user_has_it(body: _Body, saved: StateCopy | None, before: Mapping[in
         raise KeyboardInterrupt()
 
 
-def _measure_remedies(body: _Body, candidates: Sequence[remedies.Candidate], vals: Sequence[int], warmup: bool,
+def _measure_remedies(body: FitBody, candidates: Sequence[remedies.Candidate], vals: Sequence[int], warmup: bool,
                       plain_largest: int, timed: int, max_value: int | None, notes: list[str], ran: list[int],
                       on: tuple[Target | None, Callable[[int], int | None] | None],
                       reset: Callable[[], None]) -> list[Remedy]:
@@ -266,7 +267,7 @@ def _measure_remedies(body: _Body, candidates: Sequence[remedies.Candidate], val
     plain_s = _timed_step(body, timed) if candidates else None
     out: list[Remedy] = []
     for c in candidates:
-        sub = _Body(c.wrap(body.run), body.src, list(body.devs), False, body.max_entries, body.clean, name, [],
+        sub = FitBody(c.wrap(body.run), body.src, list(body.devs), False, body.max_entries, body.clean, name, [],
                     margin_bytes=body.margin_bytes, host=body.host.fresh() if body.host is not None else None)
         runs: list[RunSet] = []
         started = time.perf_counter()
@@ -305,7 +306,7 @@ def _measure_remedies(body: _Body, candidates: Sequence[remedies.Candidate], val
     return out
 
 
-def _timed_step(body: _Body, value: int, repeats: int = 2) -> float | None:
+def _timed_step(body: FitBody, value: int, repeats: int = 2) -> float | None:
     """The shortest of ``repeats`` untraced runs' times (synchronized), for a remedy's cost; None where one ran out
     of memory. The runs are counted in the body's steps and cleaned up as any other."""
     times = []
@@ -317,7 +318,7 @@ def _timed_step(body: _Body, value: int, repeats: int = 2) -> float | None:
     return min(times)
 
 
-def _timed_once(body: _Body, value: int) -> float | None:
+def _timed_once(body: FitBody, value: int) -> float | None:
     t = _torch()
     body.ran += 1
     start = body.allocated()
@@ -359,7 +360,7 @@ def _say_what_was_put_back(e: BaseException, src: TorchSource, devices: Sequence
 
 
 @dataclass
-class _Body:
+class FitBody:
     """The body as a fit runs it, the instruments it runs under (which can fall back during the fit), and each
     device's room: those this process had a context on before the runs, and those the runs were the first to use."""
 
@@ -417,6 +418,25 @@ class _Body:
     def host_bound(self, res: FitResult, target: Target | None = None) -> FitResult:
         """``res`` bound by host memory too, where the runs keep memory there (not another GPU's: another host's)."""
         return res if self.host is None or target is not None else with_host(res, self.host.fit(), self.name)
+
+    def steps_at(self, value: int, steps: int) -> tuple[RunSet, str]:
+        """``steps`` runs of the body at ``value`` under one trace, the namespace put back only after the last (the
+        second meets what the first left bound, as a cell run again does). Not a point of the host model, whose
+        points are single runs."""
+        one = self.run
+
+        def repeated(v: int) -> None:
+            for _ in range(steps):
+                one(v)
+
+        self.run = repeated
+        try:
+            return self.once(value, False)
+        finally:
+            self.run = one
+            self.ran += steps - 1  # ``once`` counts one start of the body
+            if self.host is not None and self.host.uses:
+                self.host.uses.pop()
 
     def once(self, value: int, counted: bool) -> tuple[RunSet, str]:
         """One run, timed; afterwards, whatever happened, the namespace put back and the cache given back.
@@ -550,7 +570,7 @@ def _one_run(run: Callable[[int], object], value: int, counted: bool, src: Torch
     return RunSet(value, counted, bool(oom), out), oom
 
 
-def _predicted_not_to_fit(runs: Sequence[RunSet], value: int, body: _Body, cell_files: frozenset[str]) -> bool:
+def _predicted_not_to_fit(runs: Sequence[RunSet], value: int, body: FitBody, cell_files: frozenset[str]) -> bool:
     """Whether the runs so far say ``value`` would not fit on this machine's devices (never run it then)."""
     done = [r for r in runs if r.counted and not r.oom]
     if len({r.value for r in done}) >= 2:

@@ -15,11 +15,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from nbmem.fitting.allocator import SegmentState, segments_from_snapshot
-from nbmem.fitting.devices import DeviceFit, Target, target_notes, target_room
-from nbmem.fitting.model import Room, RunTrace, margin_bytes_for
-from nbmem.fitting.prediction import FitResult, analyse
-from nbmem.fitting.state import FitRefused
+from nbmem.fitting.analysis.allocator import SegmentState, segments_from_snapshot
+from nbmem.fitting.analysis.devices import DeviceFit, Target, target_notes, target_room
+from nbmem.fitting.analysis.model import Room, RunTrace, margin_bytes_for
+from nbmem.fitting.analysis.prediction import FitResult, analyse
+from nbmem.fitting.runs.state import FitRefused
 from nbmem.formatting import fmt_bytes
 from nbmem.measure.sources import TorchSource
 
