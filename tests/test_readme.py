@@ -82,7 +82,8 @@ def test_every_option_and_command_is_in_the_readme():
 def test_linked_files_and_pictured_modules_exist():
     for target in re.findall(r"\]\(((?!https?:|#)[^)]+)\)", README):
         assert (ROOT / target).exists(), target
-    picture = blocks("")[0] if blocks("") else README[README.index("## How it is built"):]
+    start = README.index("## How it is built")
+    picture = blocks("")[0] if blocks("") else README[start:README.index("\n## ", start)]
     for module in set(re.findall(r"(?<![/\w])(\w+)\.py", picture)):  # bare names: nbmem modules
         assert list((ROOT / "nbmem").rglob(f"{module}.py")), module
     for folder in set(re.findall(r"(?<![/\w])(\w+)/ ", picture)):  # folders: nbmem's sub-packages, or js/
@@ -108,3 +109,44 @@ def test_the_leaks_columns_the_readme_lists_are_the_frames():
     row = next(ln for ln in README.splitlines() if ln.startswith("| `nbmem.leaks("))
     listed = row.rsplit("`", 2)[-2]
     assert listed.split(", ") == list(FINDING_COLUMNS), listed
+
+
+RESULTS = (ROOT / "benchmarks" / "RESULTS.md").read_text()
+
+
+def section(heading: str) -> str:
+    """The README's text under a heading, up to the next heading of the same or a higher level."""
+    start = README.index(heading + "\n")
+    level = heading.split(" ")[0]
+    ends = [README.find(f"\n{h} ", start + 1) for h in ("#" * n for n in range(2, len(level) + 1))]
+    return README[start:min((e for e in ends if e > 0), default=len(README))]
+
+
+def test_figures_withdrawn_as_hand_derived_stay_out_of_the_readme():
+    """Issues 38 and 49: no command printed these; RESULTS.md says why they were withdrawn."""
+    for withdrawn in (r"0\.7\s*[-–]\s*1\.2\s*%", r"0\.988", r"about\s+15\s*ms"):
+        assert not re.search(withdrawn, README), withdrawn
+
+
+def test_the_comparison_has_the_peers_people_pick_instead():
+    compares = section("## How it compares")
+    fit = section("### Will it fit: the batch-size finders")
+    dead = section("### A dead kernel: resource panels and process watchers")
+    assert fit in compares and dead in compares
+    assert "| tool | what it does | how it fails | measured here |" in fit
+    for peer in ("`BatchSizeFinder`", "`find_executable_batch_size`", "`accelerate estimate-memory`", "batch-probe",
+                 "torch-kitsune", "**nbmem**"):
+        row = next((ln for ln in fit.splitlines() if ln.startswith("| ") and peer in ln), None)
+        assert row is not None and row.count(" | ") == 3, peer
+    for peer in ("jupyter-resource-usage", "nvidia-smi", "gpustat", "nvitop"):
+        assert peer in dead, peer
+
+
+@pytest.mark.parametrize("heading", ["### Will it fit: the batch-size finders", "## What it costs"])
+def test_the_measured_figures_quoted_are_the_ones_results_prints(heading):
+    """Each number in a 'measured here' cell, or in the costs, is in benchmarks/RESULTS.md as a command printed it."""
+    text = section(heading)
+    if "| measured here |" in text:
+        text = "\n".join(ln.rsplit(" | ", 1)[1] for ln in text.splitlines() if ln.startswith("| **"))
+    for number in set(re.findall(r"\d[\d,]*\.\d+|\d{1,3}(?:,\d{3})+", text)):
+        assert number in RESULTS, (heading, number)
