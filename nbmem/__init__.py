@@ -10,7 +10,7 @@ import keyword
 import numbers
 from typing import Any
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 __all__ = [
     "Gauge",
     "__version__",
