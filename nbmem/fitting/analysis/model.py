@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from difflib import SequenceMatcher
-from typing import Any
+from typing import Any, NamedTuple
 
 from nbmem.fitting.analysis.allocator import CachingAllocatorModel, SegmentState
 from nbmem.fitting.analysis.sizes import GROWTH_SLACK_BYTES, SizeModel, fit_size
@@ -272,7 +272,23 @@ def _align(a: Run, b: Run, *, exact: bool) -> tuple[dict[int, int], bool]:
 
 
 # -- the timeline ------------------------------------------------------------------------------------------------
-_A_T, _A_O, _F_T, _F_O, _F_LEFT, _F_INIT = range(6)
+#: What a step of the timeline does. Allocations: one of the template run's (``ref``: its place in the largest
+#: run, sized by the model), or one only the first run made (``ref`` into ``one_time``, its own size). Frees: of
+#: this run's template allocation, of a one-time one, of what the run before left under an allocation's name
+#: (``ref``: the template allocation it was), or of a block from before the runs (``ref``: its address; -1:
+#: nothing to free).
+ALLOC_TEMPLATE, ALLOC_ONE_TIME, FREE_TEMPLATE, FREE_ONE_TIME, FREE_LEFT, FREE_BEFORE = range(6)
+
+
+class Op(NamedTuple):
+    """One step of the timeline (a tuple: the simulation unpacks it at speed)."""
+
+    code: int
+    ref: int
+    stream: int = 0  # an allocation's CUDA stream
+    #: an allocation of the template: which allocation of the run before it replaces (what that run left bound to
+    #: the same name, freed as this one is made), -1 none
+    replaces: int = -1
 
 
 @dataclass
@@ -289,8 +305,8 @@ class Sim:
 class Timeline:
     """The body's allocations as a program of the value: the first run, then the steady run (twice)."""
 
-    def __init__(self, sizes: list[SizeModel], sites: list[Site], first_ops: list[tuple[int, ...]],
-                 steady_ops: list[tuple[int, ...]], one_time: list[int], first_sizes: dict[int, int],
+    def __init__(self, sizes: list[SizeModel], sites: list[Site], first_ops: list[Op],
+                 steady_ops: list[Op], one_time: list[int], first_sizes: dict[int, int],
                  segments: Sequence[SegmentState], notes: list[str]) -> None:
         self.sizes = sizes
         self.sites = sites
@@ -318,43 +334,43 @@ class Timeline:
             for k, op in enumerate(ops):
                 if stop_at is not None and (phase, k) == stop_at:
                     return Sim(True, peak, alloc.peak_reserved_bytes, peak_at, None, dict(live), alloc.ties)
-                code = op[0]
-                if code == _A_T or code == _A_O:
-                    if code == _A_T:
-                        key: Any = base + op[1]
-                        size = first[op[1]] if phase == 0 else sizes[op[1]]
+                code, ref, stream, replaces = op
+                if code == ALLOC_TEMPLATE or code == ALLOC_ONE_TIME:
+                    if code == ALLOC_TEMPLATE:
+                        key: Any = base + ref
+                        size = first[ref] if phase == 0 else sizes[ref]
                     else:
-                        key, size = -1 - op[1], self.one_time[op[1]]
-                    addr = alloc.malloc(size, op[2])
+                        key, size = -1 - ref, self.one_time[ref]
+                    addr = alloc.malloc(size, stream)
                     if addr is None:
                         return Sim(False, peak, alloc.peak_reserved_bytes, peak_at, (phase, k), ties=alloc.ties)
                     live[key] = addr
                     if alloc.allocated_bytes > peak:
                         peak, peak_at = alloc.allocated_bytes, (phase, k)
-                    if code == _A_T and op[3] >= 0 and phase > 0:
+                    if replaces >= 0 and phase > 0:
                         # What the last run left under this allocation's name is replaced by it now.
-                        old = live.pop(prev + op[3], None)
+                        old = live.pop(prev + replaces, None)
                         if old is not None:
                             alloc.free(old)
                     continue
-                if code == _F_T:
-                    got = live.pop(base + op[1], None)
-                elif code == _F_O:
-                    got = live.pop(-1 - op[1], None)
-                elif code == _F_LEFT:
-                    got = live.pop(prev + op[1], None) if phase > 0 else None
+                if code == FREE_TEMPLATE:
+                    got = live.pop(base + ref, None)
+                elif code == FREE_ONE_TIME:
+                    got = live.pop(-1 - ref, None)
+                elif code == FREE_LEFT:
+                    got = live.pop(prev + ref, None) if phase > 0 else None
                 else:
-                    got = live.pop(("i", op[1]), None)
+                    got = live.pop(("i", ref), None)
                 if got is not None:
                     alloc.free(got)
         return Sim(True, peak, alloc.peak_reserved_bytes, peak_at, None, dict(live) if stop_at else None, alloc.ties)
 
     def site_at(self, phase: int, op: int) -> Site:
         ops = self.first_ops if phase == 0 else self.steady_ops
-        if 0 <= op < len(ops) and ops[op][0] == _A_T:
-            return self.sites[ops[op][1]]
-        if 0 <= op < len(ops) and ops[op][0] == _A_O:
-            return self.one_time_sites[ops[op][1]]
+        if 0 <= op < len(ops) and ops[op].code == ALLOC_TEMPLATE:
+            return self.sites[ops[op].ref]
+        if 0 <= op < len(ops) and ops[op].code == ALLOC_ONE_TIME:
+            return self.one_time_sites[ops[op].ref]
         return None
 
     def decompose(self, live: Mapping[Any, int]) -> tuple[float, float, float, dict[Site, list[float]]]:
@@ -490,16 +506,16 @@ def build_timeline(runs: Sequence[Run], segments: Sequence[SegmentState]) -> Tim
     fmap = maps[id(first)]
     one_time: list[int] = []
     one_time_sites: list[Site] = []
-    first_key: dict[int, tuple[int, int]] = {}
+    first_key: dict[int, tuple[int, int]] = {}  # first run allocation -> (code, ref)
     first_sizes: dict[int, int] = {}
     for i, a in enumerate(first.allocs):
         t = fmap.get(i)
         if t is None:
-            first_key[i] = (_A_O, len(one_time))
+            first_key[i] = (ALLOC_ONE_TIME, len(one_time))
             one_time.append(a.size)
             one_time_sites.append(a.site)
         else:
-            first_key[i] = (_A_T, t)
+            first_key[i] = (ALLOC_TEMPLATE, t)
             first_sizes[t] = max(first_sizes.get(t, 0), a.size)
     if one_time:
         notes.append(f"{len(one_time):,} allocations only the first run made ({fmt_bytes(sum(one_time))}, "
@@ -508,7 +524,7 @@ def build_timeline(runs: Sequence[Run], segments: Sequence[SegmentState]) -> Tim
     # The steady run: a block it frees that the run before it left is that run's leftover, by address.
     unknown_frees = 0
     prev = ok[ok.index(template) - 1] if ok.index(template) > 0 else None
-    left: dict[int, tuple[int, int]] = {}
+    left: dict[int, Op] = {}  # address -> the free of what the run before left there
     if prev is not None:
         pmap = maps.get(id(prev))
         for i, a in enumerate(prev.allocs):
@@ -516,36 +532,36 @@ def build_timeline(runs: Sequence[Run], segments: Sequence[SegmentState]) -> Tim
                 continue
             if prev is first:
                 code, j = first_key[i]
-                left[a.addr] = (_F_LEFT, j) if code == _A_T else (_F_O, j)
+                left[a.addr] = Op(FREE_LEFT, j) if code == ALLOC_TEMPLATE else Op(FREE_ONE_TIME, j)
             elif pmap is not None and i in pmap:
-                left[a.addr] = (_F_LEFT, pmap[i])
-    steady_ops: list[tuple[int, ...]] = []  # one per event of the template run
+                left[a.addr] = Op(FREE_LEFT, pmap[i])
+    steady_ops: list[Op] = []  # one per event of the template run
     for kind, i in template.events:
         if kind == ALLOC:
-            steady_ops.append((_A_T, i, template.allocs[i].stream, 1))
+            steady_ops.append(Op(ALLOC_TEMPLATE, i, template.allocs[i].stream))
         elif kind == FREE:
-            steady_ops.append((_F_T, i))
+            steady_ops.append(Op(FREE_TEMPLATE, i))
         else:
             addr = template.externals[i][0]
             if addr in left:
                 steady_ops.append(left[addr])
             elif addr in init:
-                steady_ops.append((_F_INIT, addr))
+                steady_ops.append(Op(FREE_BEFORE, addr))
             else:
-                steady_ops.append((_F_INIT, -1))  # nothing to free: kept as allocated
+                steady_ops.append(Op(FREE_BEFORE, -1))  # nothing to free: kept as allocated
                 unknown_frees += 1
-    freed_by_name = {op[1] for op in steady_ops if op[0] == _F_LEFT}
+    # Each allocation replaces what the run before left under its name (freed as it is made), unless a free of
+    # that leftover was placed already; where two allocations claim one leftover, each replaces its own.
+    freed_by_name = {op.ref for op in steady_ops if op.code == FREE_LEFT}
     heads = _rebinding_heads(template)
-    # op[3]: which allocation of the run before this one frees (what that run left under its name), -1 none
-    steady_ops = [(op[0], op[1], op[2], -1 if op[1] in freed_by_name else heads.get(op[1], op[1]))
-                  if op[0] == _A_T else op for op in steady_ops]
     if len(set(heads.values())) < len(heads):  # two heads for one leftover: not one name, trust neither
-        steady_ops = [(op[0], op[1], op[2], -1 if op[1] in freed_by_name else op[1]) if op[0] == _A_T else op
-                      for op in steady_ops]
+        heads = {}
+    steady_ops = [op._replace(replaces=-1 if op.ref in freed_by_name else heads.get(op.ref, op.ref))
+                  if op.code == ALLOC_TEMPLATE else op for op in steady_ops]
 
     # The first run at a larger value: the steady run's events, with what only the first run did put in where
     # it did it (the warm-up at the smallest value lacks what only larger values allocate, a workspace say).
-    first_ops: list[tuple[int, ...]] = []
+    first_ops: list[Op] = []
     done = 0
 
     def upto(pos: int) -> None:
@@ -558,17 +574,17 @@ def build_timeline(runs: Sequence[Run], segments: Sequence[SegmentState]) -> Tim
         if kind == EXTERNAL:
             addr = first.externals[i][0]
             if addr in init:
-                first_ops.append((_F_INIT, addr))
+                first_ops.append(Op(FREE_BEFORE, addr))
             continue
         code, j = first_key[i]
-        if code == _A_O:
-            first_ops.append((_A_O, j, first.allocs[i].stream, 0) if kind == ALLOC else (_F_O, j))
+        if code == ALLOC_ONE_TIME:
+            first_ops.append(Op(ALLOC_ONE_TIME, j, first.allocs[i].stream) if kind == ALLOC else Op(FREE_ONE_TIME, j))
         elif kind == ALLOC:
             upto(template.allocs[j].born)
         else:
             died = template.allocs[j].died
             if died is None:  # the first run freed what later runs keep: it is freed here
-                first_ops.append((_F_T, j))
+                first_ops.append(Op(FREE_TEMPLATE, j))
             else:
                 upto(died)
     upto(len(steady_ops) - 1)
