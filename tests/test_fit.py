@@ -798,9 +798,16 @@ def test_after_a_run_the_collection_runs_only_where_the_run_left_more_allocated_
 
 
 def test_a_margin_below_one_percent_is_not_shown_as_zero() -> None:
-    room = Room("cuda:0", 16 * GiB, 62 * GiB, 62 * GiB, 328 * MiB, 80 * GiB)
+    room = Room("cuda:0", 16 * GiB, 62 * GiB, 1 * GiB, 328 * MiB, 80 * GiB)
     said = F.FitResult(name="batch", device="cuda:0", values=(8, 16), points=(), room=room)._room()
-    assert "328 MiB margin (0.4 %)" in said
+    assert "328 MiB margin (0.4 %)" in said  # of the 77 GiB the notebook does not hold
+
+
+def test_the_margin_is_a_share_of_the_room_the_runs_can_use_not_of_what_the_notebook_holds() -> None:
+    # beside 130 GiB of the notebook's tensors, 8 GiB free: 2 % of 8 GiB is under the floor of 256 MiB
+    assert fitmodel.margin_bytes_for(8 * GiB, 130 * GiB, 130 * GiB) == 256 * MiB
+    assert fitmodel.margin_bytes_for(80 * GiB, 50 * GiB, 20 * GiB) == int(0.02 * 110 * GiB)
+    assert fitmodel.margin_bytes_for(139 * GiB, 0) == int(0.02 * 139 * GiB)  # nothing held: as before
 
 
 @pytest.mark.parametrize(("entries", "collects"), [

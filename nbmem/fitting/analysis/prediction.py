@@ -194,7 +194,7 @@ class FitResult(Shown):
         r = self.room
         if r is None:
             return ""
-        pct = 100 * r.margin_bytes / max(1, r.free_bytes + r.reserved_bytes)
+        pct = 100 * r.margin_bytes / max(1, r.free_bytes + r.reserved_bytes - r.allocated_bytes)
         others = "" if r.others_bytes is None else (
             f"; other processes and CUDA contexts take {fmt_bytes(r.others_bytes)} of {fmt_bytes(r.total_bytes)}")
         share = f"{pct:.0f} %" if pct >= 1 else f"{pct:.1g} %"  # a margin set by hand can be a sliver

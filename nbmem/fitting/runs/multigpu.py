@@ -85,7 +85,7 @@ def read_room(src: TorchSource, device: int, margin_bytes: int | None, *, new: b
         free, reserved, before = free + reserved, 0, 0
     else:
         segments = tuple(segments_from_snapshot(src.segments() or [], device))
-    margin = margin_bytes_for(free, reserved) if margin_bytes is None else int(margin_bytes)
+    margin = margin_bytes_for(free, reserved, before) if margin_bytes is None else int(margin_bytes)
     return Room(f"cuda:{device}", free, reserved, before, margin, total), segments, before
 
 
