@@ -310,9 +310,10 @@ class DeathWatch:
     def families(self) -> list[Metric]:
         deaths = CounterMetricFamily("nbmem_kernel_deaths", "Kernels of this server that died (their restarter "
                                      "saw them gone) by likely cause: " + ", ".join(REASONS), labels=["reason"])
-        with self._lock:
-            for reason, n in sorted(self.counts.items()):
-                deaths.add_metric([reason], n)
+        with self._lock:  # every reason from the server's start, at 0: increase() then counts a first death too
+            counts = {**dict.fromkeys(REASONS, 0), **self.counts}
+        for reason, n in sorted(counts.items()):
+            deaths.add_metric([reason], n)
         return [deaths]
 
 

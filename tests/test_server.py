@@ -33,6 +33,10 @@ ROOT = Path(__file__).resolve().parents[1]
 GiB = 2**30
 
 
+#: The deaths counter from a server's start: every reason, at 0 (docs/operators.md lists them).
+NO_DEATHS = [f'nbmem_kernel_deaths_total{{reason="{r}"}} 0.0' for r in (
+    "oom-kill", "limit", "cuda-error", "host-memory", "killed", "crashed", "exited", "unknown")]
+
 def _script() -> ModuleType:
     spec = importlib.util.spec_from_file_location("gpu_server_check", ROOT / "scripts/gpu_server_check.py")
     assert spec is not None and spec.loader is not None
@@ -131,7 +135,7 @@ def test_two_notebooks_named_by_kernel_and_child_and_a_closed_one_leaves_the_met
     lines_b = [kernel_line(0, t.kernel_b, "sub/b.ipynb", "2.147483648e+09"),
                kernel_line(1, t.kernel_b, "sub/b.ipynb", "5.36870912e+08")]
     assert sorted(t.server.metrics()) == sorted(
-        [*devices, kernel_line(0, t.kernel_a, "a.ipynb", "1.610612736e+09"), *lines_b])
+        [*devices, kernel_line(0, t.kernel_a, "a.ipynb", "1.610612736e+09"), *lines_b, *NO_DEATHS])
 
     # The kernel side: kernel B asks its server which notebook each GPU process belongs to.
     asked = t.server.execute(t.kernel_b, "import json\nfrom nbmem.measure.notebooks import notebook_of_pids\n"
@@ -146,7 +150,7 @@ def test_two_notebooks_named_by_kernel_and_child_and_a_closed_one_leaves_the_met
     time.sleep(1.1)  # the extension's reading may be up to a second old
     assert t.server.json("/api/nbmem/gpu") == {
         "gpus": [gpu_json(0, 10 * GiB, [b0], [other]), gpu_json(1, 3 * GiB, [b1], [])], "reason": None}
-    assert sorted(t.server.metrics()) == sorted([*devices, *lines_b])
+    assert sorted(t.server.metrics()) == sorted([*devices, *lines_b, *NO_DEATHS])
 
 
 def test_without_nvml_the_server_starts_and_says_why_and_asks_for_credentials(tmp_path: Path) -> None:
@@ -157,7 +161,7 @@ def test_without_nvml_the_server_starts_and_says_why_and_asks_for_credentials(tm
         body = server.json("/api/nbmem/gpu")
         assert body["gpus"] == []
         assert body["reason"] == "no NVIDIA driver on this machine (NVML's library is missing)", body
-        assert server.metrics() == []  # the families are there, without a single sample
+        assert sorted(server.metrics()) == sorted(NO_DEATHS)  # the GPU families are there, without a single sample
         assert server.request("GET", "/api/nbmem/gpu", token=False)[0] == 403
         assert server.request("GET", "/api/nbmem/gpu", headers={"X-Deny": "1"})[0] == 403
         assert "nbmem: no NVIDIA driver on this machine" in server.log()
@@ -297,12 +301,14 @@ def test_a_kernel_that_dies_is_counted_by_reason_and_its_capsule_gets_the_signal
         while not list(flight.glob(f"kernel-{pid}-*.json")) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert list(flight.glob(f"kernel-{pid}-*.json")), "the kernel wrote no capsule"
-        assert not [m for m in server.metrics() if m.startswith("nbmem_kernel_deaths_total")]
+        served = [m for m in server.metrics() if m.startswith("nbmem_kernel_deaths_total")]
+        assert len(served) == 8 and all(m.endswith("} 0.0") for m in served), served  # every reason, at 0
         time.sleep(1.5)  # the extension registers with a kernel's restarter within a second of its start
         os.kill(pid, signal.SIGKILL)
         counted: list[str] = []
         while not counted and time.monotonic() < deadline + 20:
-            counted = [m for m in server.metrics() if m.startswith("nbmem_kernel_deaths_total")]
+            counted = [m for m in server.metrics() if m.startswith("nbmem_kernel_deaths_total")
+                       and not m.endswith("} 0.0")]
             time.sleep(0.2)
         assert counted == ['nbmem_kernel_deaths_total{reason="killed"} 1.0'], server.log()[-3000:]
         # The restarter started a new kernel for the same notebook: its %load_ext tells the story, signal and all.
