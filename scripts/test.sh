@@ -1,28 +1,45 @@
 #!/usr/bin/env bash
-# Every check CI runs, in stages, each announced with its expected time, then a summary of all of them:
-#   setup, chromium (installed only if browser tests will run, it is missing, and we are root with apt-get),
-#   ruff, mypy, the JavaScript tests, the leak zoo (../shared/leak-zoo, outside this repository: run when
-#   present, skipped and said so when not), pytest (given this script's arguments), and "cuda fit": the fit tests
-#   and tests/test_sources.py again in .venv-cuda, with the CUDA build of torch (what plain `pip install torch`
-#   gives on Linux) and no GPU visible: a torch.cuda that is compiled in but has no device, which the CPU build
-#   never shows (issue 46). Given options only (-k, -x), that stage runs its tests with them; given paths, it runs
-#   them as given when all are among its tests, and is skipped when any is not.
+# Every check CI runs, in stages. Each stage starts with its name, what it checks (WHAT below) and how long it
+# should take, and ends with how it went; a summary of all of them ends the run. The stages: setup, chromium,
+# ruff, mypy, the JavaScript tests, the leak zoo, pytest, wheel and cuda fit.
+# Arguments go to pytest. The stages that run only their own tests, wheel (tests/wheel) and cuda fit (the fit
+# tests and tests/test_sources.py), run them with the options given (-k, -x); given paths, they run them as given
+# when all are among their tests, and are skipped, saying so, when any is not. The pytest stage leaves tests/wheel
+# to the wheel stage; -m "not slow" leaves it out there too.
 # How long: FULL_RUN below, one measured run (the README gives the same figure); each stage announces its own.
 # Exit status: 0 when every stage that ran passed (pytest's 5, "no tests collected", counts as passed).
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit
 # shellcheck source=scripts/lib.sh
 source scripts/lib.sh
 
-STAGES=(setup chromium ruff mypy "js tests" "leak zoo" pytest "cuda fit")
+STAGES=(setup chromium ruff mypy "js tests" "leak zoo" pytest wheel "cuda fit")
+# What each stage checks, said when it starts: a reader of the log learns what passed, failed or was skipped.
+declare -A WHAT=(
+  [setup]="makes or updates .venv (scripts/setup.sh): torch first, then nbmem (editable) and requirements/dev.txt"
+  [chromium]="the browser the JupyterLab tests drive: apt-get installs it where they will run, if it is missing \
+and this runs as root"
+  [ruff]="lint: nbmem, tests, benchmarks, scripts"
+  [mypy]="types: nbmem"
+  ["js tests"]="the gauge's JavaScript: js/*.test.js in node"
+  ["leak zoo"]="nbmem on the leak zoo (../shared/leak-zoo, kept beside this repository, not in it): a catalogue of \
+the ways a notebook keeps memory, each case run in IPython, checking what nbmem names and what its cleanup frees"
+  [pytest]="the test suite: tests/ with this script's arguments, but for tests/wheel (the next stage)"
+  [wheel]="nbmem as users install it: the wheel, built from a clean copy of this checkout, in a fresh virtual \
+environment with torch and JupyterLab; away from this repository, the README's first cells in terminal IPython and in \
+JupyterLab (headless Chromium; the gauge from the wheel's own files), and the server extension's /metrics"
+  ["cuda fit"]="the fit tests and tests/test_sources.py again, in .venv-cuda: the CUDA build of torch (what plain \
+pip install torch gives on Linux) with no GPU visible, a torch.cuda compiled in but without a device (issue 46)"
+)
 FULL_RUN="33 min 15 s from a fresh clone on a 2-core VM without a GPU" # measured 2026-11-27; setup took 3 min 45 s of it
 declare -A result=() took=()
 n=0
 t0=$SECONDS
 
-announce() { # announce NAME "~expected"
+announce() { # announce NAME "~expected": its number, name and time, then what it checks
   n=$((n + 1))
   printf '\n==> [%d/%d] %s (%s)\n' "$n" "${#STAGES[@]}" "$1" "$2"
+  fold -s -w 112 <<<"${WHAT[$1]}" | sed 's/ *$//; s/^/    /'
 }
 # stage NAME "~expected" CMD...: runs CMD, its output shown, and records how it went.
 stage() {
@@ -43,7 +60,7 @@ summary() {
   local s failed=()
   printf '\n==> summary: %s in all (measured before: %s)\n' "$(human_secs $((SECONDS - t0)))" "$FULL_RUN"
   for s in "${STAGES[@]}"; do
-    printf '    %-9s %-10s %s\n' "$s" "${took[$s]:-}" "${result[$s]:-not run}"
+    printf '    %-9s %-11s %s\n' "$s" "${took[$s]:-}" "${result[$s]:-not run}"
     case "${result[$s]:-not run}" in FAILED* | "not run") failed+=("$s") ;; esac
   done
   if [ "${#failed[@]}" -eq 0 ]; then
@@ -64,7 +81,7 @@ browser_tests_wanted() {
     p=${p#./}
     if [ -e "$p" ]; then
       paths=1
-      case "$p" in tests | tests/ | tests/browser*) hit=1 ;; esac
+      case "$p" in tests | tests/ | tests/browser* | tests/wheel*) hit=1 ;; esac
     fi
   done
   [ "$paths" = 0 ] || [ "$hit" = 1 ]
@@ -100,25 +117,33 @@ pytest_in() { # pytest_in VENV ARGS...
   fi
   return "$rc"
 }
-pytest_stage() { pytest_in .venv "$@"; }
+pytest_stage() { pytest_in .venv --deselect tests/wheel/ "$@"; } # the wheel stage runs those
 
-# What the "cuda fit" stage runs: CUDA_ARGS, its tests with this script's options where it names no paths, its
-# arguments as given where every path it names is one of those tests; none where it names others (returns 1).
-CUDA_TESTS=(tests/test_fit*.py tests/test_sources.py)
-CUDA_ARGS=()
-cuda_tests_args() {
-  local a p paths=0 others=0
+# own_args TESTS... -- ARGS...: what a stage that runs only its own tests (TESTS, paths, and what is under them)
+# gives pytest, in OWN_ARGS: TESTS with this script's options where ARGS name no paths, ARGS as given where every
+# path they name is one of its tests; none where they name others (returns 1: the stage is skipped).
+own_args() {
+  local tests=() a p t paths=0 ours
+  while [ "$1" != -- ]; do
+    tests+=("$1")
+    shift
+  done
+  shift
   for a in "$@"; do
     p=${a%%::*}
     p=${p#./}
-    if [ -e "$p" ]; then
-      paths=1
-      case "$p" in tests/test_fit*.py | tests/test_sources.py) ;; *) others=1 ;; esac
-    fi
+    [ -e "$p" ] || continue
+    paths=1
+    ours=0
+    for t in "${tests[@]}"; do
+      case "$p" in "$t" | "$t"/*) ours=1 ;; esac
+    done
+    [ "$ours" = 1 ] || return 1
   done
-  [ "$others" = 0 ] || return 1
-  if [ "$paths" = 1 ]; then CUDA_ARGS=("$@"); else CUDA_ARGS=("${CUDA_TESTS[@]}" "$@"); fi
+  if [ "$paths" = 1 ]; then OWN_ARGS=("$@"); else OWN_ARGS=("${tests[@]}" "$@"); fi
 }
+OWN_ARGS=()
+CUDA_TESTS=(tests/test_fit*.py tests/test_sources.py)
 CUDA_VENV=.venv-cuda
 cuda_fit() { # .venv-cuda made or updated by setup.sh, then the tests in it with no GPU visible, even where there is one
   local t=$SECONDS
@@ -162,8 +187,17 @@ fi
 
 stage pytest "~24 min for the whole suite, measured on 2 cores" pytest_stage "$@"
 
+WHEEL_TIME="~2 min 30 s on 2 cores, most of it pip making the environment"
+if own_args tests/wheel -- "$@"; then
+  # -v: each check by name; -s: their lines on how long the wheel and the environment took; then where time went
+  stage wheel "$WHEEL_TIME" pytest_in .venv -v -s --durations=0 --durations-min=1 "${OWN_ARGS[@]}"
+else
+  skip wheel "$WHEEL_TIME" "the pytest arguments name tests outside tests/wheel"
+fi
+
 CUDA_FIT_TIME="~6 min from a fresh clone, ~3 min 30 s of it making $CUDA_VENV (~3 GB of wheels); ~3 min after"
-if cuda_tests_args "$@"; then
+if own_args "${CUDA_TESTS[@]}" -- "$@"; then
+  CUDA_ARGS=("${OWN_ARGS[@]}")
   stage "cuda fit" "$CUDA_FIT_TIME" cuda_fit
 else
   skip "cuda fit" "$CUDA_FIT_TIME" "the pytest arguments name tests other than the fit tests and test_sources.py"

@@ -1,4 +1,5 @@
-"""scripts/setup.sh, run on a copy of the scripts: the torch it chooses, and how it fails.
+"""scripts/setup.sh, run on a copy of the scripts: the torch it chooses, and how it fails; scripts/test.sh's
+stages, from its definitions: what each says it checks, and which tests each runs.
 
 Nothing is installed: the torch choices are checked in its dry run (``NBMEM_DRY_RUN=1`` prints the commands),
 and the failure test stops at the first pip command, which asks for a torch release that does not exist.
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -141,5 +143,48 @@ def test_one_measured_test_time_everywhere() -> None:
     assert full_run[0] in test_line and full_run[0] in develop, develop
     for text in (test_line, develop, test_sh):
         times = set(re.findall(r"\d+(?:\.\d+)? min(?: \d+ s)?", text.replace(full_run[0], "")))
-        # stages' own: setup, pytest, and cuda fit (making .venv-cuda, and its tests)
-        assert times <= {"3 min 45 s", "3 min", "4 min", "24 min", "6 min", "3 min 30 s"}, times
+        # stages' own: setup, pytest, wheel, and cuda fit (making .venv-cuda, and its tests)
+        assert times <= {"3 min 45 s", "3 min", "4 min", "24 min", "2 min 30 s", "6 min", "3 min 30 s"}, times
+
+
+def in_test_sh(definitions: str, script: str) -> str:
+    """``script``, run by bash after the definitions of scripts/test.sh that ``definitions`` picks (sed
+    addresses); its stdout."""
+    code = f'source scripts/lib.sh; eval "$(sed -n {shlex.quote(definitions)} scripts/test.sh)"\n{script}'
+    done = subprocess.run(["bash", "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_every_stage_says_what_it_checks_when_it_starts() -> None:
+    """A reader of CI's log learns what each stage is, a skipped one too (the leak zoo, absent from a fresh clone)."""
+    out = in_test_sh("/^STAGES=/,/^)/p; /^announce()/,/^}/p",
+                     'n=0; for s in "${STAGES[@]}"; do announce "$s" "~1 s"; echo "<$s>"; done')
+    said = dict(re.findall(r"==> \[\d+/\d+\] (.+?) \(~1 s\)\n(.*?)\n<\1>", out, re.S))
+    assert list(said) == ["setup", "chromium", "ruff", "mypy", "js tests", "leak zoo", "pytest", "wheel", "cuda fit"]
+    assert all(len(what.split()) >= 2 for what in said.values()), said
+    assert "../shared/leak-zoo" in said["leak zoo"] and "catalogue" in said["leak zoo"], said["leak zoo"]
+    assert "fresh virtual environment" in said["wheel"] and "/metrics" in said["wheel"], said["wheel"]
+    assert max(len(line) for line in out.splitlines()) <= 120, out
+
+
+@pytest.mark.parametrize(("own", "args", "runs"), [
+    ("tests/wheel", "", "tests/wheel"),
+    ("tests/wheel", "-x -k lab", "tests/wheel -x -k lab"),
+    ("tests/wheel", "tests/wheel/test_wheel.py::test_x -x", "tests/wheel/test_wheel.py::test_x -x"),
+    ("tests/wheel", "tests/test_cells.py", None),
+    ("tests/wheel", "tests", None),
+    ("tests/test_fit.py tests/test_sources.py", "-k peak", "tests/test_fit.py tests/test_sources.py -k peak"),
+    ("tests/test_fit.py tests/test_sources.py", "./tests/test_sources.py", "./tests/test_sources.py"),
+    ("tests/test_fit.py tests/test_sources.py", "tests/wheel", None),
+])
+def test_a_stage_of_its_own_tests_takes_the_options_and_is_skipped_for_other_paths(
+        own: str, args: str, runs: str | None) -> None:
+    """The wheel and cuda fit stages: what they give pytest for test.sh's arguments; None: the stage is skipped."""
+    script = f'if own_args {own} -- {args}; then echo "${{OWN_ARGS[*]}}"; else echo SKIP; fi'
+    assert in_test_sh("/^own_args()/,/^}/p", script).strip() == (runs or "SKIP")
+
+
+def test_the_pytest_stage_leaves_the_wheel_tests_to_the_wheel_stage() -> None:
+    out = in_test_sh("/^pytest_stage()/p", 'pytest_in() { echo "$*"; }; pytest_stage -x')
+    assert out.strip() == ".venv --deselect tests/wheel/ -x"
