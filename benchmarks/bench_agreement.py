@@ -56,7 +56,7 @@ import time
 import traceback
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -595,6 +595,9 @@ class RowB:
     real_peaks: tuple[int, int] | None = None  # allocated, reserved: above what was there before the try
     synth_peaks: tuple[int, int] | None = None
     note: str = ""
+    #: part C: values above the answer, each (value, the fit's timeline fits without the margin, a real try ran)
+    sweep: list[tuple[int, bool, bool]] = field(default_factory=list)
+    margin_bytes: int = 0
 
 
 def synthesised(tl: Any, value: int, capacity: float) -> tuple[list[int], Any]:
@@ -619,7 +622,21 @@ def synthesised(tl: Any, value: int, capacity: float) -> tuple[list[int], Any]:
     return sizes, max(up, down, key=lambda s: s.peak_reserved_bytes)
 
 
-def part_b(body: Body, cap_bytes: int, rows: list[RowB]) -> None:
+def sweep(body: Body, tl: Any, row: RowB, room: Any, values: int, reach: float) -> None:
+    """Part C: values from the answer up to ``reach`` × it, each judged by the fit's timeline in the whole room
+    (no margin: where the model, not the margin, says no) and by a real try in the same room."""
+    whole = room.capacity_bytes + room.margin_bytes
+    answer = row.answer or 0
+    step = max(1, int(answer * (reach - 1) / max(1, values)))
+    for v in range(answer + step, answer + step * values + 1, step):
+        fits = all(tl.simulate(v, whole, descending=d).ok for d in (False, True))
+        real = body.attempt(v, record=False).ok
+        row.sweep.append((v, fits, real))
+        print(f"  {row.body} at {v:,}: the fit's timeline {'fits' if fits else 'does not fit'} without the margin; "
+              f"real {'ok' if real else 'OOM'}", flush=True)
+
+
+def part_b(body: Body, cap_bytes: int, rows: list[RowB], sweep_values: int = 0, reach: float = 1.2) -> None:
     """Part B for one body: the fit in a room of ``cap_bytes``, its timeline at the answer against a real try."""
     from nbmem.fitting.analysis import prediction
     from nbmem.fitting.analysis.model import Timeline
@@ -688,6 +705,9 @@ def part_b(body: Body, cap_bytes: int, rows: list[RowB]) -> None:
         print(f"  {fam.name} at {row.answer:,}: real {'ok' if got.ok else 'OOM'}; requests {c.real:,} real, "
               f"{c.synth:,} synthesised, {share(c.in_order, c.real)} in order; peak reserved "
               f"{mib(row.real_peaks[1])} real, {mib(row.synth_peaks[1])} synthesised MiB", flush=True)
+        row.margin_bytes = room.margin_bytes
+        if sweep_values:
+            sweep(body, tl, row, room, sweep_values, reach)
     finally:
         del hold
         body.before = before
@@ -748,6 +768,19 @@ def print_tables(rows_a: Sequence[RowA], rows_b: Sequence[RowB], steps: int) -> 
         if ratios:
             summary[-1] += (f"; synthesised / real peak reserved: {min(ratios):.3f} to {max(ratios):.3f}; real tries "
                             f"at the answer that failed: {failed}")
+    swept = [b for b in rows_b if b.sweep]
+    if swept:
+        head_c = ("body", "answer", "margin MiB", "value", "× answer", "timeline, no margin", "real")
+        table_c = [(b.body, fmt(b.answer), mib(b.margin_bytes), fmt(v), f"{v / (b.answer or 1):.3f}",
+                    "fits" if fits else "does not fit", "ok" if real else "OOM")
+                   for b in swept for v, fits, real in b.sweep]
+        print(f"\n## C. Above the fit's answer: its timeline in the whole room against real tries ({steps} steps)\n")
+        print("\n".join(markdown(head_c, table_c)))
+        pairs = [(fits, real) for b in swept for _, fits, real in b.sweep]
+        summary.append(f"bench_agreement C: {len(pairs)} values above the answers; the timeline without the margin "
+                       f"agreed with the real try on {sum(f == r for f, r in pairs)}; it fits where the real try "
+                       f"failed: {sum(f and not r for f, r in pairs)}; it does not fit where the real try ran: "
+                       f"{sum(r and not f for f, r in pairs)}")
     return summary
 
 
@@ -777,6 +810,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--save-traces", default="", metavar="DIR",
                     help="also record tries under --save-cap-gib and write them to DIR for the CPU test")
     ap.add_argument("--save-cap-gib", type=float, default=1.0, help="the cap of the tries --save-traces writes")
+    ap.add_argument("--sweep", type=int, default=0, metavar="N",
+                    help="part C: N values above each fit's answer, up to --reach × it, judged by the fit's timeline "
+                         "without its margin and by real tries in the same room")
+    ap.add_argument("--reach", type=float, default=1.2, help="part C's largest value, as a multiple of the answer")
     ap.add_argument("--budget-s", type=float, default=0.0,
                     help="no body or part starts after this long (default: 170 with --quick, 420 without; "
                          "90 more with --save-traces)")
@@ -830,7 +867,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             body = Body(torch, fams[name], a.steps)
             if part == "b":
-                part_b(body, bytes_, rows_b)
+                part_b(body, bytes_, rows_b, a.sweep, a.reach)
             else:
                 part_a(body, bytes_, spacing, rows_a, started + budget + GRACE_S,
                        a.save_traces if part == "save" else "")

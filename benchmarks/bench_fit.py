@@ -381,6 +381,17 @@ def families(torch: Any, dev: str = "cuda") -> dict[str, Family]:
             learn(opt, ns)
         return body
 
+    def llama(device: Any) -> Any:
+        """A Llama-shaped decoder (6 layers of 768, Hugging Face's LlamaForCausalLM, random init, no download) with
+        its own gradient checkpointing switched on, as issue 47's 141 GB row has it."""
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        cfg = LlamaConfig(vocab_size=32000, hidden_size=768, intermediate_size=2048, num_hidden_layers=6,
+                          num_attention_heads=12, num_key_value_heads=12, max_position_embeddings=1024)
+        model = LlamaForCausalLM(cfg).to(device)
+        model.gradient_checkpointing_enable()
+        return model
+
     def compiled_lm(device: Any) -> Any:
         """The bf16 LM under ``torch.compile`` (default mode), as a notebook compiles it."""
         return torch.compile(LM().to(device))
@@ -413,6 +424,8 @@ def families(torch: Any, dev: str = "cuda") -> dict[str, Family]:
         "gpt2s-gc-bf16": Family("gpt2s-gc-bf16", "batch", (2, 4, 8),
                                 lambda d: gpt2(d, 768, 12, 1024, checkpointed=True), hf(4 * T, bf16=True), adamw),
         "lm-compiled": Family("lm-compiled", "batch", (8, 16, 32), compiled_lm, lm_body, adamw),
+        # issue 47's row: sequences of 512 under bf16 autocast
+        "llama-gc-bf16": Family("llama-gc-bf16", "batch", (2, 4, 8), llama, hf(4 * T, bf16=True), adamw),
     }
 
 #: Issue 27's training setups, run with ``--only`` (``--only training`` runs them all).
