@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from harness import line, print_summary  # benchmarks/ is on sys.path when run as a script
 
+from nbmem.measure.processes import lineage_of, lineages
 from nbmem.server import MAX_AGE_S
 from tests import fake_nvml
 from tests.test_dashboard import idle_kernels
@@ -105,12 +106,28 @@ def main() -> int:
                 dt, cpu, body = scrape(server, server_pid)
                 fresh.append((dt, cpu))
                 cached.append(scrape(server, server_pid)[:2])
+            # The ancestry of the kernels' PIDs, one by one (as the server read it before) and all at once (as
+            # it reads it now), in turns: most of a fresh reading was this.
+            one_by_one: list[float] = []
+            at_once: list[float] = []
+            for _ in range(scrapes):
+                t = time.perf_counter()
+                each = {pid: lineage_of(pid) for pid in pids}
+                one_by_one.append(time.perf_counter() - t)
+                t = time.perf_counter()
+                together = lineages(pids)
+                at_once.append(time.perf_counter() - t)
+                if together != each:
+                    raise RuntimeError("lineages() and lineage_of() disagree")
             series = sum(ln.startswith(b"nbmem_kernel_gpu_memory_bytes{") for ln in body.splitlines())
             if series != kernels:
                 raise RuntimeError(f"/metrics has {series} kernel series, not {kernels}:\n{server.log()[-2000:]}")
     for kind, times in (("fresh", fresh), ("cached", cached)):
         line(f"/metrics, {kernels} kernels, {kind} reading, at the client", ms([dt for dt, _ in times]))
         line(f"/metrics, {kernels} kernels, {kind} reading, server loop CPU", ms([cpu for _, cpu in times]))
+    line(f"ancestry of {kernels} kernels' PIDs, one by one (lineage_of)", ms(one_by_one))
+    line(f"ancestry of {kernels} kernels' PIDs, at once (lineages)", ms(at_once))
+    line("ancestry, at once / one by one", f"{statistics.median(at_once) / statistics.median(one_by_one):.2f}×")
     line(
         f"/metrics size, {kernels} kernels",
         f"{len(body)} B, of which nbmem's families {len(nbmem_part(body))} B ({series} kernel series, {a.gpus} GPUs)",

@@ -40,7 +40,7 @@ from traitlets import Unicode
 from traitlets.utils.importstring import import_item
 
 from nbmem.measure.limits import oom_kills_of
-from nbmem.measure.processes import known_total, lineage_of
+from nbmem.measure.processes import known_total, lineages
 from nbmem.measure.sources import NvmlSource
 from nbmem.recorder.deaths import REASONS, cause_of
 from nbmem.recorder.flight import flight_dir, read_capsule, write_private
@@ -233,7 +233,7 @@ class ServerMonitor:
         reasons.append(why)
         listed = {d.name: (self._source.memory(d.name), self._source.processes(d.name, max_age_s=0.0))
                   for d in self._source.devices}
-        lineage = {p.pid: lineage_of(p.pid) for _, procs in listed.values() for p in procs or ()}
+        lineage = lineages(p.pid for _, procs in listed.values() for p in procs or ())
         gpus = []
         for d in self._source.devices:
             (used, total), procs = listed[d.name]

@@ -23,7 +23,7 @@ import pytest
 import nbmem
 from nbmem.ipython.root import root_of
 from nbmem.measure import processes
-from nbmem.measure.processes import Split, has_children, lineage_of, split_children
+from nbmem.measure.processes import Split, has_children, lineage_of, lineages, split_children
 from nbmem.measure.sources import NvmlSource
 from nbmem.records import Boundary, GpuProcess, GpuReading
 from nbmem.reports import child_texts
@@ -62,6 +62,13 @@ def test_has_children_reads_the_process_tree() -> None:
         assert has_children(parent.pid) is True
         assert has_children(grandchild) is False
         assert lineage_of(grandchild)[:3] == (grandchild, parent.pid, os.getpid())  # type: ignore[index]
+        gone = subprocess.Popen(["true"])
+        gone.wait()
+        pids = [grandchild, parent.pid, os.getpid(), gone.pid, 0, grandchild]
+        # many at once, each parent read once (what a server does for its kernels), say the same as one by one
+        assert lineages(pids) == {p: lineage_of(p) for p in pids}
+        assert lineages(pids)[grandchild][:3] == (grandchild, parent.pid, os.getpid())  # type: ignore[index]
+        assert lineages([gone.pid, 0]) == {gone.pid: None, 0: None}
     finally:
         for p in psutil.Process(parent.pid).children(recursive=True):
             p.kill()

@@ -24,9 +24,10 @@ import pytest
 from jupyter_server.auth.authorizer import Authorizer
 
 from nbmem.measure.notebooks import ServerNotebooks, pids_to_notebooks
+from nbmem.measure.processes import lineage_of
 from nbmem.measure.sources import NvmlSource
 from nbmem.records import GpuDevice, GpuProcess
-from nbmem.server import Kernel, Reading, ServerMonitor, attribute, lineage_of, metric_families
+from nbmem.server import Kernel, Reading, ServerMonitor, attribute, metric_families
 from tests import fake_nvml
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,8 +1,8 @@
 """Who started whom: this notebook's child processes on a GPU, told apart from everyone else's.
 
-One rule, ``lineage_of`` (a PID and its ancestors), answers it for this kernel (``sources``: the GPU
-processes it started, through ``torch.multiprocessing``, ``accelerate.notebook_launcher`` or DataLoader
-workers) and for every kernel of a Jupyter server (``server``). Everything here only reads the process
+One rule, ``lineage_of`` (a PID and its ancestors; ``lineages`` for many at once), answers it for this kernel
+(``sources``: the GPU processes it started, through ``torch.multiprocessing``, ``accelerate.notebook_launcher``
+or DataLoader workers) and for every kernel of a Jupyter server (``server``). Everything here only reads the process
 table through psutil and ``/proc``: no process is signalled, waited for or changed.
 
 A PID NVML lists that does not exist here is the sign of a container without the host's PID namespace:
@@ -54,6 +54,40 @@ def lineage_of(pid: int) -> tuple[int, ...] | None:
         return (pid,) if exists_here(pid) else None
     except psutil.Error:  # it exists, but its parents cannot be read
         return (pid,)
+
+
+def lineages(pids: Iterable[int]) -> dict[int, tuple[int, ...] | None]:
+    """``lineage_of`` for many PIDs at once, each process's parent read once: a server's kernels share their
+    ancestors (the server, its shell, init), which ``lineage_of`` would read again for every kernel."""
+    parent: dict[int, int | None] = {}  # a process -> its parent (None: it has none, or it is gone)
+    out: dict[int, tuple[int, ...] | None] = {}
+    for pid in pids:
+        if pid in out:
+            continue
+        if pid <= 0:
+            out[pid] = None
+            continue
+        try:
+            if pid not in parent:
+                got = psutil.Process(pid).parent()
+                parent[pid] = None if got is None else got.pid
+        except psutil.NoSuchProcess:
+            out[pid] = (pid,) if exists_here(pid) else None
+            continue
+        except psutil.Error:
+            out[pid] = (pid,)
+            continue
+        chain = [pid]
+        while (up := parent[chain[-1]]) is not None and up not in chain:
+            chain.append(up)
+            if up not in parent:
+                try:
+                    got = psutil.Process(up).parent()
+                except psutil.Error:  # an ancestor gone or unreadable: the chain ends there, as psutil's does
+                    got = None
+                parent[up] = None if got is None else got.pid
+        out[pid] = tuple(chain)
+    return out
 
 
 def name_of(pid: int) -> str:
