@@ -449,17 +449,15 @@ def test_the_cell_hooks_name_user_cells_and_skip_a_cell_magics_body(tmp_path: Pa
     from types import SimpleNamespace
 
     rec = recorder(tmp_path, Clock())
-    faults: list[str] = []
-    hooks = rec.cell_hooks(lambda: 12, lambda where, e: faults.append(where))
     outer = SimpleNamespace(store_history=True, silent=False, raw_cell="%%cudamem --lines\nx = big()\n")
     body = SimpleNamespace(store_history=False, silent=False, raw_cell="x = big()\n")
-    hooks["pre_run_cell"](outer)
-    hooks["pre_run_cell"](body)
-    hooks["post_run_cell"](SimpleNamespace(info=body, error_in_exec=None))
+    rec.pre_run_cell(outer, 12)
+    rec.pre_run_cell(body, 13)
+    rec.post_run_cell(SimpleNamespace(info=body, error_in_exec=None))
     assert rec.capsule()["cell"]["number"] == 12 and rec.capsule()["cell"]["first_line"] == "%%cudamem --lines"
-    hooks["post_run_cell"](SimpleNamespace(info=outer, error_in_exec=MemoryError("x = 3.14")))
+    rec.post_run_cell(SimpleNamespace(info=outer, error_in_exec=MemoryError("x = 3.14")))
     c = rec.capsule()
     assert c["cell"] is None and c["last_error"]["error"] == "MemoryError" and c["last_error"]["cell"] == 12
-    hooks["pre_run_cell"](object())  # no ExecutionInfo at all: not a user cell, and no fault
-    assert faults == [] and rec.hooks is hooks
+    rec.pre_run_cell(object(), 14)  # no ExecutionInfo at all: not a user cell, and no error
+    assert rec.capsule()["cell"] is None
     rec.close()

@@ -283,17 +283,17 @@ def test_a_click_waiting_for_the_cell_is_dropped_when_nbmem_unloads() -> None:
     ran: list[str] = []
     b = BetweenCells(SimpleNamespace(io_loop=loop))
     info, other = object(), object()
-    b.hooks["pre_run_cell"](info)
-    b.hooks["post_run_cell"](SimpleNamespace(info=other))  # a post without its pre (an empty cell): still running
+    b.pre_run_cell(info)
+    b.post_run_cell(SimpleNamespace(info=other))  # a post without its pre (an empty cell): still running
     assert b.busy and b.later(lambda: ran.append("first"))
-    loop.call_later(0.5, lambda: b.hooks["post_run_cell"](SimpleNamespace(info=info)))
+    loop.call_later(0.5, lambda: b.post_run_cell(SimpleNamespace(info=info)))
     loop.call_later(1.2, loop.stop)
     loop.start()
     assert ran == ["first"] and not b.busy
-    b.hooks["pre_run_cell"](info)
+    b.pre_run_cell(info)
     assert b.later(lambda: ran.append("second"))
     b.close()
-    b.hooks["post_run_cell"](SimpleNamespace(info=info))
+    b.post_run_cell(SimpleNamespace(info=info))
     loop.call_later(0.6, loop.stop)
     loop.start()
     loop.close()

@@ -67,7 +67,7 @@ class ReconnectRoute:
     def ensure(self) -> bool:
         """Register the route, once the kernel has started. An extension loaded at the kernel's start
         (``c.InteractiveShellApp.extensions``) is loaded before ipykernel registers its own callback, which would
-        replace the route: then this waits for the first cell (IPython's pre_run_cell calls it)."""
+        replace the route: then this waits for the first cell (``BetweenCells.pre_run_cell`` calls it)."""
         if self._original is None or self._started:
             return self._original is not None
         if getattr(self._kernel, "io_loop", None) is None:
@@ -225,8 +225,9 @@ class BetweenCells:
 
     JupyterLab sends comm messages to subshells (threads beside the running cell), and ipykernel dispatches them
     even on the main thread while an async cell awaits; a cleanup must never run in the middle of the user's
-    code. ``hooks`` are IPython's pre/post_run_cell for every run (they nest: a cell magic runs its body); a run
-    is counted by its info, so a post without a pre (an empty cell) changes nothing.
+    code. ``pre_run_cell`` and ``post_run_cell`` are told of every run by the adapter's cell hooks (runs nest: a
+    cell magic runs its body); a run is counted by its info, so a post without a pre (an empty cell) changes
+    nothing.
     """
 
     def __init__(self, kernel: Any, on_cell: Callable[[], object] | None = None) -> None:
@@ -235,15 +236,14 @@ class BetweenCells:
         self._running: set[int] = set()
         self._lock = threading.Lock()
         self._closed = False
-        self.hooks = {"pre_run_cell": self._enter, "post_run_cell": self._leave}
 
-    def _enter(self, info: Any) -> None:
+    def pre_run_cell(self, info: Any) -> None:
         with self._lock:
             self._running.add(id(info))
         if self.on_cell is not None:
             self.on_cell()
 
-    def _leave(self, result: Any) -> None:
+    def post_run_cell(self, result: Any) -> None:
         with self._lock:
             self._running.discard(id(getattr(result, "info", None)))
 

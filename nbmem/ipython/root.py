@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -41,42 +42,57 @@ class Loaded:
         self.between = BetweenCells(getattr(shell, "kernel", None))  # where a gauge click waits for the cell
         self.magics = NbmemMagics(shell, self)
 
-    # -- the cell hooks --------------------------------------------------------------------------------
+    # -- the cell hooks: nbmem's one pair, told of every run (nested ones too), passed on to each part ------
     def pre_run_cell(self, info: Any) -> None:
-        try:
-            s = self.session
-            if self.nested or not s.monitoring or s.in_cell:
-                return
-            if getattr(info, "silent", False) or not getattr(info, "store_history", False):
-                return
-            raw = getattr(info, "raw_cell", "") or ""
-            if raw.lstrip().startswith("%%cudamem"):
-                return  # the cell magic measures this cell itself
-            own = own_command(raw)
-            if own is not None and own != "clean":
-                return  # nbmem's own command (or its refusal) moves no memory: nothing to report
-            # A cleanup is measured, so the records add up, but its own table already said what it freed, and
-            # `%cudamem report` and the measured cells a refusal lists leave it out.
-            s.begin_cell(self.shell.execution_count - 1, source=raw, own=own == "clean")
-            self._quiet = own == "clean"
-        except Exception as e:
-            self.session.fault("pre_run_cell", e)
+        if self.flight is not None:  # every user cell, measured or not: the capsule names it
+            self._pass_on("the flight recorder", self.flight.pre_run_cell, info, self.shell.execution_count - 1)
+        self._pass_on("the reconnect route", self.between.pre_run_cell, info)  # is a cell running now?
+        self._pass_on("pre_run_cell", self._begin, info)
 
     def post_run_cell(self, result: Any) -> None:
+        if self.flight is not None:
+            self._pass_on("the flight recorder", self.flight.post_run_cell, result)
+        self._pass_on("the reconnect route", self.between.post_run_cell, result)
+        self._pass_on("post_run_cell", self._end, result)
+
+    def _pass_on(self, part: str, hook: Callable[..., object], *args: Any) -> None:
+        """One part's hook; a failure there is that part's fault, and the parts after it are still told."""
         try:
-            if self.nested:
-                return
-            if not self.session.in_cell:  # a cell nobody measured: the gauge's holder list follows it
-                if self.gauge is not None and not getattr(getattr(result, "info", None), "silent", False):
-                    self.session.refresh_holders()
-                return
-            report = self.session.end_cell(getattr(result, "error_in_exec", None))
-            quiet, self._quiet = self._quiet, False
-            if report is not None and not quiet and self.session.should_show(report):
-                self.display(report)
-                self.session.shown(report)
+            hook(*args)
         except Exception as e:
-            self.session.fault("post_run_cell", e)
+            self.session.fault(part, e)
+
+    def _begin(self, info: Any) -> None:
+        """A measured cell begins, unless this run is not one (nested, silent, nbmem's own command)."""
+        s = self.session
+        if self.nested or not s.monitoring or s.in_cell:
+            return
+        if getattr(info, "silent", False) or not getattr(info, "store_history", False):
+            return
+        raw = getattr(info, "raw_cell", "") or ""
+        if raw.lstrip().startswith("%%cudamem"):
+            return  # the cell magic measures this cell itself
+        own = own_command(raw)
+        if own is not None and own != "clean":
+            return  # nbmem's own command (or its refusal) moves no memory: nothing to report
+        # A cleanup is measured, so the records add up, but its own table already said what it freed, and
+        # `%cudamem report` and the measured cells a refusal lists leave it out.
+        s.begin_cell(self.shell.execution_count - 1, source=raw, own=own == "clean")
+        self._quiet = own == "clean"
+
+    def _end(self, result: Any) -> None:
+        """The measured cell ends: its report, shown where it says something."""
+        if self.nested:
+            return
+        if not self.session.in_cell:  # a cell nobody measured: the gauge's holder list follows it
+            if self.gauge is not None and not getattr(getattr(result, "info", None), "silent", False):
+                self.session.refresh_holders()
+            return
+        report = self.session.end_cell(getattr(result, "error_in_exec", None))
+        quiet, self._quiet = self._quiet, False
+        if report is not None and not quiet and self.session.should_show(report):
+            self.display(report)
+            self.session.shown(report)
 
     def display(self, obj: Any) -> None:
         from IPython.display import display
@@ -143,14 +159,10 @@ def load(shell: Any) -> None:
     loaded = Loaded(shell, options, session)
     try:
         loaded.flight = open_flight(session.subscribe, roots=session.adapter.roots)
-        for event, hook in loaded.flight.cell_hooks(lambda: shell.execution_count - 1, session.fault).items():
-            shell.events.register(event, hook)  # every cell, measured or not: the capsule names it
     except Exception as e:
         session.fault("the flight recorder", e)
     session.start()
     loaded.reconnect = reconnect_route(shell, session.cannot, session.fault, loaded.between)
-    for event, hook in loaded.between.hooks.items():  # every run, nested too: is a cell running now?
-        shell.events.register(event, hook)
 
     def _changed(change: Any) -> None:
         try:
@@ -177,8 +189,7 @@ def unload(shell: Any) -> None:
     if loaded is None:
         return
     magics = loaded.magics
-    hooks = [*(loaded.flight.hooks.items() if loaded.flight is not None else ()), *loaded.between.hooks.items()]
-    for event, fn in (("pre_run_cell", loaded.pre_run_cell), ("post_run_cell", loaded.post_run_cell), *hooks):
+    for event, fn in (("pre_run_cell", loaded.pre_run_cell), ("post_run_cell", loaded.post_run_cell)):
         with contextlib.suppress(ValueError):
             shell.events.unregister(event, fn)
     for configurable in (loaded.options, magics):  # IPython's Magics.__init__ adds itself there too

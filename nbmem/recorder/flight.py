@@ -153,6 +153,11 @@ def error_text(error: BaseException | None) -> tuple[str, bool]:
     return (f"{name}: {msg}"[:ERROR_CHARS] if cuda else name), cuda
 
 
+def _user_cell(info: Any) -> bool:
+    """Whether a run is a cell the user ran: it keeps history and is not silent (a cell magic's body is neither)."""
+    return bool(getattr(info, "store_history", False)) and not getattr(info, "silent", False)
+
+
 def write_private(directory: Path, name: str, data: bytes) -> None:
     """Write ``directory/name`` atomically, owner-only."""
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=directory)  # mkstemp: mode 0o600
@@ -177,7 +182,8 @@ def private_dir(path: Path) -> Path:
 
 
 class FlightRecorder:
-    """This kernel's capsule: fed by the session's records (``listen``) and the cell hooks (``running``).
+    """This kernel's capsule: fed by the session's records (``listen``) and the cells (``pre_run_cell``,
+    ``post_run_cell``: the adapter's cell hooks pass them on).
 
     ``parent`` is the process that started it (``parent_process``, read when True); ``roots`` gives the
     notebook's names, whose holders of host memory it reads (``read_host``)."""
@@ -215,7 +221,6 @@ class FlightRecorder:
         self._closed = False
         self.writes = 0
         self.last_bytes = 0
-        self.hooks: dict[str, Callable[[Any], None]] = {}
         self.last_death: Death | None = None  # how this notebook's previous kernel died (``open_flight``)
 
     @property
@@ -262,29 +267,16 @@ class FlightRecorder:
             if text:
                 self._error = {"cell": ended["number"] if ended else None, "error": text, "cuda": cuda, "t": now}
 
-    def cell_hooks(self, number: Callable[[], int], fault: Callable[[str, BaseException], None]
-                   ) -> dict[str, Callable[[Any], None]]:
-        """IPython's ``pre_run_cell`` and ``post_run_cell`` for this recorder (kept in ``hooks`` to unregister):
-        every cell the user runs, measured or not; a run that is silent or keeps no history (the body a cell
-        magic runs) is not one. ``number`` is the running cell's number; a failure goes to ``fault``."""
-        def user_cell(info: Any) -> bool:
-            return bool(getattr(info, "store_history", False)) and not getattr(info, "silent", False)
+    def pre_run_cell(self, info: Any, number: int) -> None:
+        """IPython's ``pre_run_cell``, passed on by the adapter's cell hooks: a user cell (``number``) started,
+        measured or not. A run that is silent or keeps no history (the body a cell magic runs) is not one."""
+        if _user_cell(info):
+            self.running(number, getattr(info, "raw_cell", "") or "")
 
-        def pre_run_cell(info: Any) -> None:
-            try:
-                if user_cell(info):
-                    self.running(number(), getattr(info, "raw_cell", "") or "")
-            except Exception as e:
-                fault("the flight recorder", e)
-
-        def post_run_cell(result: Any) -> None:
-            try:
-                if user_cell(getattr(result, "info", None)):
-                    self.running(None, error=getattr(result, "error_in_exec", None))
-            except Exception as e:
-                fault("the flight recorder", e)
-        self.hooks = {"pre_run_cell": pre_run_cell, "post_run_cell": post_run_cell}
-        return self.hooks
+    def post_run_cell(self, result: Any) -> None:
+        """IPython's ``post_run_cell``: the user cell ended, with its error."""
+        if _user_cell(getattr(result, "info", None)):
+            self.running(None, error=getattr(result, "error_in_exec", None))
 
     def _tick(self, samples: Sequence[Sample]) -> None:
         if not samples:
@@ -441,12 +433,6 @@ def claims(me: Identity, theirs: Identity) -> str:
             return (f"its parent process (PID {me.parent[0]}), the only thing nbmem knew it by: it had no notebook "
                     f"path, Jupyter kernel id or connection file")
     return ""
-
-
-def same_notebook(capsule: Mapping[str, Any], *, notebook: str, kernel: str, connection: str = "",
-                  parent: tuple[int, float] | None = None) -> bool:
-    """Whether a capsule is this notebook's (``claims``)."""
-    return bool(claims(Identity(notebook, kernel, connection, parent), identity_of(capsule)))
 
 
 def take_dead(directory: Path, *, notebook: str, kernel: str, connection: str = "",
