@@ -32,6 +32,8 @@ import { fmtBytes, isNA } from "./format.js";
  * @property {number|null} bytes null: unknown, shown as NA
  */
 
+// A row's columns: nbmem/ui/frontend.py's GAUGE_COLUMNS, as the kernel sends them (tests/test_segments.py
+// checks the two lists, and the DeviceRow properties above, are the same).
 const COLUMNS = ["device", "model", "allocated", "reserved", "process", "others", "used", "total", "tensors", "peak",
   "children", "limit", "near_limit"];
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -11,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from nbmem.ui.frontend import ROW_COLUMNS, js_dir, segment_spec
+from nbmem.ui.frontend import GAUGE_COLUMNS, ROW_COLUMNS, SAMPLED_COLUMNS, js_dir, segment_spec
 from nbmem.ui.plotting import stack
 
 GiB = 2**30
@@ -56,3 +57,14 @@ def test_the_spec_is_the_file_the_gauge_ships() -> None:
     assert (js_dir() / "segments.js").is_file()
     assert [d["key"] for d in spec["gpu"]] == ["allocated", "cached", "nontorch", "children", "others"]
     assert all(d["color"].startswith("#") and d["css"].startswith("--jp-") for d in [*spec["gpu"], *spec["cpu"]])
+
+
+def test_the_gauge_reads_back_the_columns_the_kernel_sends() -> None:
+    text = LAYOUT.read_text(encoding="utf-8")
+    listed = re.search(r"^const COLUMNS = (\[.*?\]);", text, re.M | re.S)
+    assert listed, "js/layout.js has no `const COLUMNS = [...]`"
+    assert json.loads(listed.group(1)) == list(GAUGE_COLUMNS)
+    typedef = text[text.index("@typedef {object} DeviceRow"):]
+    typedef = typedef[:typedef.index("*/")]
+    assert sorted(re.findall(r"@property \{[^}]*\} (\w+)", typedef)) == sorted(GAUGE_COLUMNS)
+    assert set(SAMPLED_COLUMNS) <= set(GAUGE_COLUMNS)

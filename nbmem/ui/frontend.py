@@ -41,8 +41,14 @@ def bundle(directory: Path | None = None) -> str:
     return "\n".join(parts)
 
 
-#: The sample column behind each column of a gauge row (``widget.snapshot_columns`` sends them under these
-#: names), by device kind; ``tensors`` on the CPU is the last scan's, not a sample column.
+#: A gauge row's columns, the one list of them: ``widget.snapshot_columns`` sends one list per name, one entry
+#: per device, and ``js/layout.js``'s ``COLUMNS`` reads them back into rows (tests/test_segments.py holds the
+#: two lists together).
+GAUGE_COLUMNS = ("device", "model", "allocated", "reserved", "process", "others", "used", "total", "tensors", "peak",
+                 "children", "limit", "near_limit")
+
+#: The sample column behind each column of a gauge row that a sample gives, by device kind; ``tensors`` on the
+#: CPU is the last scan's, not a sample column.
 ROW_COLUMNS: dict[str, dict[str, str]] = {
     "gpu": {"allocated": "allocated_bytes", "reserved": "reserved_bytes", "process": "process_used_bytes",
             "children": "children_used_bytes", "others": "other_processes_bytes", "used": "nvml_used_bytes",
@@ -50,6 +56,8 @@ ROW_COLUMNS: dict[str, dict[str, str]] = {
     "cpu": {"allocated": "allocated_bytes", "reserved": "reserved_bytes", "process": "rss_bytes",
             "used": "host_used_bytes", "total": "host_total_bytes"},
 }
+#: The gauge's columns a sample gives, on any device (a CPU row has None in those it lacks).
+SAMPLED_COLUMNS = tuple(dict.fromkeys(c for kind in ROW_COLUMNS.values() for c in kind))
 
 
 @functools.cache

@@ -34,7 +34,7 @@ import traitlets
 from nbmem.clean.request import CleanupRefused, CleanupRequest
 from nbmem.records import HOLDER_KINDS, CellRecord, Finding, HolderKind, Holders, Sample, Tick, kind_words
 from nbmem.reports import CellReport, CleanupReport, memory_name, near_limit
-from nbmem.ui.frontend import NO_FRONT_END, ROW_COLUMNS, bundle, in_kernel
+from nbmem.ui.frontend import GAUGE_COLUMNS, NO_FRONT_END, ROW_COLUMNS, SAMPLED_COLUMNS, bundle, in_kernel
 
 if TYPE_CHECKING:
     from nbmem.session import Session
@@ -54,15 +54,14 @@ _REFUSED_KEPT = 100
 def snapshot_columns(batch: Sequence[Sample], *, models: Mapping[str, str], peaks: Mapping[str, int],
                      cpu_tensors_bytes: int | None) -> dict[str, Any]:
     """One column per quantity, one entry per device (``cpu`` first); None where unknown."""
-    cols: dict[str, Any] = {k: [] for k in ("device", "model", "allocated", "reserved", "process", "others",
-                                             "used", "total", "tensors", "peak", "children", "limit", "near_limit")}
+    cols: dict[str, Any] = {k: [] for k in GAUGE_COLUMNS}
     cols["t"] = batch[0].t_wall if batch else time.time()
     for s in batch:
         cpu = s.device == "cpu"
         cols["device"].append(s.device)
         cols["model"].append(memory_name(s.memory_limit) if cpu else models.get(s.device, ""))
         source = ROW_COLUMNS["cpu" if cpu else "gpu"]
-        for c in ("allocated", "reserved", "process", "others", "used", "total", "children"):
+        for c in SAMPLED_COLUMNS:
             cols[c].append(getattr(s, source[c]) if c in source else None)
         cols["tensors"].append(cpu_tensors_bytes if cpu else None)
         cols["peak"].append(peaks.get(s.device))
