@@ -13,6 +13,7 @@ from unittest import mock
 import pytest
 import torch
 
+from nbmem.holders import walk
 from nbmem.holders.findings import current, findings, graph_candidates
 from nbmem.holders.scanner import Scanner
 from nbmem.holders.walk import Root
@@ -28,6 +29,13 @@ def _nothing_ran():
     RAN.clear()
     yield
     assert RAN == [], f"user code ran during the scan: {RAN}"
+
+
+def test_each_strategy_name_in_the_walk_is_its_member_and_every_type_gets_a_named_one() -> None:
+    for member in walk.Strategy:
+        assert getattr(walk, f"_{member.name}") is member
+    info = walk.classify(OrderedDict, torch.Tensor, torch.nn.Module, torch.optim.Optimizer)
+    assert info.strategy is walk.Strategy.DICT and "DICT" in repr(info)
 
 
 def roots(ns: dict) -> list[Root]:

@@ -13,13 +13,13 @@ import time
 from collections import deque
 from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from nbmem.formatting import fmt_bytes
 from nbmem.holders import findings as judge
 from nbmem.holders import owners, pools
 from nbmem.holders.freeing import Keepers
-from nbmem.holders.graphs import Graph
+from nbmem.holders.graphs import Graph, GraphState
 from nbmem.holders.grouping import Grouping
 from nbmem.holders.held import Held
 from nbmem.holders.scanner import Scan, Scanner
@@ -35,7 +35,14 @@ CELLS_KEPT = 10_000
 #: walk says so in the gauge, whose "rescan" walks everything).
 REFRESH_BUDGET_S = 0.05
 
-Mark = tuple[Any, ...]
+
+class Mark(NamedTuple):
+    """What a scan is compared with to tell whether another could find more: CUDA allocated per device, the C
+    heap's bytes in use (None: unknown) and the namespace's fingerprint."""
+
+    allocated: tuple[tuple[str, int | None], ...]
+    heap: int | None
+    fingerprint: Any
 
 
 @dataclass(frozen=True)
@@ -47,6 +54,19 @@ class Baseline:
     mentioned: frozenset[str]
     gen_collections: int
     heap_bytes: int | None
+
+
+class _GraphsRead(NamedTuple):
+    """The graphs of everything held now, and what they were read from: kept while none of it changed."""
+
+    scan: Scan
+    holders: list[int]  # the storages that hold a graph
+    truncated: bool
+    ends: int  # storages ended so far (``Storages.ends``)
+    walked: list[GraphState | None]  # each holder's graph as walked
+    saved: frozenset[int]  # the storages those graphs save
+    graphs: dict[int, Graph]
+    saved_in: dict[int, list[int]]  # ``Keepers.saved_in``, made from these graphs
 
 
 class Holdings:
@@ -67,7 +87,7 @@ class Holdings:
         self._finding_cache: dict[int, Any] = {}
         self._row_cache = owners.RowCache()
         self._grouping = Grouping()  # the latest scan looked at whole, by owner
-        self._graphs: tuple[Any, ...] | None = None  # what the last graphs of everything held now were read from
+        self._graphs: _GraphsRead | None = None  # what the last graphs of everything held now were read from
         self._current = owners.Rows((), ())
         self._current_of: Scan | None = None  # the scan _current was computed from
         self.scanned_at: float | None = None  # epoch seconds of the latest scan (the gauge says how old it is)
@@ -114,7 +134,7 @@ class Holdings:
     def mark(self, allocator: Any = None) -> Mark:
         readings = self.probe.allocator() if allocator is None else allocator
         alloc = tuple(sorted((d, r.allocated_bytes if r else None) for d, r in readings.items()))
-        return alloc, heap_bytes() if heap_bytes else None, self.adapter.fingerprint()
+        return Mark(alloc, heap_bytes() if heap_bytes else None, self.adapter.fingerprint())
 
     def _changed_since_scan(self, mark: Mark) -> bool:
         """Whether a new scan could find something new: memory moved (CUDA allocated by any amount,
@@ -193,7 +213,7 @@ class Holdings:
         # (a gradient, a swapped storage), and at last every other root.
         for walk in ("invalid", "rest"):
             left = budget - (time.perf_counter() - t0)
-            if left <= 0 or cur.truncated or not self._unexplained(base, before, after, cur, mark[1]):
+            if left <= 0 or cur.truncated or not self._unexplained(base, before, after, cur, mark.heap):
                 break
             cur = self.rescan(cell=cell, walk=walk, budget_s=left, mark=mark)
         return cur
@@ -289,22 +309,22 @@ class Holdings:
         holders = cur.holding_graphs()
         states = [self.scanner.storages.states.get(sid) for sid in holders]
         walked = [st.graph if st is not None else None for st in states]
-        same = self._graphs is not None and self._graphs[1:5] == (holders, cur.truncated, self.scanner.storages.ends(),
-                                                                  walked)
-        if same and self._graphs is not None:
-            changed = self.scanner.updates.changed(self._graphs[0], cur)
-            if (changed is not None and self._graphs[5].isdisjoint(changed) and all(
+        last = self._graphs
+        if last is not None and (last.holders, last.truncated, last.ends, last.walked) == (
+                holders, cur.truncated, self.scanner.storages.ends(), walked):
+            changed = self.scanner.updates.changed(last.scan, cur)
+            if (changed is not None and last.saved.isdisjoint(changed) and all(
                     st is not None and st.graph is not None and st.graph_tensor is not None
                     and _same_tensor(st.graph.tensor(), st.graph_tensor()) for st in states)):
-                self._graphs = (cur, *self._graphs[1:])
-                return self._graphs[6], Keepers(cur.storages, self._graphs[6], self._graphs[7])
+                self._graphs = last._replace(scan=cur)
+                return last.graphs, Keepers(cur.storages, last.graphs, last.saved_in)
         graphs = self.scanner.graphs(holders, exclude=cur.storages, budget_s=self.settings.scan_budget_s,
                                      truncated=cur.truncated)
         keepers = Keepers(cur.storages, graphs)
         walked = [st.graph if st is not None else None for st in states]  # as the walk left them
         saved = frozenset(g for gs in walked if gs is not None for g in gs.saved)
-        self._graphs = (cur, holders, cur.truncated, self.scanner.storages.ends(), walked, saved, graphs,
-                        keepers.saved_in)
+        self._graphs = _GraphsRead(cur, holders, cur.truncated, self.scanner.storages.ends(), walked, saved, graphs,
+                                   keepers.saved_in)
         return graphs, keepers
 
     def note(self) -> str:

@@ -9,6 +9,7 @@ speed instead of being walked in Python. What to do with each type is decided on
 
 from __future__ import annotations
 
+import enum
 import functools
 import sys
 import time
@@ -24,9 +25,37 @@ from nbmem.records import HolderKind
 
 #: Containers at least this long are first tried as a whole, at C speed.
 BULK_MIN = 64
-# Walk strategies, decided once per type.
+
+
+class Strategy(enum.Enum):
+    """How a walk reads an object, decided once per type (``classify``); ``Walk._visit`` has a branch for each."""
+
+    SKIP = "nothing in it can hold a tensor: atoms, descriptors, weak references, a library's objects"
+    TENSOR = "a tensor: its storage, a sparse tensor's parts, its gradient, a subclass's attributes"
+    DICT = "a dict's items, then its attributes"
+    SEQ = "a list, tuple or deque's elements, then its attributes"
+    SET = "a set's elements, then its attributes"
+    NNMOD = "an nn.Module's parameters, buffers, submodules and attributes"
+    FUNC = "a function's closure cells, defaults and attributes"
+    METHOD = "a bound method's object and function"
+    PARTIAL = "a functools.partial's function and arguments"
+    PYMOD = "a user's own module's attributes (sys.modules' are roots of their own)"
+    CLASS = "a user class's own attributes (a library's class is not walked)"
+    GEN = "a suspended generator's or coroutine's locals"
+    CELL = "a closure cell's contents"
+    EXC = "an exception's args and attributes"
+    LRU = "an lru_cache's cached results"
+    REFS = "what a C iterator or a dict view references"
+    OBJ = "an instance's attributes and slots"
+    ARRAY = "the objects in a numpy array of dtype object"
+    FRAME = "the object columns of a pandas frame or series"
+
+
+# The strategies as module globals, tested by identity in ``Walk._visit``'s chain: as fast as comparing plain
+# ints, where ``Strategy.DICT`` would look the member up on the class at every object (tests/test_holders.py
+# checks each name is its member).
 (_SKIP, _TENSOR, _DICT, _SEQ, _SET, _NNMOD, _FUNC, _METHOD, _PARTIAL, _PYMOD, _CLASS, _GEN, _CELL, _EXC,
- _LRU, _REFS, _OBJ, _ARRAY, _FRAME) = range(19)
+ _LRU, _REFS, _OBJ, _ARRAY, _FRAME) = Strategy
 #: numpy's array and pandas' frames and series: libraries, but their object columns can hold tensors.
 _ARRAY_BASE, _FRAME_BASE = ("numpy", "ndarray"), ("pandas.core.generic", "NDFrame")
 #: The most elements of one object array read (a longer one is read up to here).
@@ -60,22 +89,22 @@ _INERT_TYPES = (weakref.ProxyType, weakref.CallableProxyType, types.CodeType, ty
 
 @dataclass
 class _TypeInfo:
-    strategy: int
+    strategy: Strategy
     layout: reach.Layout | None = None
     optimizer: bool = False
     state: str = ""  # intent.state_of the type: "model", "optimizer", ... or ""
 
     @property
     def module(self) -> bool:
-        return self.strategy == _NNMOD
+        return self.strategy is _NNMOD
 
     @property
     def dict(self) -> bool:
-        return self.strategy == _DICT
+        return self.strategy is _DICT
 
     @property
     def generator(self) -> bool:
-        return self.strategy == _GEN
+        return self.strategy is _GEN
 
     @property
     def object_(self) -> bool:
@@ -196,7 +225,7 @@ class Walk:
     def root(self, r: Root) -> None:
         self.roots.append(r)
         # numpy's arrays are not tracked by the collector, even those holding objects: as a root, one is walked
-        array = self.info(type(r.obj)).strategy == _ARRAY
+        array = self.info(type(r.obj)).strategy is _ARRAY
         self._add(r.obj, -1, L_ROOT, len(self.roots) - 1, len(self.roots) - 1, array)
 
     def _add(self, obj: Any, parent: int, lk: int, lv: Any, root: int, untracked: bool = False) -> int | None:
@@ -262,28 +291,28 @@ class Walk:
         info = self.info(type(obj))
         s = info.strategy
         add = self._add
-        if s == _SKIP:
+        if s is _SKIP:
             return
-        if s == _TENSOR:
+        if s is _TENSOR:
             self._tensor(obj, node, root, info)
-        elif s == _DICT:
+        elif s is _DICT:
             plain = reach.is_plain(obj)
             if plain and dict.__len__(obj) >= BULK_MIN and self._inert(obj):
                 return
             self._dict(reach.dict_items(obj), node, root)
             self._instance(obj, node, root, info, plain=plain)
-        elif s == _SEQ or s == _SET:
+        elif s is _SEQ or s is _SET:
             plain = reach.is_plain(obj)
             if plain and len(obj) >= BULK_MIN and self._inert(obj):
                 return
             items = obj if type(obj) is list or type(obj) is tuple else reach.seq_items(obj)
-            label, kind = (L_INDEX, None) if s == _SEQ else (L_TEXT, "{…}")
+            label, kind = (L_INDEX, None) if s is _SEQ else (L_TEXT, "{…}")
             for i, v in enumerate(items):
                 if i and not i & 4095 and self.out_of_time():
                     return
                 add(v, node, label, i if kind is None else kind, root)
             self._instance(obj, node, root, info, plain=plain)
-        elif s == _NNMOD:
+        elif s is _NNMOD:
             d = reach.instance_dict(obj, info.layout) if info.layout else None
             if d is None:
                 return
@@ -298,56 +327,56 @@ class Walk:
             for k, v in reach.dict_items(d):
                 if type(k) is not str or k not in ("_parameters", "_buffers", "_modules"):  # no key's __eq__
                     add(v, node, L_ATTR, k, root)
-        elif s == _FUNC:
+        elif s is _FUNC:
             for v, lk, lv in inside.function_refs(obj):
                 add(v, node, lk, lv, root)
-        elif s == _METHOD:
+        elif s is _METHOD:
             add(types.MethodType.__self__.__get__(obj), node, L_ATTR, "__self__", root)
             add(types.MethodType.__func__.__get__(obj), node, L_ATTR, "__func__", root)
-        elif s == _PARTIAL:
+        elif s is _PARTIAL:
             p = functools.partial
             add(p.func.__get__(obj), node, L_ATTR, "func", root)
             for i, v in enumerate(p.args.__get__(obj) or ()):
                 add(v, node, L_TEXT, f".args[{i}]", root)
             for k, v in reach.dict_items(p.keywords.__get__(obj) or {}):
                 add(v, node, L_TEXT, f".keywords[{reach.key_label(k)}]", root)
-        elif s == _LRU:  # a cache of results: in its own dict (maxsize=None), else linked from the wrapper
+        elif s is _LRU:  # a cache of results: in its own dict (maxsize=None), else linked from the wrapper
             own = reach.instance_dict(obj, info.layout) if info.layout else None
             for v in reach.referents(obj):
                 if v is not own and type(v) is not type and type(v) is not types.FunctionType:
                     add(v, node, L_TEXT, ".<lru_cache>" if type(v) is dict else ".<lru_cache>[…]", root)
             self._instance(obj, node, root, info, plain=False)
-        elif s == _REFS:
+        elif s is _REFS:
             for v in reach.referents(obj):
                 if type(v) is not type:
                     add(v, node, L_TEXT, ".<iterator>", root)
-        elif s == _PYMOD:
+        elif s is _PYMOD:
             if self._in_sys_modules(obj) or not reach.is_user_module(obj):
                 return  # modules in sys.modules are roots of their own; libraries are not walked
             self._dict(reach.dict_items(reach.module_dict(obj) or {}), node, root, attrs=True)
-        elif s == _CLASS:
+        elif s is _CLASS:
             if reach.is_library_module(reach.type_module(obj)):
                 return
             for k, v in reach.own_items(obj):
                 if type(k) is str and not k.startswith("__"):
                     add(v, node, L_ATTR, k, root)
-        elif s == _GEN:
+        elif s is _GEN:
             for v in reach.generator_locals(obj):
                 add(v, node, L_TEXT, ".<suspended local>", root)
-        elif s == _CELL:
+        elif s is _CELL:
             try:
                 add(_CELL_CONTENTS.__get__(obj), node, L_TEXT, "", root)
             except ValueError:  # an empty cell
                 pass
-        elif s == _ARRAY:
+        elif s is _ARRAY:
             for v in self._objects(obj):
                 add(v, node, L_TEXT, "[…]", root)
-        elif s == _FRAME:
+        elif s is _FRAME:
             d = reach.instance_dict(obj, info.layout) if info.layout else None
             for a in inside.frame_arrays(d.get("_mgr") if d is not None else None, self._is_array):
                 for v in self._objects(a):
                     add(v, node, L_TEXT, ".<values>[…]", root)
-        elif s == _EXC:
+        elif s is _EXC:
             for i, v in enumerate(BaseException.__dict__["args"].__get__(obj)):
                 add(v, node, L_TEXT, f".args[{i}]", root)
             self._instance(obj, node, root, info, plain=False)
@@ -355,7 +384,7 @@ class Walk:
             self._instance(obj, node, root, info, plain=False)
 
     def _is_array(self, t: type) -> bool:
-        return self.info(t).strategy == _ARRAY
+        return self.info(t).strategy is _ARRAY
 
     def _objects(self, arr: Any) -> list[Any]:
         """The objects in a numpy array of dtype object; a long run of plain data proven inert is none."""
@@ -375,7 +404,7 @@ class Walk:
             if n and not n & 4095 and self.out_of_time():
                 return
             if tracked(k):  # an object as the key: a tensor (optimizer state) is named by its own path
-                if self.info(type(k)).strategy == _TENSOR:
+                if self.info(type(k)).strategy is _TENSOR:
                     add(k, node, L_TEXT, ".keys()[…]", root)
                     add(v, node, L_TKEY, k, root)
                 else:
