@@ -111,13 +111,6 @@ class Settings:
                         "sidebar, inline in VS Code and Colab, none in a terminal.",
                         choices=("auto", "sidebar", "inline", "none"))
 
-    def with_option(self, name: str, value: Any) -> Settings:
-        """A copy with ``Nbmem.<name>`` set, checked; OptionError (nothing changes) when refused."""
-        opt = OPTION_BY_NAME.get(name)
-        if opt is None:
-            raise OptionError(f"nbmem has no option {name!r}; options: {', '.join(OPTION_BY_NAME)}")
-        return replace(self, **{opt.attr: opt.check(value)})
-
     def option(self, name: str) -> Any:
         return getattr(self, OPTION_BY_NAME[name].attr)
 

@@ -1,13 +1,13 @@
 """The engine: one per shell. Owns the sources, the sampler, the store, the holdings and the cleanup door.
 
-It knows nothing of IPython: the magics adapter calls ``begin_cell``/``end_cell`` and the public API
-with plain values and an adapter object. Consumers (the gauge, an exporter) ``subscribe`` to what it
-produces (``Tick``, ``CellReport``, ``Holders``, ``CleanupReport``) and read it through its methods;
-nothing outside reaches into its store, sampler or sources. Faults inside nbmem are recorded here and
-reported once.
+It knows nothing of IPython: the IPython adapter (its cell hooks in ``ipython.root``, the ``%%cudamem`` magic)
+calls ``begin_cell``/``end_cell`` and the public API with plain values and an adapter object. Consumers (the
+gauge, an exporter) ``subscribe`` to what it produces (``Tick``, ``CellReport``, ``Holders``,
+``CleanupReport``) and read it through its methods; nothing outside reaches into its store, sampler or
+sources. Faults inside nbmem are recorded here and reported once.
 
-The work is in rooms of its own: a measured cell in ``cellwatch``, the holder scans and findings in
-``holdings``, cleanup in ``cleaner``; this class wires them and publishes what they make.
+The work is in rooms of its own: a measured cell in ``cells.watch``, the holder scans and findings in
+``holders.holdings``, cleanup in ``clean.cleaner``; this class wires them and publishes what they make.
 """
 
 from __future__ import annotations
@@ -363,7 +363,7 @@ class Session:
             show: Callable[[str, bool], None] | None = None, host_limit: int | None = None) -> FitResult:
         """Run ``body`` once per value (a cell's source, ``name`` bound; or a function of the value) and
         predict the largest value that fits (on ``on``, another GPU, where given); the modules and optimizers
-        it reaches are restored after. ``show``: where the fit's progress line goes (``fitting.progress``)."""
+        it reaches are restored after. ``show``: where the fit's progress line goes (``fitting.runs.progress``)."""
         from nbmem.fitting.runs.notebook import fit_in_notebook  # imported when a fit is asked for, not on load
 
         try:

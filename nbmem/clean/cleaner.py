@@ -1,6 +1,6 @@
 """Cleanup: the one way back into the user's state, taken only on an explicit request.
 
-A ``CleanupRequest`` (``cleanup_request``) is the single door: ``nbmem.cleanup()``, ``%cudamem clean`` and
+A ``CleanupRequest`` (``request``) is the single door: ``nbmem.cleanup()``, ``%cudamem clean`` and
 the gauge's buttons all build one, the engine checks all of it before anything changes, and ``Cleaner``
 runs its steps in a fixed order, measuring the bytes each one gave back. A step that fails is recorded in
 the report; the steps before it keep their results.

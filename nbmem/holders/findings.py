@@ -200,7 +200,7 @@ def changes(cur: Scan, prev: Scan | None, *, threshold_bytes: int, graphs: Mappi
     nothing. A variable that reached the memory only through an object another name still holds (an
     iterator over a dataset still named) kept nothing of its own: losing it is not news either.
 
-    ``changed``, when known (``Scanner.changed``): the storages whose records differ between the two scans;
+    ``changed``, when known (``Updates.changed``): the storages whose records differ between the two scans;
     the others are the same records, so only these are looked at (a model's thousands are not, issue 38).
     """
     prev_storages = prev.storages if prev is not None else {}

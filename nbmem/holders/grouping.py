@@ -54,7 +54,7 @@ def _ordered(groups: Mapping[Key, Group]) -> dict[Key, Group]:
 
 class Grouping:
     """Every storage of the latest scan it was given, by owner; brought up to a newer scan from the storage ids
-    whose records changed in between (``Scanner.changed``), or regrouped whole when those are not known."""
+    whose records changed in between (``Updates.changed``), or regrouped whole when those are not known."""
 
     def __init__(self) -> None:
         self.scan: Scan | None = None

@@ -71,7 +71,7 @@ class Scan:
     error_types: tuple[str, ...] = ()
     root_types: Mapping[str, str] = field(default_factory=dict)  # root path -> its object's type name
     root_state: Mapping[str, str] = field(default_factory=dict)  # root path -> what state it is ("model", ...)
-    serial: tuple[int, int] = (0, 0)  # (its scanner, its update): what ``Scanner.changed`` compares; 0: unknown
+    serial: tuple[int, int] = (0, 0)  # (its scanner, its update): what ``Updates.changed`` compares; 0: unknown
     graph_holders: tuple[int, ...] | None = None  # the storages that hold a graph, in ``storages``' order; None: ask
 
     def holding_graphs(self) -> list[int]:

@@ -60,7 +60,7 @@ def cell_rows(cur: Scan, prev: Scan | None, cell: int, *, threshold_bytes: int, 
               lines: Mapping[int, int], changed: Collection[int] | None = None,
               owners_before: Collection[str] | None = None) -> Rows:
     """What ``cell`` added: its owners over the threshold, and the per-storage rows behind them. ``changed``:
-    the storages whose records differ between ``prev`` and ``cur`` (``Scanner.changed``), when known;
+    the storages whose records differ between ``prev`` and ``cur`` (``Updates.changed``), when known;
     ``owners_before``: the owners ``prev`` held memory under, when known (both spare a pass over every storage)."""
     c = judge.changes(cur, prev, threshold_bytes=threshold_bytes, graphs=graphs, changed=changed)
     before = prev.storages if prev is not None else {}

@@ -174,11 +174,6 @@ def seq_items(obj: Any) -> list[Any]:
     return []
 
 
-def any_tracked(items: Any) -> bool:
-    """Whether any element can hold a reference to another object (C speed)."""
-    return any(map(is_tracked, items))
-
-
 _STEP = 65536  # children per C call: a few milliseconds, so a deadline is checked often
 _DEPTH = 64  # plain containers nested deeper than this (or in a cycle) are left to the ordinary walk
 

@@ -1,8 +1,8 @@
 """What a ``%cudamem`` line says about itself: which cells are nbmem's own commands, and what a mistyped
 command or option is told (the closest match, and the ones it takes).
 
-Plain text over the magic's own tables, below IPython: the adapter (``magics.py``) raises it as a
-``UsageError`` and decides from it which cells to measure.
+Plain text over the magic's own tables, below IPython: the adapter raises it as a ``UsageError``
+(``magics.py``) and decides from it which cells to measure (``root.py``'s cell hooks).
 """
 
 from __future__ import annotations

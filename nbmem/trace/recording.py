@@ -1,6 +1,6 @@
 """One cell's allocator recording: the event trace (exact peaks) and, for ``--lines``, which line ran when.
 
-Where per-cell peaks come from: the allocator's cumulative counters first (``cells.cell_peak``), and
+Where per-cell peaks come from: the allocator's cumulative counters first (``cells.peaks.cell_peak``), and
 when they cannot pin the peak, this recording, replayed (``linetrace.replay``). A recording the user
 started themselves is only read. Whatever fails, nothing nbmem started is left running, and failures
 are recorded through ``fault`` (never raised into the user's cell).
