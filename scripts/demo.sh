@@ -1,13 +1,24 @@
 #!/usr/bin/env bash
 # The demo: sets up .venv (scripts/setup.sh: the CPU build of torch where no NVIDIA driver is, NBMEM_TORCH overrides), then starts JupyterLab
-# with notebooks/quickstart.ipynb open and prints the URL to open. Arguments go to `jupyter lab` (e.g. --port=9999).
+# with a copy of notebooks/quickstart.ipynb open and prints the URL to open. Arguments go to `jupyter lab` (e.g. --port=9999).
 # Jupyter's news pop-up is off for the demo only (scripts/demo-config); your own Jupyter settings are untouched.
+#
+# JupyterLab saves a notebook as it runs, outputs and all, and notebooks/ is kept without outputs
+# (tests/test_notebooks.py). So the demo works on copies: notebooks/*.ipynb are copied into demo/ (ignored by
+# git) where they are missing, and JupyterLab serves demo/ only. A later run keeps the copies as you left them;
+# delete demo/ (or one notebook in it) for fresh ones.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 
-NOTEBOOK=notebooks/quickstart.ipynb
+DEMO=demo
+mkdir -p "$DEMO"
+for nb in notebooks/*.ipynb; do
+  [ -e "$DEMO/${nb##*/}" ] || cp "$nb" "$DEMO/"
+done
+NOTEBOOK=quickstart.ipynb
 args=(
+  --ServerApp.root_dir="$PWD/$DEMO" # the copies only: the committed notebooks are neither shown nor saved
   --LabApp.default_url="/lab/tree/$NOTEBOOK" # the URLs it prints open the notebook, not the Launcher
   --LabApp.news_url=None
   --LabApp.check_for_updates_class=jupyterlab.NeverCheckForUpdate
@@ -35,5 +46,6 @@ print(i["url"] + "lab/tree/" + sys.argv[2] + "?token=" + i["token"])' "$info" "$
     sleep 0.2
   done
 ) &
-echo "starting JupyterLab (~3 s) on $NOTEBOOK, in the foreground: Ctrl-C twice stops it"
+echo "the demo's notebooks are copies in $DEMO/ (notebooks/ stays as committed; delete $DEMO/ for fresh copies)"
+echo "starting JupyterLab (~3 s) on $DEMO/$NOTEBOOK, in the foreground: Ctrl-C twice stops it"
 exec .venv/bin/jupyter lab "${args[@]}" "$@"
