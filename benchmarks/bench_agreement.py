@@ -391,11 +391,11 @@ class Body:
     """A bench_fit family's model and optimizer on the GPU, and the state every try starts from."""
 
     def __init__(self, torch: Any, fam: Any, steps: int) -> None:
+        from nbmem.clean.release import TorchRelease
         from nbmem.fitting.runs.state import snapshot_state
-        from nbmem.measure.sources import TorchSource
 
         self.torch, self.fam, self.steps = torch, fam, steps
-        self.src = TorchSource()
+        self.src = TorchRelease()
         self.device = torch.cuda.current_device()
         self.model = fam.make("cuda")
         self.opt = fam.optimizer(self.model)

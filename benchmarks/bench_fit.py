@@ -742,10 +742,10 @@ def _slim(entries: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def measure(torch: Any, fitting: Any, fam: Family, state: str, row: Row, competitors: dict[str, Any],
             saved: list[dict[str, Any]], keep_traces: bool) -> None:
     """One row: the state, nbmem's fit, the straight line, the real boundary, and the comparisons."""
+    from nbmem.clean.release import TorchRelease
     from nbmem.fitting.analysis import prediction as fitmod
     from nbmem.fitting.runs import multigpu
     from nbmem.fitting.runs.state import restore_state, snapshot_state
-    from nbmem.measure.sources import TorchSource
 
     model = fam.make("cuda")
     opt = fam.optimizer(model)
@@ -816,7 +816,7 @@ def measure(torch: Any, fitting: Any, fam: Family, state: str, row: Row, competi
     # the real boundary (with --out, the trace of the largest run that fitted and of the smallest that did not)
     trials: list[dict[str, Any]] = []
     edges: dict[str, Any] = {}
-    source = TorchSource()
+    source = TorchRelease()
 
     def three_in_a_row(v: int) -> bool:
         ok = True
@@ -1049,13 +1049,14 @@ def measure_remedies(torch: Any, fitting: Any, fam: Family, rows: list[RemedyRow
     fit measured (applied as the fit applies it), by bisection with real OOMs."""
     from contextlib import nullcontext
 
+    from nbmem.clean.release import TorchRelease
     from nbmem.fitting.analysis.model import margin_bytes_for
     from nbmem.fitting.runs import multigpu, remedies
     from nbmem.fitting.runs.state import restore_state, snapshot_state
     from nbmem.formatting import fmt_bytes
-    from nbmem.measure.sources import TorchSource
 
     hold: list[Any] = []
+    release = TorchRelease()
     margin = None
     if room_gib:
         free, _ = torch.cuda.mem_get_info()
@@ -1136,10 +1137,10 @@ def measure_remedies(torch: Any, fitting: Any, fam: Family, rows: list[RemedyRow
             # Each try starts as the fit left the user: the cuBLAS workspaces the last try made go (as the fit's
             # go), else one stays pinning the segment it was made in, whose free part the next try cannot use
             # for its large blocks (716 MiB of 748 MiB under bf16: 2,356 where the fit's state allows 2,546).
-            fitting.give_back_workspaces(TorchSource(), {torch.cuda.current_device(): before})
+            fitting.give_back_workspaces(release, {torch.cuda.current_device(): before})
             free = torch.cuda.mem_get_info()[0]
             reserved = torch.cuda.memory_reserved()
-            trace = TorchSource().start_trace(stacks=False, max_entries=1_000_000) if saved is not None else None
+            trace = release.start_trace(stacks=False, max_entries=1_000_000) if saved is not None else None
             try:
                 with nullcontext() if cand is None else cand.applied():
                     for _ in range(3):
@@ -1153,7 +1154,7 @@ def measure_remedies(torch: Any, fitting: Any, fam: Family, rows: list[RemedyRow
                     raise
                 ok = False
             finally:
-                entries = (TorchSource().finish_trace(trace, read=True) or [[]])[0] if trace is not None else []
+                entries = (release.finish_trace(trace, read=True) or [[]])[0] if trace is not None else []
                 ns.clear()
                 restore_state(start)
                 gc.collect()
@@ -1166,7 +1167,7 @@ def measure_remedies(torch: Any, fitting: Any, fam: Family, rows: list[RemedyRow
         t = time.perf_counter()
         row.real, row.real_hi = boundary(three_in_a_row, row.predicted or fam.values[-1])
         drift.append((f"after the {label} bisection", outside()))
-        fitting.give_back_workspaces(TorchSource(), {torch.cuda.current_device(): before})  # as after the training rows
+        fitting.give_back_workspaces(release, {torch.cuda.current_device(): before})  # as after the training rows
         if saved is not None and label in by_name:
             runs, room, segments = by_name[label]
             saved.append({"family": f"{fam.name}/{label}", "state": "fresh", "values": list(fam.values),

@@ -193,9 +193,9 @@ class Gpu:
     """What every row does on the GPU: settle the devices between tries, and the three steps in a row."""
 
     def __init__(self, torch: Any, fitting: Any) -> None:
-        from nbmem.measure.sources import TorchSource
+        from nbmem.clean.release import TorchRelease
 
-        self.torch, self.fitting, self.src = torch, fitting, TorchSource()
+        self.torch, self.fitting, self.src = torch, fitting, TorchRelease()
 
     def settle(self, devices: Sequence[int]) -> None:
         gc.collect()

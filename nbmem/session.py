@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from nbmem.cells.advice import RESTART_ADVICE
 from nbmem.cells.watch import CellWatch
 from nbmem.clean.cleaner import Cleaner
+from nbmem.clean.release import TorchRelease
 from nbmem.clean.request import CleanupRequest
 from nbmem.formatting import plural, spans
 from nbmem.holders.holdings import REFRESH_BUDGET_S, Holdings
@@ -86,14 +87,14 @@ class Session:
         self.adapter = adapter
         self.settings = settings
         self.probe = probe or Probe()
+        self.release = TorchRelease()  # the one way torch's memory is given back: a cleanup's steps, a fit's runs
         self.notify = notify
         self.store = Store(ticks=ticks_for(settings.history_s, settings.interval_s))
         self.sampler: Sampler[Sample] = Sampler(self.probe.samples, self._on_tick, interval_s=settings.interval_s,
                                                 on_error=lambda e: self.fault("sampler", e))
         self.holdings = Holdings(adapter, self.probe, lambda: self.settings)
         self.cells = CellWatch(adapter, self.probe, self.holdings, self.store, lambda: self.settings, self.fault)
-        self.monitoring = False
-        self.cuda_broken = False
+        self.monitoring = self.cuda_broken = False
         self._faults: dict[str, Fault] = {}
         self._told: set[str] = set()
         self.cannot: list[str] = []  # what the adapter found this kernel cannot do, for `%cudamem status`
@@ -340,7 +341,7 @@ class Session:
         return out
 
     def _empty_cache(self) -> bool:
-        return not self.cuda_broken and self.probe.torch.empty_cache()
+        return not self.cuda_broken and self.release.empty_cache()
 
     def cleanup(self, request: CleanupRequest) -> CleanupReport:
         """Check the whole request (CleanupRefused, nothing removed), then run it and report each step."""
@@ -348,7 +349,7 @@ class Session:
         if self.cuda_broken:
             self.notify(RESTART_ADVICE)
         held_by = self.holdings.held_by(request.names)
-        rep = Cleaner(self.adapter, self._measure, self._empty_cache, self.probe.torch.reset_compiled).run(request)
+        rep = Cleaner(self.adapter, self._measure, self._empty_cache, self.release.reset_compiled).run(request)
         self.holdings.rescan(cell=0, walk="changed")
         rep = replace(rep, still_held=self.holdings.still_held(held_by))
         self.holdings.forget_current()
@@ -367,7 +368,7 @@ class Session:
         from nbmem.fitting.runs.notebook import fit_in_notebook  # imported when a fit is asked for, not on load
 
         try:
-            result = fit_in_notebook(self.adapter, self.probe.torch, self.holdings.scanner.type_cache, body, name,
+            result = fit_in_notebook(self.adapter, self.release, self.holdings.scanner.type_cache, body, name,
                                      values, cell=cell, warmup=warmup, restore=restore,
                                      budget_s=self.settings.scan_budget_s, want=want, on=on,
                                      own_used=self.probe.nvml.own_used, show=show, host_limit=host_limit)

@@ -1,4 +1,4 @@
-"""What a fit puts back (``fitting.state``), on CPU tensors: training after a fit goes on exactly as without it.
+"""What a fit puts back (``fitting.runs.state``), on CPU tensors: training after a fit goes on exactly as without it.
 
 A seeded training setup (OneCycleLR stepped each step, a gradient scaler, dropout, BatchNorm) is built twice
 the same way. One copy is saved, trained a few steps and restored; the other never trains. The next step of

@@ -15,9 +15,9 @@ from typing import Any
 import pytest
 
 import nbmem
+from nbmem.clean.release import TorchRelease
 from nbmem.holders import pools
 from nbmem.ipython.root import root_of
-from nbmem.measure.sources import TorchSource
 from nbmem.records import AllocatorReading, PoolUse
 from nbmem.reports import UNATTRIBUTED, UNATTRIBUTED_SHORT, CellReport
 from tests.conftest import ok
@@ -88,11 +88,12 @@ def test_the_report_counts_the_pool_apart_from_unattributed() -> None:
 
 
 # -- the engine, with a stand-in for the CUDA allocator ------------------------------------------------------
-class GraphPoolAllocator(TorchSource):
+class GraphPoolAllocator(TorchRelease):
     """One CUDA device whose counters and segments the test moves as a compiled model's CUDA graphs would.
 
-    Everything else is the real TorchSource: ``reset_compiled`` runs the real ``torch._dynamo.reset()``, after
-    which the pool's memory is cached, and ``empty_cache`` gives it back, as the allocator does.
+    Everything else is the real TorchRelease: ``reset_compiled`` runs the real ``torch._dynamo.reset()``, after
+    which the pool's memory is cached, and ``empty_cache`` gives it back, as the allocator does. The session reads
+    it (``probe.torch``) and gives back through it (``release``).
     """
 
     def __init__(self) -> None:
@@ -132,7 +133,7 @@ class GraphPoolAllocator(TorchSource):
             seg["allocated_size"] = 0
         return note
 
-    def empty_cache(self) -> bool:
+    def empty_cache(self, device: int | None = None) -> bool:
         self.reserved -= sum(s["total_size"] for s in self.segs if not s["allocated_size"])
         self.segs = [s for s in self.segs if s["allocated_size"]]
         return True
@@ -142,7 +143,7 @@ class GraphPoolAllocator(TorchSource):
 def graphs(ip: Any) -> GraphPoolAllocator:
     """The monitored shell with a compiled module `cm`, its allocator a stand-in that a cell can move."""
     fake = GraphPoolAllocator()
-    root_of(ip).session.probe.torch = fake
+    root_of(ip).session.probe.torch = root_of(ip).session.release = fake
     ip.user_ns["_record_graph"] = fake.record_graph
     ok(ip, "model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU())\n"
            "cm = torch.compile(model, backend='eager')\n"
@@ -196,8 +197,8 @@ def test_the_magic_takes_compiled_and_says_so_in_its_help(ip: Any, graphs: Graph
 
 
 def test_without_torch_compile_there_is_nothing_to_reset() -> None:
-    code = ("import sys, torch\nfrom nbmem.measure.sources import TorchSource\n"
-            "print(TorchSource().reset_compiled())\nprint('torch._dynamo' in sys.modules)")
+    code = ("import sys, torch\nfrom nbmem.clean.release import TorchRelease\n"
+            "print(TorchRelease().reset_compiled())\nprint('torch._dynamo' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.splitlines() == ["torch.compile was not used in this process: nothing to reset", "False"]
 

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from nbmem.clean.release import TorchRelease
 from nbmem.measure.host import HostSource, heap_bytes
 from nbmem.measure.sources import NvmlSource, Probe, TorchSource, parse_visible_devices
 
@@ -167,8 +168,18 @@ def test_real_nvml_here_is_missing_and_said_so():
 def test_torch_source_never_initialises_cuda():
     t = TorchSource()
     assert t.read(0) is None and t.device_count() == 0 and t.context_devices() == []
-    assert t.device_free(0) is None and t.segments() is None and not t.empty_cache(0)
+    assert t.device_free(0) is None and t.segments() is None
+    release = TorchRelease()
+    assert not release.empty_cache(0) and not release.empty_cache() and not release.clear_cublas_workspaces()
+    release.make_cublas_workspace(release.CUBLAS_WORKSPACES[0], 0)
     assert not torch.cuda.is_initialized()
+
+
+def test_the_torch_source_only_reads() -> None:
+    """Measurement never changes what it measures: what gives memory back is ``clean.release``'s alone."""
+    for name in ("empty_cache", "reset_compiled", "clear_cublas_workspaces", "make_cublas_workspace"):
+        assert not hasattr(TorchSource, name), name
+        assert callable(getattr(TorchRelease, name)), name
 
 
 def test_the_devices_with_a_context_are_those_torch_says_have_a_primary_context(monkeypatch):

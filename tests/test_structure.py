@@ -188,6 +188,30 @@ def test_consumers_do_not_import_the_adapter_or_reach_into_the_engine(name: str)
     assert reached == [], f"{name} reaches into the engine: {reached}"
 
 
+#: What gives torch's memory back, as the code spells it; only ``clean/release.py`` may (one choke point).
+RELEASES = {"empty_cache": "cuda", "reset": "dynamo", "_cuda_clearCublasWorkspaces": ""}
+
+
+def releases_in(name: str) -> list[str]:
+    """Where a module empties CUDA's cache (``t.cuda.empty_cache``), resets torch.compile (``dynamo.reset``) or
+    clears cuBLAS's workspaces (the binding, by attribute or by its name as a string)."""
+    out = []
+    for n in ast.walk(tree(name)):
+        if isinstance(n, ast.Attribute) and n.attr in RELEASES:
+            owner = n.value.attr if isinstance(n.value, ast.Attribute) else getattr(n.value, "id", "")
+            if RELEASES[n.attr] in owner:
+                out.append(f"{name}:{n.lineno}: {owner}.{n.attr}")
+        elif isinstance(n, ast.Constant) and n.value == "_cuda_clearCublasWorkspaces":
+            out.append(f"{name}:{n.lineno}: {n.value!r}")
+    return out
+
+
+def test_torchs_memory_is_given_back_in_one_place() -> None:
+    assert releases_in("clean/release.py"), "the rule no longer sees the releases it is about"
+    found = [r for n in modules() if n != "clean/release.py" for r in releases_in(n)]
+    assert not found, found
+
+
 def test_nothing_outside_the_adapter_and_the_presentation_imports_ipython() -> None:
     for name in modules():
         if name.startswith(("ipython/", "ui/")) or name == "server.py":

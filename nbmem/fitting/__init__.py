@@ -5,6 +5,7 @@ trace, each GPU's room, the host's bytes); ``analysis`` turns those numbers into
 the size of each allocation as a function of the value, the search, the GPUs ``--on`` names, the modelled remedies)
 and imports no torch. ``runs`` imports ``analysis``, never the other way round.
 
-May import: ``nbmem.measure``, ``nbmem.trace``, ``nbmem.holders``, ``nbmem.records``, ``nbmem.reports``,
+May import: ``nbmem.clean`` (``release``: the cache and cuBLAS's workspaces given back between runs),
+``nbmem.measure``, ``nbmem.trace``, ``nbmem.holders``, ``nbmem.records``, ``nbmem.reports``,
 ``nbmem.formatting``. Add a measured fit remedy in ``runs.remedies``, a modelled one in ``analysis.modelled``.
 """

@@ -3,7 +3,9 @@
 Each driver has one choke point (`NvmlSource._call`, `TorchSource._stats`) with one error policy:
 a failure becomes ``None`` (unknown) plus a reason the user is told once, never a made-up zero.
 Nothing here creates a CUDA context: torch is read only from ``sys.modules`` (if the user never
-imported torch there are no tensors to see) and only when ``torch.cuda.is_initialized()``.
+imported torch there are no tensors to see) and only when ``torch.cuda.is_initialized()``
+(``TorchSource.cuda``). Nothing here changes what it reads: what gives the allocator's memory back
+(``empty_cache``, ``torch._dynamo.reset``, cuBLAS's workspaces) is ``nbmem.clean.release``'s.
 """
 
 from __future__ import annotations
@@ -247,20 +249,21 @@ class TorchSource:
         except Exception:
             return False
 
-    def _cuda(self) -> Any | None:
-        """torch, once CUDA is initialised in this process; None before (nothing here may start it)."""
+    def cuda(self) -> Any | None:
+        """torch, once CUDA is initialised in this process; None before (nothing may start it): every call to
+        torch's CUDA side goes through here, this class's reads and ``clean.release.TorchRelease``'s releases."""
         return self.torch() if self.cuda_initialized() else None
 
     def device_count(self) -> int:
         """Devices torch sees; asked only once CUDA is initialised, so asking costs nothing."""
-        t = self._cuda()
+        t = self.cuda()
         if t is None:
             return 0
         return int(t.cuda.device_count())
 
     def context_devices(self) -> list[int]:
         """The devices this process has a CUDA context on (asking makes none); none before CUDA is initialised."""
-        t = self._cuda()
+        t = self.cuda()
         if t is None:
             return []
         has = getattr(t._C, "_cuda_hasPrimaryContext", None)
@@ -270,7 +273,7 @@ class TorchSource:
 
     # -- the one choke point -------------------------------------------------------------------
     def _stats(self, index: int) -> dict[str, Any] | None:
-        t = self._cuda()
+        t = self.cuda()
         if t is None:
             return None
         try:
@@ -352,7 +355,7 @@ class TorchSource:
 
     def reset_peak(self, index: int) -> None:
         """Reset the allocator's peak counter: only ever on an explicit ``--reset-peak``."""
-        t = self._cuda()
+        t = self.cuda()
         if t is not None:
             t.cuda.reset_peak_memory_stats(index)
 
@@ -361,7 +364,7 @@ class TorchSource:
         """The allocator's segments and their blocks (``torch.cuda.memory_snapshot()``: every device, each
         segment with its ``device``, ``segment_pool_id`` and ``blocks``), or None when CUDA is not up or the
         read failed. A host-side walk of the allocator's state: no kernel runs, nothing changes."""
-        t = self._cuda()
+        t = self.cuda()
         if t is None:
             return None
         try:
@@ -371,7 +374,7 @@ class TorchSource:
 
     def device_free(self, index: int) -> tuple[int, int] | None:
         """(free, total) bytes of the device as the driver sees them (``cudaMemGetInfo``), CUDA being up."""
-        t = self._cuda()
+        t = self.cuda()
         if t is None:
             return None
         try:
@@ -379,59 +382,6 @@ class TorchSource:
         except Exception:
             return None
         return int(free), int(total)
-
-    def empty_cache(self, device: int | None = None) -> bool:
-        """``torch.cuda.empty_cache()``: only on an explicit request (cleanup, a fit); False without CUDA.
-        With ``device``, that device's work is waited for first, so blocks its streams still use come back too."""
-        t = self._cuda()
-        if t is None:
-            return False
-        if device is None:
-            t.cuda.empty_cache()
-            return True
-        with t.cuda.device(device):
-            t.cuda.synchronize()
-            t.cuda.empty_cache()
-        return True
-
-    def reset_compiled(self) -> str:
-        """``torch._dynamo.reset()``: drop what ``torch.compile`` made (compiled code, CUDA graphs and their
-        private pools), only on an explicit request (``%cudamem clean --compiled``). Says what it did."""
-        dynamo = sys.modules.get("torch._dynamo")
-        if dynamo is None:  # torch.compile imports it: without it nothing was compiled
-            return "torch.compile was not used in this process: nothing to reset"
-        dynamo.reset()
-        return ("compiled code and CUDA graphs dropped (torch._dynamo.reset()); a compiled module compiles again "
-                "when it is next called")
-
-    def clear_cublas_workspaces(self) -> bool:
-        """Drop cuBLAS's per-handle workspaces (a fit that made them takes them back); False where torch cannot."""
-        clear = getattr(getattr(self._cuda(), "_C", None), "_cuda_clearCublasWorkspaces", None)
-        if clear is None:
-            return False
-        clear()
-        return True
-
-    # Clearing takes every handle's workspace, the user's own too; these make one of them again, as torch makes
-    # it at a first product: this thread's cuBLAS handle, cuBLASLt's (a product with a bias), the autograd
-    # thread's (a backward). Ones, not random: nothing is drawn from the user's generators, nothing is kept.
-    CUBLAS_WORKSPACES = ("this thread's cuBLAS", "cuBLASLt", "the autograd thread's cuBLAS")
-
-    def make_cublas_workspace(self, kind: str, device: int) -> None:
-        """Make the workspace ``kind`` (one of ``CUBLAS_WORKSPACES``) on ``device`` again, if torch has none."""
-        t = self._cuda()
-        if t is None:
-            return
-        with t.cuda.device(device), t.enable_grad():
-            if kind == self.CUBLAS_WORKSPACES[0]:
-                t.cuda.current_blas_handle()
-            elif kind == self.CUBLAS_WORKSPACES[1]:
-                x = t.ones(64, 64, device=f"cuda:{device}")
-                t.nn.functional.linear(x, x, x[0])
-            else:
-                w = t.ones(64, 64, device=f"cuda:{device}", requires_grad=True)
-                (w @ w).sum().backward()
-            t.cuda.synchronize()
 
 
 def largest_free_block(segments: list[dict[str, Any]], device: int) -> int:

@@ -7,6 +7,6 @@ after); ``hostwatch`` each run's host bytes; ``notebook`` makes a cell's source 
 state it reaches; ``state`` copies that state and puts it back; ``progress`` is the line under the cell while a fit
 runs; ``torchcheck`` what this process's torch allows a fit.
 
-May import: ``nbmem.fitting.analysis``, ``nbmem.measure``, ``nbmem.trace``, ``nbmem.holders``, ``nbmem.records``,
-``nbmem.reports``, ``nbmem.formatting``.
+May import: ``nbmem.fitting.analysis``, ``nbmem.clean`` (``release``), ``nbmem.measure``, ``nbmem.trace``,
+``nbmem.holders``, ``nbmem.records``, ``nbmem.reports``, ``nbmem.formatting``.
 """

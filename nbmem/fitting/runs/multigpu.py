@@ -15,6 +15,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
+from nbmem.clean.release import TorchRelease
 from nbmem.fitting.analysis.allocator import SegmentState, segments_from_snapshot
 from nbmem.fitting.analysis.devices import DeviceFit, Target, target_notes, target_room
 from nbmem.fitting.analysis.model import Room, RunTrace, margin_bytes_for
@@ -59,7 +60,7 @@ def allocated_reserved(src: TorchSource, device: int) -> tuple[int, int]:
     return r.allocated_bytes, r.reserved_bytes
 
 
-def free_cached(src: TorchSource, devices: Sequence[int], *, unless_back_to: int | None = None) -> None:
+def free_cached(src: TorchRelease, devices: Sequence[int], *, unless_back_to: int | None = None) -> None:
     """What the last run left in the cache, given back on each device (the user asked for the fit: this is its
     cleanup). ``unless_back_to``: what was allocated on them together when the run started; where no more is
     allocated now, no garbage holds the run's tensors and the collection is left out (a tenth of a second with
@@ -183,7 +184,7 @@ def left_allocated(before: Mapping[int, int], after: Mapping[int, int], workspac
 
 
 # -- cuBLAS's workspaces ------------------------------------------------------------------------------------
-def give_back_workspaces(src: TorchSource, before: Mapping[int, int]) -> tuple[dict[int, int], str | None]:
+def give_back_workspaces(src: TorchRelease, before: Mapping[int, int]) -> tuple[dict[int, int], str | None]:
     """cuBLAS keeps a workspace per handle, stream and device from its first matrix product on: where runs made
     them (more is allocated on a device than ``before``), they go again, on every device at once (torch can only
     clear them all), and the user's own are made again on each device that had them. The bytes allocated after,
@@ -219,7 +220,7 @@ def give_back_workspaces(src: TorchSource, before: Mapping[int, int]) -> tuple[d
     return after, None
 
 
-def _remake_workspaces(src: TorchSource, devices: Sequence[int], before: Mapping[int, int],
+def _remake_workspaces(src: TorchRelease, devices: Sequence[int], before: Mapping[int, int],
                        missing: Sequence[int]) -> dict[int, int]:
     """Clearing cuBLAS's workspaces took the ones the user had before the fit too, on every device: make again,
     on each device that lost some, the fewest of them that bring its memory back to where it was (torch keeps no

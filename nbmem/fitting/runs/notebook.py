@@ -13,6 +13,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
+from nbmem.clean.release import TorchRelease
 from nbmem.fitting.analysis.devices import Target
 from nbmem.fitting.analysis.prediction import FitResult
 from nbmem.fitting.runs.progress import Show
@@ -20,11 +21,10 @@ from nbmem.fitting.runs.runner import fit, refusal
 from nbmem.fitting.runs.state import FitRefused, training_kinds
 from nbmem.holders.reached import TrainingState, reachable_state
 from nbmem.holders.walk import Root
-from nbmem.measure.sources import TorchSource
 from nbmem.records import HolderKind
 
 
-def fit_in_notebook(adapter: Any, source: TorchSource, type_cache: Any, body: str | Callable[[int], object],
+def fit_in_notebook(adapter: Any, source: TorchRelease, type_cache: Any, body: str | Callable[[int], object],
                     name: str, values: Sequence[int], *, cell: int, warmup: bool, restore: bool,
                     budget_s: float | None, want: int | None = None, on: Target | str | None = None,
                     own_used: Callable[[int], int | None] | None = None, show: Show | None = None,

@@ -1,4 +1,4 @@
-"""Running a fit: the body once per value under the allocator's trace, then ``fit.analyse`` over the traces.
+"""Running a fit: the body once per value under the allocator's trace, then ``prediction.analyse`` over the traces.
 
 The engine-level runner; it knows nothing of IPython. The caller hands it ``run(value)``, which runs the
 body once with the variable bound to ``value``, and ``clean()``, which takes back what the body left in the
@@ -8,8 +8,9 @@ runs the cell again). The allocator's events are recorded only through ``TorchSo
 ``finish_trace``. The trace covers every GPU: each device the runs allocate on has its own room and its own
 analysis (``multigpu``), and nothing here reads a device this process has no CUDA context on.
 
-A fit is the one place nbmem may change the allocator's cache: between runs it frees what each run left
-(``torch.cuda.empty_cache()``, and the pinned host cache: ``hostroom``), because the user asked for the fit.
+Besides a cleanup, a fit is the one place nbmem changes the allocator's cache: between runs it frees what each run
+left (``torch.cuda.empty_cache()``, through ``clean.release``, and the pinned host cache: ``hostwatch``), because
+the user asked for the fit.
 It never runs a value predicted not to fit (on the GPU or on the host), catches an out-of-memory in a run
 (frees what the run allocated, reports it, and stops), and with
 ``restore`` (the default) copies the training state the body reaches (``state.snapshot_state``: modules,
@@ -26,6 +27,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from nbmem.clean.release import TorchRelease
 from nbmem.fitting.analysis.allocator import SegmentState
 from nbmem.fitting.analysis.devices import Target, parse_on
 from nbmem.fitting.analysis.hostroom import with_host
@@ -54,14 +56,13 @@ from nbmem.fitting.runs.progress import FitProgress, Show, interrupts_held, plan
 from nbmem.fitting.runs.state import FitRefused, StateCopy, restore_state, snapshot_state
 from nbmem.fitting.runs.torchcheck import _torch, expandable_on, graphs_compiled, is_out_of_memory, refusal
 from nbmem.formatting import fmt_bytes, fmt_seconds
-from nbmem.measure.sources import TorchSource
 
 #: How many allocator events one run may record; a run that fills it cannot be lined up with the others.
 DEFAULT_MAX_ENTRIES = 1_000_000
 
 
 # -- the fit --------------------------------------------------------------------------------------------------
-def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSource | None = None,
+def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchRelease | None = None,
         name: str = "value", clean: Callable[[], object] | None = None,
         warmup: bool = True, modules: Iterable[Any] = (), optimizers: Iterable[Any] = (), others: Iterable[Any] = (),
         iterators: Sequence[str] = (), restore: bool = True, margin_bytes: int | None = None, stacks: bool = False,
@@ -78,7 +79,7 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
     schedulers, gradient scalers) are the state the body reaches, copied and restored afterwards with the
     random generators when ``restore``; ``iterators`` name what it may advance that cannot be put back.
     ``stacks`` records Python stacks, so the result names the lines that grow (``cell_files`` and ``sources``
-    name the cell's own). ``margin_bytes`` defaults to ``fit.margin_bytes_for``. ``want``: a value asked
+    name the cell's own). ``margin_bytes`` defaults to ``analysis.model.margin_bytes_for``. ``want``: a value asked
     about; where it does not fit, the result's ``remedies`` say what would let it run: gradient accumulation
     from the fit itself, activation checkpointing and bf16 autocast from the fit's runs again under each
     (``remedies.candidates``: applied for those runs only, and undone), ``expandable_segments`` from the model.
@@ -91,7 +92,7 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchSou
     restored) and the error propagates, told what was put back; one that allocates on no CUDA device is refused.
     """
     started = time.perf_counter()
-    src = source or TorchSource()
+    src = source or TorchRelease()
     target = None if on is None else parse_on(on)
     why = refusal()
     if why:
@@ -339,7 +340,7 @@ def _timed_once(body: FitBody, value: int) -> float | None:
         free_cached(body.src, body.devs, unless_back_to=start)
 
 
-def _say_what_was_put_back(e: BaseException, src: TorchSource, devices: Sequence[int], before: Mapping[int, int],
+def _say_what_was_put_back(e: BaseException, src: TorchRelease, devices: Sequence[int], before: Mapping[int, int],
                            lines: tuple[tuple[str, ...], tuple[str, ...]], steps: int) -> None:
     """A failed fit's error, told what the fit put back and whether memory is where it was before the fit."""
     if not isinstance(e, (Exception, KeyboardInterrupt)) or not hasattr(e, "add_note"):
@@ -365,7 +366,7 @@ class FitBody:
     device's room: those this process had a context on before the runs, and those the runs were the first to use."""
 
     run: Callable[[int], object]
-    src: TorchSource
+    src: TorchRelease
     devs: list[int]  # the devices with a CUDA context: synchronized, emptied and measured
     stacks: bool
     max_entries: int
@@ -535,7 +536,7 @@ def _let_go_of_frames(e: BaseException) -> None:
         stack += [x.__cause__, x.__context__]
 
 
-def _one_run(run: Callable[[int], object], value: int, counted: bool, src: TorchSource, devs: Sequence[int],
+def _one_run(run: Callable[[int], object], value: int, counted: bool, src: TorchRelease, devs: Sequence[int],
              stacks: bool, max_entries: int) -> tuple[RunSet, str]:
     """One run under the trace: its events on each device it allocated on or that had a context before it, and
     the first line of its out-of-memory error ("" when none)."""

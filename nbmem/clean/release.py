@@ -1,0 +1,71 @@
+"""Giving torch's memory back: the one place nbmem empties CUDA's cache, resets compiled code or clears cuBLAS.
+
+``measure`` only reads the allocator (``TorchSource``). ``TorchRelease`` reads it the same way and adds the calls
+that change it, each only on a request: a cleanup (``cleaner``: ``empty_cache()``, ``torch._dynamo.reset()``) or
+a fit, which empties the cache after each of its runs and gives back the cuBLAS workspaces its runs made. It
+reaches torch only through ``TorchSource.cuda``, so nothing here runs before CUDA is initialised, and nothing
+here ever creates a CUDA context.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from nbmem.measure.sources import TorchSource
+
+
+class TorchRelease(TorchSource):
+    """The torch caching allocator read as ``TorchSource`` reads it, and the calls that give its memory back."""
+
+    def empty_cache(self, device: int | None = None) -> bool:
+        """``torch.cuda.empty_cache()``: only on an explicit request (cleanup, a fit); False without CUDA.
+        With ``device``, that device's work is waited for first, so blocks its streams still use come back too."""
+        t = self.cuda()
+        if t is None:
+            return False
+        if device is None:
+            t.cuda.empty_cache()
+            return True
+        with t.cuda.device(device):
+            t.cuda.synchronize()
+            t.cuda.empty_cache()
+        return True
+
+    def reset_compiled(self) -> str:
+        """``torch._dynamo.reset()``: drop what ``torch.compile`` made (compiled code, CUDA graphs and their
+        private pools), only on an explicit request (``%cudamem clean --compiled``). Says what it did."""
+        dynamo = sys.modules.get("torch._dynamo")
+        if dynamo is None:  # torch.compile imports it: without it nothing was compiled
+            return "torch.compile was not used in this process: nothing to reset"
+        dynamo.reset()
+        return ("compiled code and CUDA graphs dropped (torch._dynamo.reset()); a compiled module compiles again "
+                "when it is next called")
+
+    def clear_cublas_workspaces(self) -> bool:
+        """Drop cuBLAS's per-handle workspaces (a fit that made them takes them back); False where torch cannot."""
+        clear = getattr(getattr(self.cuda(), "_C", None), "_cuda_clearCublasWorkspaces", None)
+        if clear is None:
+            return False
+        clear()
+        return True
+
+    # Clearing takes every handle's workspace, the user's own too; these make one of them again, as torch makes
+    # it at a first product: this thread's cuBLAS handle, cuBLASLt's (a product with a bias), the autograd
+    # thread's (a backward). Ones, not random: nothing is drawn from the user's generators, nothing is kept.
+    CUBLAS_WORKSPACES = ("this thread's cuBLAS", "cuBLASLt", "the autograd thread's cuBLAS")
+
+    def make_cublas_workspace(self, kind: str, device: int) -> None:
+        """Make the workspace ``kind`` (one of ``CUBLAS_WORKSPACES``) on ``device`` again, if torch has none."""
+        t = self.cuda()
+        if t is None:
+            return
+        with t.cuda.device(device), t.enable_grad():
+            if kind == self.CUBLAS_WORKSPACES[0]:
+                t.cuda.current_blas_handle()
+            elif kind == self.CUBLAS_WORKSPACES[1]:
+                x = t.ones(64, 64, device=f"cuda:{device}")
+                t.nn.functional.linear(x, x, x[0])
+            else:
+                w = t.ones(64, 64, device=f"cuda:{device}", requires_grad=True)
+                (w @ w).sum().backward()
+            t.cuda.synchronize()
