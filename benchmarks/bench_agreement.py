@@ -603,7 +603,7 @@ class RowB:
 def synthesised(tl: Any, value: int, capacity: float) -> tuple[list[int], Any]:
     """The requests the fit's timeline makes at ``value`` (its allocator model, recording), and the simulation
     whose reserved peak is the larger of the two placements of new segments, as the prediction reports it."""
-    from nbmem.fitting.analysis import model as fitmodel
+    from nbmem.fitting.analysis import timeline as fitmodel
 
     sizes: list[int] = []
     real_model = fitmodel.CachingAllocatorModel
@@ -639,7 +639,7 @@ def sweep(body: Body, tl: Any, row: RowB, room: Any, values: int, reach: float) 
 def part_b(body: Body, cap_bytes: int, rows: list[RowB], sweep_values: int = 0, reach: float = 1.2) -> None:
     """Part B for one body: the fit in a room of ``cap_bytes``, its timeline at the answer against a real try."""
     from nbmem.fitting.analysis import prediction
-    from nbmem.fitting.analysis.model import Timeline
+    from nbmem.fitting.analysis.timeline import Timeline
     from nbmem.fitting.runs import runner
 
     t, fam = body.torch, body.fam

@@ -21,6 +21,7 @@ import nbmem.fitting
 from nbmem.fitting.analysis import allocator as allocmodel
 from nbmem.fitting.analysis import model as fitmodel
 from nbmem.fitting.analysis import prediction as F
+from nbmem.fitting.analysis import timeline as fittimeline
 from nbmem.fitting.analysis.allocator import CachingAllocatorModel, SegmentState
 from nbmem.fitting.analysis.model import Room, RunTrace
 from nbmem.fitting.analysis.prediction import analyse
@@ -514,8 +515,8 @@ def test_the_margin_is_kept_and_the_prediction_never_needs_more_than_the_room() 
     assert kept.peak_reserved_at_largest_bytes is not None
     assert kept.peak_reserved_at_largest_bytes <= cap - GiB
     parsed = [fitmodel.Run(r, lambda f: None) for r in runs]
-    timeline = fitmodel.build_timeline(parsed, ())
-    assert isinstance(timeline, fitmodel.Timeline)
+    timeline = fittimeline.build_timeline(parsed, ())
+    assert isinstance(timeline, fittimeline.Timeline)
     assert timeline.simulate(kept.largest_value, cap - GiB).ok
     assert not timeline.simulate(kept.largest_value + 1, cap - GiB).ok
 
@@ -746,8 +747,8 @@ def test_a_wanted_value_that_does_not_fit_gets_remedies_each_with_the_largest_va
     assert steps == 4 and acc.largest_value * steps >= want > acc.largest_value * (steps - 1)
     assert exp.name == "expandable_segments" and exp.largest_value > base.largest_value and "restart" in exp.setting
     parsed = [fitmodel.Run(r, lambda f: None) for r in runs]
-    timeline = fitmodel.build_timeline(parsed, segs)
-    assert isinstance(timeline, fitmodel.Timeline)
+    timeline = fittimeline.build_timeline(parsed, segs)
+    assert isinstance(timeline, fittimeline.Timeline)
     capacity = held.capacity_bytes
     assert timeline.simulate(exp.largest_value, float("inf")).peak_allocated_bytes <= capacity
     assert not timeline.simulate(exp.largest_value, capacity).ok, "as it is, the cache's fragments stop it"

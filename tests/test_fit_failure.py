@@ -6,9 +6,10 @@ import math
 
 import pytest
 
-from nbmem.fitting.analysis.model import Room, Run, RunTrace, Timeline, build_timeline
+from nbmem.fitting.analysis.model import Room, Run, RunTrace
 from nbmem.fitting.analysis.prediction import analyse
 from nbmem.fitting.analysis.search import below_failure
+from nbmem.fitting.analysis.timeline import Timeline, build_timeline
 from tests.test_fit import GiB, MiB, loop_body, record, room, training_step
 
 

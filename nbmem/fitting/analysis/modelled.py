@@ -10,8 +10,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from nbmem.fitting.analysis.model import Timeline
 from nbmem.fitting.analysis.search import largest_fitting
+from nbmem.fitting.analysis.timeline import Timeline
 from nbmem.formatting import fmt_bytes
 
 

@@ -46,22 +46,12 @@ from typing import TYPE_CHECKING, Any
 
 from nbmem.fitting.analysis.allocator import CachingAllocatorModel, SegmentState
 from nbmem.fitting.analysis.devices import DeviceFit
-from nbmem.fitting.analysis.model import (
-    ALLOC,
-    FREE,
-    MARGIN_FRACTION,
-    Room,
-    Run,
-    RunTrace,
-    Sim,
-    Site,
-    Timeline,
-    build_timeline,
-)
+from nbmem.fitting.analysis.model import ALLOC, FREE, MARGIN_FRACTION, Room, Run, RunTrace, Site
 from nbmem.fitting.analysis.modelled import Remedy, accumulation
 from nbmem.fitting.analysis.modelled import expandable as expandable_segments
 from nbmem.fitting.analysis.search import SEARCH_CAP, below_failure, largest_fitting
 from nbmem.fitting.analysis.sizes import fit_size
+from nbmem.fitting.analysis.timeline import Sim, Timeline, build_timeline
 from nbmem.formatting import Column, esc, fmt_bytes, fmt_seconds, html_table, prose, text_table
 from nbmem.reports import Shown
 from nbmem.trace.linetrace import cell_line, deepest_user_frame
