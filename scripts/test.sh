@@ -31,7 +31,7 @@ JupyterLab (headless Chromium; the gauge from the wheel's own files), and the se
   ["cuda fit"]="the fit tests and tests/test_sources.py again, in .venv-cuda: the CUDA build of torch (what plain \
 pip install torch gives on Linux) with no GPU visible, a torch.cuda compiled in but without a device (issue 46)"
 )
-FULL_RUN="33 min 15 s from a fresh clone on a 2-core VM without a GPU" # measured 2026-11-27; setup took 3 min 45 s of it
+FULL_RUN="36 min 19 s from a fresh clone on a 2-core VM without a GPU" # measured 2026-11-27; setup took 3 min 36 s of it
 declare -A result=() took=()
 n=0
 t0=$SECONDS
