@@ -60,6 +60,13 @@ def lineages(pids: Iterable[int]) -> dict[int, tuple[int, ...] | None]:
     """``lineage_of`` for many PIDs at once, each process's parent read once: a server's kernels share their
     ancestors (the server, its shell, init), which ``lineage_of`` would read again for every kernel."""
     parent: dict[int, int | None] = {}  # a process -> its parent (None: it has none, or it is gone)
+
+    def parent_of(pid: int) -> int | None:
+        if pid not in parent:
+            got = psutil.Process(pid).parent()
+            parent[pid] = None if got is None else got.pid
+        return parent[pid]
+
     out: dict[int, tuple[int, ...] | None] = {}
     for pid in pids:
         if pid in out:
@@ -68,9 +75,7 @@ def lineages(pids: Iterable[int]) -> dict[int, tuple[int, ...] | None]:
             out[pid] = None
             continue
         try:
-            if pid not in parent:
-                got = psutil.Process(pid).parent()
-                parent[pid] = None if got is None else got.pid
+            up = parent_of(pid)
         except psutil.NoSuchProcess:
             out[pid] = (pid,) if exists_here(pid) else None
             continue
@@ -78,14 +83,13 @@ def lineages(pids: Iterable[int]) -> dict[int, tuple[int, ...] | None]:
             out[pid] = (pid,)
             continue
         chain = [pid]
-        while (up := parent[chain[-1]]) is not None and up not in chain:
+        while up is not None and up not in chain:
             chain.append(up)
-            if up not in parent:
-                try:
-                    got = psutil.Process(up).parent()
-                except psutil.Error:  # an ancestor gone or unreadable: the chain ends there, as psutil's does
-                    got = None
-                parent[up] = None if got is None else got.pid
+            try:
+                up = parent_of(up)
+            except psutil.Error:  # an ancestor gone or unreadable: the chain ends there, as psutil's does
+                parent[chain[-1]] = None
+                up = None
         out[pid] = tuple(chain)
     return out
 
