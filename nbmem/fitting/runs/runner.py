@@ -436,8 +436,12 @@ class FitBody:
         finally:
             self.run = one
             self.ran += steps - 1  # ``once`` counts one start of the body
-            if self.host is not None and self.host.uses:
-                self.host.uses.pop()
+            self._not_a_host_point()
+
+    def _not_a_host_point(self) -> None:
+        """The last run's host bytes leave the host model: they are not one step's at its value."""
+        if self.host is not None and self.host.uses:
+            self.host.uses.pop()
 
     def once(self, value: int, counted: bool) -> tuple[RunSet, str]:
         """One run, timed; afterwards, whatever happened, the namespace put back and the cache given back.
@@ -467,8 +471,7 @@ class FitBody:
         got = self._met(self._timed(value, counted))
         if counted and not got[1] and graphs_compiled() != graphs:
             self.compiled.append(value)
-            if self.host is not None and self.host.uses:
-                self.host.uses.pop()  # the compiler's own host memory (code generation) is not the step's
+            self._not_a_host_point()  # the compiler's own host memory (code generation) is not the step's
             got = self._met(self._timed(value, counted))
         return got
 
