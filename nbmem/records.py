@@ -16,6 +16,10 @@ from typing import Any
 
 from nbmem.formatting import fmt_bytes
 
+#: The device of a tensor over CUDA managed memory (a bitsandbytes paged optimizer's state): ``paged:cuda:0``.
+#: It is not ``cuda:0``: PyTorch's allocator does not count it, so it is never set against the allocator's figures.
+PAGED = "paged:"
+
 
 class HolderKind(StrEnum):
     """What keeps a storage alive, which decides how it is freed (``cleanup_of``)."""
@@ -425,9 +429,16 @@ class StillHeld:
     saved_by: tuple[str, ...] = ()  # tensors whose autograd graphs saved them (`out['loss']`)
     unnamed_bytes: int = 0  # alive, but nothing nbmem walks reaches them
     frees: CleanupOf = field(default_factory=lambda: CleanupOf())  # what would free the rest
+    paged_bytes: int = 0  # a paged optimizer's CUDA managed memory: bitsandbytes never frees it
 
     def text(self) -> str:
+        if self.paged_bytes and self.paged_bytes == self.nbytes:
+            return (f"`{self.name}`: {fmt_bytes(self.paged_bytes)} of paged memory (CUDA managed, a bitsandbytes "
+                    f"paged optimizer's state) is not given back: bitsandbytes never frees it; restarting the "
+                    f"kernel does")
         parts = []
+        if self.paged_bytes:
+            parts.append(f"{fmt_bytes(self.paged_bytes)} of paged memory that bitsandbytes never frees")
         if self.named_by:
             parts.append(f"named by `{'`, `'.join(self.named_by)}`")
         if self.saved_by:

@@ -548,6 +548,7 @@ class Status(Shown):
     children: tuple[str, ...] = ()  # this notebook's child processes on each GPU, a line each
     pools: tuple[str, ...] = ()  # CUDA-graph pools per device, a line each
     memory: str = ""  # the memory limit that applies (records.MemoryLimit.text), or why it is unknown
+    paged: tuple[str, ...] = ()  # paged (CUDA managed) memory the last scan found, a line per GPU
 
     def __str__(self) -> str:
         lines = [f"nbmem: sampling every {self.interval_s:g} s ({'running' if self.sampler_running else 'stopped'}); "
@@ -558,6 +559,7 @@ class Status(Shown):
         lines += [f"scan: {s}" for s in self.scan]
         lines += [f"child process: {c}" for c in self.children]
         lines += [f"CUDA graphs: {p}" for p in self.pools]
+        lines += [f"paged memory on {p}" for p in self.paged]
         lines += [f"fault in {f.where} (x{f.count}): {f.error}" for f in self.faults]
         lines.append(f"unattributed memory in reports: {UNATTRIBUTED}")
         return "\n".join(lines)

@@ -24,7 +24,7 @@ from nbmem.cells.watch import CellWatch
 from nbmem.clean.cleaner import Cleaner
 from nbmem.clean.release import TorchRelease
 from nbmem.clean.request import CleanupRequest
-from nbmem.formatting import plural, spans
+from nbmem.formatting import fmt_bytes, plural, spans
 from nbmem.holders.holdings import REFRESH_BUDGET_S, Holdings
 from nbmem.holders.owners import Rows
 from nbmem.holders.pools import pool_lines
@@ -36,6 +36,7 @@ from nbmem.records import (
     CELL_COLUMNS,
     FINDING_COLUMNS,
     LINE_COLUMNS,
+    PAGED,
     CellRecord,
     Fault,
     Finding,
@@ -65,6 +66,21 @@ def scan_lines(s: Scan | None) -> tuple[str, ...]:
     if s.unfinished:
         out.append("not finished within Nbmem.scan_budget: " + ", ".join(s.unfinished[:10]))
     return tuple(out)
+
+
+def paged_lines(s: Scan | None) -> tuple[str, ...]:
+    """The paged memory the scan found (bitsandbytes' paged optimizers), a line per GPU: it is in nvidia-smi's
+    figure while on the GPU and never in torch's, so without this line it reads as memory outside PyTorch."""
+    per: dict[str, tuple[int, set[str]]] = {}
+    for h in s.storages.values() if s is not None else ():
+        if h.device.startswith(PAGED):
+            n, owners = per.get(h.device, (0, set()))
+            owners.add(h.owner)
+            per[h.device] = (n + h.nbytes, owners)
+    return tuple(f"{dev.removeprefix(PAGED)}: {fmt_bytes(n)} of CUDA managed memory held by "
+                 f"{', '.join(f'`{o}`' for o in sorted(owners))} (a bitsandbytes paged optimizer's state), outside "
+                 f"PyTorch's allocator; bitsandbytes never frees it"
+                 for dev, (n, owners) in sorted(per.items()))
 
 
 def worth_showing(report: CellReport, settings: Settings) -> bool:
@@ -218,10 +234,10 @@ class Session:
             cannot.append("torch is not imported yet: no tensors to track")
         elif not p.torch.cuda_initialized() and p.nvml.devices:
             cannot.append("CUDA is not initialised in this process yet: allocator numbers start when it is")
-        devices = ["cpu (RSS, CPU tensors)"] + [f"{d.name} = {d.model} (NVML #{d.nvml_index})" for d in p.nvml.devices]
-        return Status(tuple(devices), tuple(cannot), self.sampler.running, self.sampler.interval_s, self.monitoring,
-                      self.faults, scan_lines(self.holdings.last_scan), child_lines(self.store.latest_tick()),
-                      pool_lines(p.torch.segments(), self.holdings.last_scan), limit_line(self.store.latest_tick()))
+        devices = ("cpu (RSS, CPU tensors)", *(f"{d.name} = {d.model} (NVML #{d.nvml_index})" for d in p.nvml.devices))
+        scan, tick, s = self.holdings.last_scan, self.store.latest_tick(), self.sampler
+        return Status(devices, tuple(cannot), s.running, s.interval_s, self.monitoring, self.faults, scan_lines(scan),
+                      child_lines(tick), pool_lines(p.torch.segments(), scan), limit_line(tick), paged_lines(scan))
 
     def greeting(self) -> str:
         gpus = [f"{d.name} = {d.model}" for d in self.probe.nvml.devices]

@@ -26,7 +26,7 @@ from nbmem.holders.scanner import Scan, Scanner
 from nbmem.measure.host import heap_bytes
 from nbmem.measure.sources import Probe
 from nbmem.options import Settings
-from nbmem.records import Boundary, CellRecord, CleanupOf, StillHeld
+from nbmem.records import PAGED, Boundary, CellRecord, CleanupOf, StillHeld
 from nbmem.trace.linetrace import Replay
 
 #: Most cells whose findings are kept for ``nbmem.leaks(cell=N)``.
@@ -388,8 +388,11 @@ def still_held(lefts: Mapping[str, list[int]], cur: Scan, states: Mapping[int, A
         named: dict[str, None] = {}
         saved: dict[str, None] = {}
         holders: list[Held] = []
-        unnamed = 0
+        unnamed = paged = 0
         for s in left:
+            if states[s].device.startswith(PAGED):  # bitsandbytes never frees it: no other holder to name
+                paged += states[s].nbytes
+                continue
             h = cur.storages.get(s)
             kept = [cur.storages[k] for k in keepers.saved_in.get(s, ()) if k in cur.storages and k != s]
             if h is not None:
@@ -401,7 +404,7 @@ def still_held(lefts: Mapping[str, list[int]], cur: Scan, states: Mapping[int, A
                 unnamed += states[s].nbytes
         need = keepers.needs("", holders)
         out.append(StillHeld(name, sum(states[s].nbytes for s in left), tuple(named)[:6], tuple(saved)[:6], unnamed,
-                             CleanupOf(need.names, need.outputs, need.traceback)))
+                             CleanupOf(need.names, need.outputs, need.traceback), paged))
     return tuple(out)
 
 

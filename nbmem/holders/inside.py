@@ -97,3 +97,32 @@ def frame_arrays(manager: Any, is_array: Callable[[type], bool]) -> list[Any]:
                     nxt.append(r)
         todo = nxt
     return arrays
+
+
+#: Where bitsandbytes keeps its own layouts (read by value from instance dicts; nothing of it is imported).
+_BNB = "bitsandbytes"
+
+
+def quantized_shape(d: dict[Any, Any]) -> tuple[tuple[int, ...], str] | None:
+    """A bitsandbytes 4-bit weight's logical shape and format (``((4096, 4096), "nf4")``), from its instance
+    dict ``d``: its ``quant_state`` (a ``QuantState``) keeps the shape the packed bytes stand for, which
+    ``numel()`` of the packed ``uint8`` tensor does not show (two weights a byte)."""
+    qs = d.get("quant_state")
+    if qs is None or not reach.type_module(type(qs)).startswith(_BNB):
+        return None
+    qd = reach.dict_of(qs)
+    shape = qd.get("shape") if qd is not None else None
+    if shape is None or not reach.derives(type(shape), tuple) or not all(type(x) is int for x in tuple.__iter__(shape)):
+        return None
+    kind = qd.get("quant_type") if qd is not None else None
+    return tuple(tuple.__iter__(shape)), (kind if type(kind) is str else "4-bit")
+
+
+def paged_device(d: dict[Any, Any]) -> int | None:
+    """The GPU a bitsandbytes paged tensor's CUDA managed memory belongs to, from its instance dict: a paged
+    optimizer's state is a CPU tensor over ``cudaMallocManaged`` memory, marked ``is_paged`` and
+    ``page_deviceid`` (``bitsandbytes.functional.get_paged``)."""
+    if d.get("is_paged") is not True:
+        return None
+    dev = d.get("page_deviceid")
+    return dev if type(dev) is int and dev >= 0 else None

@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from nbmem.holders import intent, reach
 from nbmem.holders.naming import L_ATTR, L_KEY, PathBuilder
 from nbmem.holders.walk import ROLE_PARAM, Root, Walk
+from nbmem.records import PAGED
 
 
 def state_reached(w: Walk, tensor_words: dict[int, str], known: intent.KnownNames) -> dict[int, str]:
@@ -84,6 +85,9 @@ class TrainingState:
     optimizers: list[Any]
     others: list[Any]  # objects of the kinds asked for (LR schedulers, gradient scalers)
     iterators: list[str]  # paths to iterators and generators: the code may advance them, nothing puts them back
+    # GPU index -> bytes of paged (CUDA managed) memory the state holds (bitsandbytes' paged optimizers): memory
+    # PyTorch's allocator does not count, which a fit counts as taken
+    paged_bytes: dict[int, int] = field(default_factory=dict)
 
 
 def reachable_state(torch: Any, roots: Sequence[Root], types_: reach.TypeCache, *, budget_s: float | None = None,
@@ -112,6 +116,12 @@ def reachable_state(torch: Any, roots: Sequence[Root], types_: reach.TypeCache, 
             found.others.append(obj)
         elif info.generator or (info.object_ and _is_iterator(t)):
             found.iterators.append(f"{paths.primary(node)[1]} ({reach.type_name(t)})")
+    seen: set[int] = set()
+    for f in w.found:
+        if f.device.startswith(PAGED) and id(f.storage) not in seen:
+            seen.add(id(f.storage))
+            gpu = int(f.device.rpartition(":")[2])
+            found.paged_bytes[gpu] = found.paged_bytes.get(gpu, 0) + int(f.storage.nbytes())
     return found
 
 

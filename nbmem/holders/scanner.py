@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import math
 import time
 import weakref
 from collections import deque
@@ -332,6 +333,9 @@ class Scanner:
                 _describe(st, f.tensor, w.TB)
             elif f.role == ROLE_PARAM:
                 st.trainable = _requires_grad(f.tensor, w.TB)  # frozen or unfrozen since (a LoRA wrapper)
+            if f.logical is not None:  # a 4-bit weight: the weights its packed bytes stand for
+                st.shape, st.dtype = f.logical
+                st.elements = math.prod(st.shape)
             if f.role:
                 st.roles.add(f.role)
             if f.grad_fn and (st.graph_tensor is None or st.graph_tensor() is None):

@@ -16,12 +16,13 @@ import time
 import types
 import weakref
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 from nbmem.holders import inside, intent, reach
 from nbmem.holders.naming import L_ATTR, L_INDEX, L_KEY, L_ROOT, L_TEXT, L_TKEY, MAX_HOLDERS
-from nbmem.records import HolderKind
+from nbmem.records import PAGED, HolderKind
 
 #: Containers at least this long are first tried as a whole, at C speed.
 BULK_MIN = 64
@@ -70,6 +71,8 @@ SPARSE_LABELS = frozenset({".indices()", ".values()", ".crow_indices()", ".col_i
 _CELL_CONTENTS: Any = inside.CELL_CONTENTS
 # Roles of a tensor, for hints.
 ROLE_GRAD, ROLE_PARAM, ROLE_OPTIM = "grad", "param", "optimizer state"
+#: A quantized weight's statistics (bitsandbytes' absmax and code tables): part of the weight, not another tensor.
+ROLE_QUANT = "quantization state"
 
 
 @dataclass(frozen=True, slots=True)
@@ -167,12 +170,13 @@ def _strategy(t: type, tensor_base: type, module_base: type | None, optim_base: 
 class _Found:
     """A tensor met in the walk."""
 
-    __slots__ = ("device", "ephemeral", "grad_fn", "node", "role", "span", "storage", "tensor")
+    __slots__ = ("device", "ephemeral", "grad_fn", "logical", "node", "role", "span", "storage", "tensor")
 
     def __init__(self, tensor: Any, storage: Any, node: int, span: int, device: str, grad_fn: bool, role: str,
-                 ephemeral: bool) -> None:
+                 ephemeral: bool, logical: tuple[tuple[int, ...], str] | None = None) -> None:
         self.tensor, self.storage, self.node, self.span = tensor, storage, node, span
         self.device, self.grad_fn, self.role, self.ephemeral = device, grad_fn, role, ephemeral
+        self.logical = logical  # a quantized weight's shape and format, where its bytes pack several
 
 
 class Walk:
@@ -416,14 +420,17 @@ class Walk:
             else:
                 add(v, node, L_KEY, k, root)
 
-    def _instance(self, obj: Any, node: int, root: int, info: _TypeInfo, *, plain: bool) -> None:
+    def _instance(self, obj: Any, node: int, root: int, info: _TypeInfo, *, plain: bool, tensor: bool = False) -> None:
         if plain or info.layout is None:
             return
         lay = info.layout
         d = reach.instance_dict(obj, lay)
         if d is not None:
             for k, v in reach.dict_items(d):
-                self._add(v, node, L_ATTR, k, root)
+                # A weight's attribute back to a module already walked (bitsandbytes' ``weight.module``) adds
+                # no memory, only a second path to every tensor of that module.
+                if not (tensor and id(v) in self.node_of and self.info(type(v)).module):
+                    self._add(v, node, L_ATTR, k, root)
         elif lay.dict_shadowed:
             for v in reach.referents(obj):  # the real dict is hidden behind user code: values only
                 if type(v) is dict:
@@ -437,6 +444,8 @@ class Walk:
     def _tensor(self, t: Any, node: int, root: int, info: _TypeInfo) -> None:
         TB = self.TB
         layout = TB.layout.__get__(t)
+        heap = info.layout is not None and reach.is_heap(type(t))
+        d = reach.instance_dict(t, info.layout) if heap and info.layout is not None else None
         if layout is not self.torch.strided:
             for part, label in inside.sparse_parts(self.torch, TB, t, layout):
                 self._add(part, node, L_TEXT, label, root)
@@ -448,23 +457,28 @@ class Walk:
             except Exception:  # meta, functional or wrapper tensors have no plain storage
                 st, n, ptr = None, 0, 0
             if st is not None and n > 0 and ptr != 0:
-                dev = str(TB.device.__get__(t))
+                paged = inside.paged_device(d) if d else None
+                dev = str(TB.device.__get__(t)) if paged is None else f"{PAGED}cuda:{paged}"
                 ours = self.lk[node] == L_TEXT  # our own label text; other labels may be user objects
                 # A Parameter is one whichever path reached it first (the optimizer's state is keyed by them).
                 is_param = reach.derives(type(t), self.Param) or self._is_param(node)
                 role = ROLE_PARAM if is_param else ROLE_GRAD if ours and self.lv[node] == ".grad" else ""
-                if not role and self._under_optimizer_state(node):
+                # opt.state[param]['exp_avg']: the tensor's dict is a value keyed by a tensor in the optimizer's state
+                if not role and _ancestor(self, node, 3, lambda t: self.info(t).optimizer):
                     role = ROLE_OPTIM
+                elif not role and _ancestor(self, node, 2, _is_quant_state):  # weight.quant_state(.state2).absmax
+                    role = ROLE_QUANT
                 span = int(TB.nbytes.__get__(t))
                 # A sparse tensor's parts are new tensor objects at every access: not worth watching.
                 ephemeral = ours and self.lv[node] in SPARSE_LABELS
-                self.found.append(_Found(t, st, node, span, dev, TB.grad_fn.__get__(t) is not None, role, ephemeral))
+                self.found.append(_Found(t, st, node, span, dev, TB.grad_fn.__get__(t) is not None, role, ephemeral,
+                                         inside.quantized_shape(d) if d else None))
         if TB.is_leaf.__get__(t):
             g = TB._grad.__get__(t) if hasattr(TB, "_grad") else None
             if g is not None:
                 self._add(g, node, L_TEXT, ".grad", root)
-        if info.layout is not None and reach.is_heap(type(t)):
-            self._instance(t, node, root, info, plain=False)
+        if heap:
+            self._instance(t, node, root, info, plain=False, tensor=True)
 
     def is_module(self, node: int) -> bool:
         """Whether the node is an ``nn.Module``."""
@@ -474,13 +488,19 @@ class Walk:
         p = self.parent[node]
         return p >= 0 and self.lk[node] == L_ATTR and self.is_module(p)
 
-    def _under_optimizer_state(self, node: int) -> bool:
-        # opt.state[param]['exp_avg']: the tensor's dict is a value keyed by a tensor in the optimizer's state
-        p = self.parent[node]
-        for _ in range(3):
-            if p < 0:
-                return False
-            if self.info(type(self.keep[p])).optimizer:
-                return True
-            p = self.parent[p]
-        return False
+
+def _ancestor(w: Walk, node: int, steps: int, test: Callable[[type], bool]) -> bool:
+    """Whether one of the node's first ``steps`` parents is of a type ``test`` accepts."""
+    p = w.parent[node]
+    for _ in range(steps):
+        if p < 0:
+            return False
+        if test(type(w.keep[p])):
+            return True
+        p = w.parent[p]
+    return False
+
+
+def _is_quant_state(t: type) -> bool:
+    """bitsandbytes' statistics of a 4-bit weight (its absmax and code tables)."""
+    return reach.type_name(t) == "QuantState" and reach.type_module(t).startswith("bitsandbytes")

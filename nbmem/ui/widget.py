@@ -148,7 +148,7 @@ def _line_text(report: CellReport, line: int | None) -> str:
 
 def can_move_to_cpu(f: Finding) -> bool:
     """"to CPU" rebinds a top-level name to ``obj.cpu()``: only for a variable, the owner row's own name."""
-    return f.device != "cpu" and f.kind is HolderKind.NAMESPACE and f.name in f.roots
+    return f.device.startswith("cuda") and f.kind is HolderKind.NAMESPACE and f.name in f.roots
 
 
 def request_for(f: Finding, action: str) -> CleanupRequest | None:

@@ -71,16 +71,19 @@ def free_cached(src: TorchRelease, devices: Sequence[int], *, unless_back_to: in
         src.empty_cache(d)
 
 
-def read_room(src: TorchSource, device: int, margin_bytes: int | None, *, new: bool = False
-              ) -> tuple[Room, tuple[SegmentState, ...], int]:
+def read_room(src: TorchSource, device: int, margin_bytes: int | None, outside: int | None = None, *,
+              new: bool = False) -> tuple[Room, tuple[SegmentState, ...], int]:
     """A device's room, read with its cache given back: the room, its segments, and what is allocated there.
     ``new``: the runs were the first to use the device, so it had nothing before them; what its allocator holds
-    now (the runs' leftovers, such as workspaces) was free then and is in the runs' traces."""
+    now (the runs' leftovers, such as workspaces) was free then and is in the runs' traces. ``outside``: managed
+    memory the state holds, taken from the free memory whether or not it is on the GPU now (paged memory moves
+    there when a step touches it, so counting it where it already is errs low, never high)."""
     before, reserved = allocated_reserved(src, device)
     got = src.device_free(device)
     if got is None:
         raise FitRefused("fitting needs the device's free memory, and CUDA could not say (cudaMemGetInfo)")
     free, total = got
+    free -= max(outside or 0, 0)
     segments: tuple[SegmentState, ...] = ()
     if new:
         free, reserved, before = free + reserved, 0, 0

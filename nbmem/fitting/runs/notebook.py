@@ -19,6 +19,7 @@ from nbmem.fitting.analysis.prediction import FitResult
 from nbmem.fitting.runs.progress import Show
 from nbmem.fitting.runs.runner import fit, refusal
 from nbmem.fitting.runs.state import FitRefused, training_kinds
+from nbmem.formatting import fmt_bytes
 from nbmem.holders.reached import TrainingState, reachable_state
 from nbmem.holders.walk import Root
 from nbmem.records import HolderKind
@@ -52,7 +53,12 @@ def fit_in_notebook(adapter: Any, source: TorchRelease, type_cache: Any, body: s
         result = fit(runner, values, source=source, name=name, clean=clean, warmup=warmup, modules=found.modules,
                      optimizers=found.optimizers, others=found.others, iterators=found.iterators, restore=restore,
                      stacks=True, cell_files=files, sources=lines, want=want, on=on, own_used=own_used,
-                     show=show, host_limit=host_limit)
+                     show=show, host_limit=host_limit, outside=found.paged_bytes)
+        if found.paged_bytes:
+            paged = ", ".join(f"{fmt_bytes(n)} on cuda:{d}" for d, n in sorted(found.paged_bytes.items()))
+            result = replace(result, notes=(*result.notes, f"paged optimizer state ({paged}, CUDA managed memory "
+                                            "outside PyTorch's allocator) is counted as taken: a step moves it onto "
+                                            "the GPU"))
         if restore and nothing:
             result = replace(result, notes=("no model, optimizer, LR scheduler or gradient scaler was found under the "
                                             "names the cell uses or the functions it calls: only the random "

@@ -69,7 +69,7 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchRel
         cell_files: frozenset[str] = frozenset(), sources: Mapping[int, str] | None = None,
         max_value: int | None = None, want: int | None = None, max_entries: int = DEFAULT_MAX_ENTRIES,
         on: Target | str | None = None, own_used: Callable[[int], int | None] | None = None,
-        show: Show | None = None, host_limit: int | None = None) -> FitResult:
+        show: Show | None = None, host_limit: int | None = None, outside: Mapping[int, int] | None = None) -> FitResult:
     """Run ``run(value)`` at each value (ascending) under the allocator's trace and predict the largest that fits.
 
     Every device the runs allocate on is measured, each against its own room, and the answer is the largest
@@ -87,7 +87,8 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchRel
     device's (``own_used(device)``: this process's memory there as NVML lists it, for the CUDA context's size).
     Host memory is a limit too where the runs keep memory there (``hostroom``: pinned or pageable), against
     ``host_limit`` (bytes this process may use) where given, else the container's limit or the machine's memory;
-    no value predicted not to fit on the host is run either.
+    no value predicted not to fit on the host is run either. ``outside``: bytes per GPU the state holds outside
+    PyTorch's allocator (a paged optimizer's CUDA managed memory), counted as taken: it can move onto the GPU.
     A body that raises anything but CUDA's out-of-memory error stops the fit (cleaned up and
     restored) and the error propagates, told what was put back; one that allocates on no CUDA device is refused.
     """
@@ -120,7 +121,8 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchRel
     skipped: list[int] = []
     notes: list[str] = []
     body = FitBody(progress.watch(run), src, src.context_devices(), stacks, max_entries, clean, name, notes,
-                 margin_bytes=margin_bytes, host=HostWatch(*room_for(host_limit)), progress=progress)
+                 margin_bytes=margin_bytes, host=HostWatch(*room_for(host_limit)), progress=progress,
+                 outside=dict(outside or {}))
     failed: BaseException | None = None
     before: dict[int, int] = {}
     reset_said: list[str] = []  # what giving back the workspaces before a remedy's runs said
@@ -382,13 +384,14 @@ class FitBody:
     compiled: list[int] = field(default_factory=list)  # values whose first run compiled a graph (run again)
     lost: dict[int, int] = field(default_factory=dict)  # device -> what went outside the allocator in the runs
     host: HostWatch | None = None  # each run's host bytes, and the room there
+    outside: dict[int, int] = field(default_factory=dict)  # device -> managed memory counted as taken (``fit``)
 
     def measure(self) -> dict[int, int]:
         """Each device's room, read after the cache is given back; what is allocated on each before the runs."""
         free_cached(self.src, self.devs)
         before = {}
         for d in self.devs:
-            self.rooms[d], self.segments[d], before[d] = read_room(self.src, d, self.margin_bytes)
+            self.rooms[d], self.segments[d], before[d] = read_room(self.src, d, self.margin_bytes, self.outside.get(d))
         return before
 
     def every_device(self) -> list[int]:
