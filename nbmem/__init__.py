@@ -67,8 +67,9 @@ def leaks(cell: int | None = None, detail: bool = False) -> Any:
 
     A row per owner by default: the name you typed that keeps the memory (a variable, ``Out[n]``, a
     module's attribute, the last exception's frame), with every tensor under it counted once, largest
-    first. ``detail=True`` gives a row per tensor storage instead (containers of small tensors as one
-    row), each with its ``owner``.
+    first; the state a notebook keeps on purpose (``state``: a model, an optimizer) after the rest.
+    ``detail=True`` gives a row per tensor storage instead (containers of small tensors as one row), each
+    with its ``owner``.
 
     Columns: cell, name, holders (the member paths), kind ("namespace", "module", "output",
     "traceback"), device, bytes (storage + autograd graph), storage_bytes, graph_bytes, holds_graph,

@@ -27,8 +27,8 @@ from nbmem.holders.graphs import sharing as graph_sharing
 from nbmem.holders.grouping import Grouped, Key, grouped
 from nbmem.holders.naming import MAX_HOLDERS, container, owner_of
 from nbmem.holders.scanner import Held, Scan
-from nbmem.holders.walk import ROLE_GRAD, ROLE_OPTIM, ROLE_PARAM
-from nbmem.records import HOLDER_KINDS, Finding, HolderKind, kind_words, root_name
+from nbmem.holders.walk import ROLE_GRAD, ROLE_OPTIM, ROLE_PARAM, ROLE_QUANT
+from nbmem.records import HOLDER_KINDS, PAGED, Finding, HolderKind, kind_words, root_name
 
 #: A row that keeps no graph storage: one shared empty mapping (a new one per row would be kept by ``set_of``).
 NO_GRAPHS: dict[int, int] = {}
@@ -193,11 +193,12 @@ def group(held: Sequence[Held] | Grouped, cell_of: Any, *, threshold_bytes: int,
           added: Callable[[str, Sequence[Held]], bool] | None = None, keepers: Keepers | None = None,
           states: Mapping[str, str] | None = None,
           row_cache: RowCache | None = None) -> tuple[tuple[Finding, ...], int]:
-    """One row per (owner, device) whose storages and graphs together reach the threshold, largest first,
-    and their bytes together (a graph several rows keep, once). ``held``: the storages, or the same already
-    grouped (``grouping.Grouping`` keeps a scan's groups between cells). ``added(owner, members)``: whether the
-    members are new under an owner that held memory before (the words then say "new"); ``keepers``: every
-    holder of the scan, so that hints say what else must go; ``states``: the roots that are state.
+    """One row per (owner, device) whose storages and graphs together reach the threshold, largest first, the
+    state (a model, an optimizer: ``states``) after the rest, and their bytes together (a graph several rows
+    keep, once). ``held``: the storages, or the same already grouped (``grouping.Grouping`` keeps a scan's
+    groups between cells). ``added(owner, members)``: whether the members are new under an owner that held
+    memory before (the words then say "new"); ``keepers``: every holder of the scan, so that hints say what
+    else must go; ``states``: the roots that are state.
     ``row_cache`` (only without ``lost``, ``gained``, ``lines``, ``added``): a row whose members are the very
     same records as last time (the scanner makes a new ``Held`` for every storage whose paths changed), with
     the same graphs, type and every graph's saved tensors (what a hint's "what else must go" reads), is the
@@ -236,7 +237,8 @@ def group(held: Sequence[Held] | Grouped, cell_of: Any, *, threshold_bytes: int,
             del row_cache[key]
     _mark_shared(rows, saved_by, row_cache)
     total = sum(r.storage_bytes for r in rows) + sum(sizes.values())
-    order = sorted(range(len(rows)), key=lambda i: -rows[i].bytes)
+    # What no cell meant to keep comes first: a 13 GB model listed above a 600 MB leak hides the mistake.
+    order = sorted(range(len(rows)), key=lambda i: (bool(rows[i].state), -rows[i].bytes))
     return tuple(rows[i] for i in order), total
 
 
@@ -283,6 +285,8 @@ def _row(owner: str, device: str, members: list[Held], saved: Mapping[int, int],
                     f"`%cudamem clean {owner}` removes both")
         elif plain and graph_bytes and f"`del {owner}` frees it" not in hint:
             hint = f"{_graph_words(graph_bytes, len(members))}, or `del {owner}` frees it"
+    if device.startswith(PAGED) and kind is HolderKind.NAMESPACE:
+        hint = paged_hint(owner)
     line = next((lines[h.sid] for h in order if h.sid in lines), None)
     return Finding(cell, owner, holders, kind, device, sum(h.nbytes for h in members), graph_bytes,
                    any(h.holds_graph for h in members), len(members),
@@ -426,7 +430,23 @@ def _common_prefix(paths: Sequence[str]) -> str:
 def describe(owner: str, kind: HolderKind, members: Sequence[Held], graph_bytes: int, type_name: str, *,
              new: bool = False) -> str:
     """What an owner holds, in words: "Sequential: 42M parameters", "list of 30 tensors + their graphs";
-    ``new``: what a cell added to an owner that was there before ("PeftModel: 524K new parameters")."""
+    ``new``: what a cell added to an owner that was there before ("PeftModel: 524K new parameters"); memory a
+    paged optimizer keeps in CUDA managed memory says so."""
+    words = _describe(owner, kind, members, graph_bytes, type_name, new=new)
+    if members and members[0].device.startswith(PAGED):
+        return f"{words}, in paged memory (CUDA managed memory, outside PyTorch's allocator)"
+    return words
+
+
+def paged_hint(owner: str) -> str:
+    """What frees a paged optimizer's state: bitsandbytes makes it with ``cudaMallocManaged`` and never frees
+    it (its tensors do not own the memory, and its page manager keeps them all), so deleting gives none back."""
+    return (f"bitsandbytes never frees paged memory: `del {owner}` gives none of it back; restarting the kernel "
+            f"does. Torch's figures leave it out; nvidia-smi counts it while it is on the GPU")
+
+
+def _describe(owner: str, kind: HolderKind, members: Sequence[Held], graph_bytes: int, type_name: str, *,
+              new: bool = False) -> str:
     fresh = "new " if new else ""
     graph = f" + their graphs ({fmt_bytes(graph_bytes)})" if graph_bytes and len(members) > 1 else (
         f" + its graph ({fmt_bytes(graph_bytes)})" if graph_bytes else "")
@@ -442,9 +462,14 @@ def describe(owner: str, kind: HolderKind, members: Sequence[Held], graph_bytes:
         trainable = sum(h.elements for h in params if h.trainable)
         train = f" ({fmt_count(trainable)} trainable)" if 0 < trainable < 0.99 * n else (
             " (frozen)" if trainable == 0 and n else "")
+        packed = {h.dtype for h in params if h.dtype in PACKED_4BIT}
+        four = sum(h.elements for h in params if h.dtype in PACKED_4BIT)
+        if four:
+            fmt = "/".join(sorted(packed))
+            train += f", in 4 bits ({fmt})" if four >= 0.99 * n else f", {fmt_count(four)} of them in 4 bits ({fmt})"
         extra = [w for w, role in (("gradients", ROLE_GRAD), ("optimizer state", ROLE_OPTIM))
                  if any(role in h.roles for h in members)]
-        rest = len(members) - len(params) - sum(1 for h in members if h.roles & {ROLE_GRAD, ROLE_OPTIM}
+        rest = len(members) - len(params) - sum(1 for h in members if h.roles & {ROLE_GRAD, ROLE_OPTIM, ROLE_QUANT}
                                                 and ROLE_PARAM not in h.roles)
         if rest > 0:
             extra.append(f"{rest:,} other tensor{'s' if rest > 1 else ''}")
@@ -471,6 +496,10 @@ def describe(owner: str, kind: HolderKind, members: Sequence[Held], graph_bytes:
     if type_name:
         return f"{type_name} holding {len(members):,} {noun}{graph}"
     return f"{len(members):,} {noun}{graph}"
+
+
+#: The formats bitsandbytes packs two weights a byte in (``Params4bit``'s ``quant_type``).
+PACKED_4BIT = frozenset({"nf4", "fp4"})
 
 
 def tensor_words(h: Held) -> str:
