@@ -61,7 +61,8 @@ is under 20 (one step of a small value is more than 5 %). Each part prints its w
 each part's time) is skipped with a line that says so, and a bisection starts no try after its part's share (what
 the later parts need is kept for them). A part that fails prints its traceback and the next goes on.
 
-Timings are printed, never asserted. Without CUDA it prints one line and exits 0.
+Timings are printed, never asserted. Without CUDA it prints one line and exits 0. With ``NBMEM_BENCH_PROFILE=DIR``,
+each fit cell runs under cProfile and its 60 costliest calls (cumulative) go to ``DIR/fit-<part>.txt``.
 """
 
 from __future__ import annotations

@@ -7,10 +7,12 @@ shell; the bench's own code only reads, times, and frees between parts.
 
 from __future__ import annotations
 
+import cProfile
 import gc
 import io
 import itertools
 import os
+import pstats
 import re
 import sys
 import time
@@ -262,9 +264,20 @@ def fit_and_boundary(sh: InteractiveShell, fit: Fit, deadline_s: float) -> Found
     session = session_of(sh)
     prev = session.last_fit
     t_cell, failed = time.perf_counter(), ""
+    where = os.environ.get("NBMEM_BENCH_PROFILE")  # a folder: each fit cell's profile, by cumulative time, there
+    prof = cProfile.Profile() if where else None
     try:
         with Quiet():
-            cell(sh, magic + "\n" + fit.body.strip())
+            if prof is not None:
+                prof.enable()
+            try:
+                cell(sh, magic + "\n" + fit.body.strip())
+            finally:
+                if prof is not None:
+                    prof.disable()
+                    slug = re.sub(r"[^A-Za-z0-9]+", "-", fit.what).strip("-")
+                    with open(os.path.join(str(where), f"fit-{slug}.txt"), "w") as fh:
+                        pstats.Stats(prof, stream=fh).sort_stats("cumulative").print_stats(60)
     except RuntimeError as e:  # the cell failed: said, and the real boundary is still measured
         failed = str(e)
         free_exception(sh)  # its frames may hold the failed run's tensors

@@ -14,6 +14,7 @@ from __future__ import annotations
 import gc
 import itertools
 import json
+import os
 import sys
 import time
 from collections.abc import Callable, Iterator
@@ -313,15 +314,46 @@ def test_a_batch_that_does_not_fit_names_its_line(nb):
     assert torch.cuda.memory_allocated() - before <= 256 * 512 * 8 + 512
 
 
+def _record_gauge(sh: Any, into: dict[str, Any]) -> None:
+    """What the gauge would be sent now, built by the real gauge from the real sampler (run while a cell trains)."""
+    from nbmem.ui.widget import Gauge
+
+    session = session_of(sh)
+    g = Gauge(session, start=False)
+    try:
+        g._publisher.put(**g._build())
+        g._publisher.flush()
+        into["state"] = {k: v for k, v in g.get_state().items() if not k.startswith("_") and k not in (
+            "layout", "tabbable", "tooltip", "gauge_id", "placement")}
+        into["recorded_on"] = {d.name: d.model for d in session.devices()}
+    finally:
+        g.close()
+
+
 def test_the_gauge_samples_through_a_long_step(nb):
-    nb("build", "lora")
+    """The sampler keeps its pace while a cell trains for 15 s; with ``NBMEM_RECORD_DIR`` set, what the gauge is
+    sent 10 s into that cell (the three mistakes still held) goes to ``gauge-7b.json`` there, which
+    ``tests/browser/test_gauge_7b_lab.py`` draws in JupyterLab (no browser runs on the GPU machine)."""
+    _planted(nb)
+    import threading
+
+    rec: dict[str, Any] = {}
+    out = os.environ.get("NBMEM_RECORD_DIR")
+    timer = threading.Timer(10.0, _record_gauge, (nb.sh, rec)) if out else None
     t0 = time.time()
+    if timer is not None:
+        pytest.importorskip("anywidget")
+        timer.start()
     ok(nb.sh, "import time\nstart = time.time()\n"
               "while time.time() - start < 15:\n"
-              "    ids = torch.randint(0, config.vocab_size, (8, SEQ), device=DEV)\n"
+              "    ids = torch.randint(0, config.vocab_size, (4, SEQ), device=DEV)\n"
               "    model(input_ids=ids, labels=ids).loss.backward()\n"
               "    opt.zero_grad(set_to_none=True)\n")
     t1 = time.time()
+    if timer is not None:
+        timer.join()
+        assert rec, "the gauge's state was not recorded"
+        Path(out, "gauge-7b.json").write_text(json.dumps(rec, default=str))
     s = nbmem.samples()
     import pandas as pd
 
