@@ -106,10 +106,13 @@ def room_now(src: TorchSource, device: int, room: Room) -> tuple[Room, int]:
 
 
 def on_target(rooms: Mapping[int, Room], target: Target, own_used: Callable[[int], int | None] | None,
-              margin_bytes: int | None) -> tuple[dict[int, Room], tuple[str, ...]]:
+              margin_bytes: int | None, outside: Mapping[int, int] | None = None
+              ) -> tuple[dict[int, Room], tuple[str, ...]]:
     """Each measured device's room as it would be on ``target``, and what that assumes. The CUDA context is
     this process's memory on the device beyond its allocator's (NVML's per-process figure); where NVML cannot
-    say, all the memory neither free nor this allocator's (other processes' too: it errs low)."""
+    say, all the memory neither free nor this allocator's (other processes' too: it errs low). ``outside``:
+    managed memory the state holds, taken there too (where it is on this GPU now, NVML's figure has it already,
+    and it is counted twice: low, never high)."""
     out: dict[int, Room] = {}
     notes: tuple[str, ...] = ()
     for d, room in sorted(rooms.items()):
@@ -120,7 +123,7 @@ def on_target(rooms: Mapping[int, Room], target: Target, own_used: Callable[[int
             context = room.others_bytes or 0
             how = (f"all of {room.device}'s memory that is neither free nor this process's allocator's, other "
                    "processes' too if any (NVML gave no per-process figure)")
-        out[d] = target_room(room, target, context, margin_bytes)
+        out[d] = target_room(room, target, context + (outside or {}).get(d, 0), margin_bytes)
         notes = notes or target_notes(target, room.device, context, how)
         if out[d].free_bytes < 0:
             notes += (f"what this notebook's allocator holds on {room.device} now ({fmt_bytes(room.reserved_bytes)}) "

@@ -122,7 +122,7 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchRel
     notes: list[str] = []
     body = FitBody(progress.watch(run), src, src.context_devices(), stacks, max_entries, clean, name, notes,
                  margin_bytes=margin_bytes, host=HostWatch(*room_for(host_limit)), progress=progress,
-                 outside=dict(outside or {}))
+                 outside=dict(outside or {}), target=None if target is None else (target, own_used))
     failed: BaseException | None = None
     before: dict[int, int] = {}
     reset_said: list[str] = []  # what giving back the workspaces before a remedy's runs said
@@ -185,7 +185,8 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchRel
         notes.append("the runs' kernels took " + ", ".join(f"{fmt_bytes(n)} of cuda:{d}" for d, n in body.lost.items()
                                                            if n) + " outside PyTorch's allocator (CUDA loads a "
                      "kernel's code the first time it runs): the answer is for the room left after them")
-    rooms, said = (dict(body.rooms), ()) if target is None else on_target(body.rooms, target, own_used, margin_bytes)
+    rooms, said = (dict(body.rooms), ()) if target is None else on_target(body.rooms, target, own_used, margin_bytes,
+                                                                           body.outside)
     notes += said
     result = analyse_devices(runs, rooms, body.segments, gpus={d: gpu_name(t, d) for d in rooms}, name=name,
                              cell_files=cell_files, sources=sources, max_value=max_value, notes=notes,
@@ -385,6 +386,7 @@ class FitBody:
     lost: dict[int, int] = field(default_factory=dict)  # device -> what went outside the allocator in the runs
     host: HostWatch | None = None  # each run's host bytes, and the room there
     outside: dict[int, int] = field(default_factory=dict)  # device -> managed memory counted as taken (``fit``)
+    target: tuple[Target, Callable[[int], int | None] | None] | None = None  # another GPU's answer (``fit``'s ``on``)
 
     def measure(self) -> dict[int, int]:
         """Each device's room, read after the cache is given back; what is allocated on each before the runs."""
@@ -411,13 +413,14 @@ class FitBody:
 
     def answer_rooms(self, target: Target | None, own_used: Callable[[int], int | None] | None) -> dict[int, Room]:
         """The rooms the answer is for: each device's own, or ``target``'s in place of each."""
-        return dict(self.rooms) if target is None else on_target(self.rooms, target, own_used, self.margin_bytes)[0]
+        return dict(self.rooms) if target is None else on_target(self.rooms, target, own_used, self.margin_bytes,
+                                                                 self.outside)[0]
 
     def analyse(self, runs: Sequence[RunSet], cell_files: frozenset[str]) -> FitResult:
-        """The largest value only, against this machine's devices: what the runs ask between them."""
-        res = analyse_devices(runs, self.rooms, self.segments, name=self.name, cell_files=cell_files,
-                              largest_only=True)
-        return self.host_bound(res)
+        """The largest value only, against the devices the answer is for: what the runs ask between them."""
+        rooms = self.rooms if self.target is None else self.answer_rooms(*self.target)
+        res = analyse_devices(runs, rooms, self.segments, name=self.name, cell_files=cell_files, largest_only=True)
+        return self.host_bound(res, None if self.target is None else self.target[0])
 
     def host_bound(self, res: FitResult, target: Target | None = None) -> FitResult:
         """``res`` bound by host memory too, where the runs keep memory there (not another GPU's: another host's)."""
