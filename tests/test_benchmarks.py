@@ -26,6 +26,8 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
     ["bench_stack.py", "--device", "cpu", "--seconds", "1", "--pairs", "2", "--interval", "0.05",
      "--default-pairs", "2"],
     ["bench_metrics.py", "--quick"],
+    ["bench_analysis.py", "--turns", "1", "--against", str(BENCH.parent),
+     "--traces", str(BENCH.parent / "tests" / "data" / "fit_remedy_resnet_h100_b.json.gz")],
 ])
 def test_a_benchmark_runs_and_prints_its_summary(args: list[str]) -> None:
     out = subprocess.run([sys.executable, str(BENCH / args[0]), *args[1:]], capture_output=True, text=True,

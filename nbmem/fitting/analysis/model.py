@@ -164,29 +164,24 @@ ALIGN_BAND = 64
 ALIGN_MAX_CELLS = 4_000_000
 
 
-def _size_score(sa: int, va: int, sb: int, vb: int) -> int:
-    """How well ``sa`` bytes at ``va`` line up with ``sb`` bytes at ``vb``: 3 for the same size or the same size
-    per unit, 1 for growth at most with the value's square, 0 where one cannot be the other."""
-    if sa == sb or sa * vb == sb * va:
-        return 3
-    if va == vb:
-        return 0
-    (vs, ss), (vl, sl) = sorted(((va, sa), (vb, sb)))
-    return 1 if ss < sl <= ss * (vl / vs) ** 2 + GROWTH_SLACK_BYTES else 0
-
-
 def _align_sizes(a: Run, b: Run) -> dict[int, int] | None:
-    """The order-keeping pairing of the two runs' allocations with the best total ``_size_score`` (same stream,
-    line, and kept or not; a bonus for the same lifetime), by dynamic programming in a band around the diagonal;
-    None when the band would be too large."""
+    """The order-keeping pairing of the two runs' allocations with the best total score (same stream, line, and
+    kept or not; a bonus for the same lifetime), by dynamic programming in a band around the diagonal; None when
+    the band would be too large. A pair scores 3 for the same size or the same size per unit of the value, 1 for
+    growth at most with the value's square, 0 where one cannot be the other."""
     xa, xb = a.allocs, b.allocs
     n, m = len(xa), len(xb)
     band = abs(n - m) + ALIGN_BAND
     if n * (2 * band + 1) > ALIGN_MAX_CELLS:
         return None
     va, vb = a.value, b.value
-    # This loop runs n × band times, for each of a fit's analyses: what must agree for a pairing (stream, line,
-    # kept or not) is one small int per allocation, and B's sizes and lifetimes plain lists.
+    # The score is worked out inline: this loop runs n × band times, for each of a fit's analyses. The growth
+    # bound's ratio is the same for every pair; ``a_small``: A's value is the smaller one, ``same``: the values are
+    # equal (then only equal sizes pair).
+    same, a_small = va == vb, va < vb
+    ratio2 = 0.0 if same else (max(va, vb) / min(va, vb)) ** 2
+    # What must agree for a pairing (stream, line, kept or not) is one small int per allocation, and B's sizes
+    # and lifetimes plain lists.
     keys: dict[tuple[Any, ...], int] = {}
     key_b = [keys.setdefault((x.stream, x.site, x.died is None), len(keys)) for x in xb]
     size_b = [x.size for x in xb]
@@ -222,7 +217,15 @@ def _align_sizes(a: Run, b: Run) -> dict[int, int] | None:
             if key_b[j - 1] == ka:
                 diag = prev[k + shift]
                 if diag >= 0:
-                    w = _size_score(size_a, va, size_b[j - 1], vb)
+                    sb = size_b[j - 1]
+                    if size_a == sb or size_a * vb == sb * va:
+                        w = 3
+                    elif same:
+                        w = 0
+                    elif a_small:
+                        w = 1 if size_a < sb <= size_a * ratio2 + GROWTH_SLACK_BYTES else 0
+                    else:
+                        w = 1 if sb < size_a <= sb * ratio2 + GROWTH_SLACK_BYTES else 0
                     if w and life_a >= 0 and life_a == life_b[j - 1]:
                         w += 1  # the same lifetime, in events: more likely the same tensor
                     if w and diag + w > best:
