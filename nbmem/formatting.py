@@ -38,10 +38,11 @@ def fmt_bytes(n: int | float | None, *, signed: bool = False) -> str:
     return f"{sign}{v:.{digits}f} {_UNITS[unit]}"
 
 
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(gib|gb|g|mib|mb|m|tib|tb|t)\s*$", re.IGNORECASE)
-#: A bare G, M or T is binary: what nvidia-smi and torch print is GiB, and people type "24G" for it.
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*(gib|gb|g|mib|mb|m|tib|tb|t|kib|kb|k)\s*$", re.IGNORECASE)
+#: A bare K, G, M or T is binary: what nvidia-smi and torch print is GiB, and people type "24G" for it. KiB is
+#: there because reports print it ("+286 KiB"): a threshold is typed as it was read.
 _SIZE_UNITS = {"gib": 1 << 30, "g": 1 << 30, "gb": 10**9, "mib": 1 << 20, "m": 1 << 20, "mb": 10**6,
-               "tib": 1 << 40, "t": 1 << 40, "tb": 10**12}
+               "tib": 1 << 40, "t": 1 << 40, "tb": 10**12, "kib": 1 << 10, "k": 1 << 10, "kb": 10**3}
 
 
 @dataclass(frozen=True, slots=True)

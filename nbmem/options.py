@@ -42,7 +42,7 @@ class Option:
             return "True or False"
         if self.size:
             return (f"a size in bytes, {self.low:g} to {fmt_bytes(self.high)}: a whole number such as 2097152 or "
-                    "`2 * 2**20`, or a string with MiB, GiB or TiB such as '2 MiB'")
+                    "`2 * 2**20`, or a string with KiB, MiB, GiB or TiB such as '2 MiB'")
         what = "a whole number" if self.kind is int else "a number"
         return f"{what} from {self.low:g} to {self.high:g}"
 

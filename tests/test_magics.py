@@ -172,10 +172,11 @@ def test_bad_cell_magic_input_does_not_run_the_body(ip):
     ("Nbmem.interval = -1", "Nbmem.interval must be a number from 0.01 to 60; got -1; kept 0.5."),
     ("Nbmem.show = 'sometimes'", "Nbmem.show must be one of 'auto', 'always', 'never'; got 'sometimes'; kept 'auto'."),
     ("Nbmem.threshold = -5", "Nbmem.threshold must be a size in bytes, 0 to 1024 PiB: a whole number such as 2097152 "
-                             "or `2 * 2**20`, or a string with MiB, GiB or TiB such as '2 MiB'; got -5; kept 1048576."),
-    ("Nbmem.threshold = '2 KiB'", "Nbmem.threshold must be a size in bytes, 0 to 1024 PiB: a whole number such as "
-                                  "2097152 or `2 * 2**20`, or a string with MiB, GiB or TiB such as '2 MiB'; got "
-                                  "'2 KiB'; kept 1048576."),
+                             "or `2 * 2**20`, or a string with KiB, MiB, GiB or TiB such as '2 MiB'; got -5; kept "
+                             "1048576."),
+    ("Nbmem.threshold = 'two MiB'", "Nbmem.threshold must be a size in bytes, 0 to 1024 PiB: a whole number such as "
+                                    "2097152 or `2 * 2**20`, or a string with KiB, MiB, GiB or TiB such as '2 MiB'; "
+                                    "got 'two MiB'; kept 1048576."),
     ("Nbmem.scan = 'yes'", "Nbmem.scan must be True or False; got 'yes'; kept True."),
 ])
 def test_a_bad_option_is_refused_in_one_line_and_the_old_value_stays(ip, capsys, line, expect):
@@ -198,6 +199,8 @@ def test_the_threshold_takes_a_size_with_its_unit_as_formatting_reads_it(ip):
     assert m.options.threshold == 2 * MiB and m.session.settings.threshold_bytes == 2 * MiB
     ok(ip, "%config Nbmem.threshold = 3 * 2**20")
     assert m.session.settings.threshold_bytes == 3 * MiB
+    ok(ip, "%config Nbmem.threshold = '16KiB'")  # as reports print small sizes
+    assert m.session.settings.threshold_bytes == 16 * 1024
 
 
 def test_config_nbmem_is_titled_as_nbmems_options_and_the_trace_cost_is_the_readmes(ip, capsys):
