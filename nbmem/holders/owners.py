@@ -19,7 +19,7 @@ from dataclasses import dataclass, replace
 from functools import cached_property
 from typing import Any
 
-from nbmem.formatting import fmt_bytes, fmt_count
+from nbmem.formatting import fmt_bytes, fmt_count, plural
 from nbmem.holders import findings as judge
 from nbmem.holders.freeing import Keepers, Needs
 from nbmem.holders.graphs import Graph
@@ -370,14 +370,15 @@ def _needs_hint(owner: str, needs: Needs, also: Also, graph_bytes: int, count: i
     frees = "nothing" if needs.alone_bytes == 0 else f"only {fmt_bytes(needs.alone_bytes)} of it"
     why = [_also_text(also)] if also else []
     if needs.shared:
-        more = f" and {len(needs.shared) - 1:,} more" if len(needs.shared) > 1 else ""
+        more = f" and {plural(len(needs.shared) - 1, 'more tensor')}" if len(needs.shared) > 1 else ""
         why.append(f"its graph is shared with `{needs.shared[0]}`{more}, so it goes with "
                    f"`{owner_of(root_name(needs.shared[0]))}`")
     saved_by = [(m, k) for m, k in needs.saved_by
                 if not any(root_name(k) == root_name(o) for o in needs.shared)]  # said already: "goes with"
     if saved_by:
         member, keeper = saved_by[0]
-        more = f" and {len(saved_by) - 1:,} more" if len(saved_by) > 1 else ""
+        more = f" ({plural(len(saved_by) - 1, 'more of its tensors', 'more of its tensors')} too)" if len(
+            saved_by) > 1 else ""
         why.append(f"`{member}` is also saved by the graph of `{keeper}`{more}, so it goes with "
                    f"`{owner_of(root_name(keeper))}`")
     if not why:  # a holder `also` leaves out (a second frame, a later output): the command still names it
