@@ -430,6 +430,7 @@ class StillHeld:
     unnamed_bytes: int = 0  # alive, but nothing nbmem walks reaches them
     frees: CleanupOf = field(default_factory=lambda: CleanupOf())  # what would free the rest
     paged_bytes: int = 0  # a paged optimizer's CUDA managed memory: bitsandbytes never frees it
+    graph_bytes: int = 0  # what the autograd graphs of those tensors keep besides (a loss another name holds)
 
     def text(self) -> str:
         if self.paged_bytes and self.paged_bytes == self.nbytes:
@@ -447,7 +448,9 @@ class StillHeld:
         if self.unnamed_bytes:
             parts.append(f"{fmt_bytes(self.unnamed_bytes)} by something no name reaches (C++ or a library)")
         how = f" → `{cleanup_text(self.frees)}` frees it" if self.frees else ""
-        return f"`{self.name}`: {fmt_bytes(self.nbytes)} of its memory is still held, {'; '.join(parts)}{how}"
+        graph = f" (and its autograd graph, {fmt_bytes(self.graph_bytes)})" if self.graph_bytes else ""
+        return (f"`{self.name}`: {fmt_bytes(self.nbytes)} of its memory{graph} is still held, {'; '.join(parts)}"
+                f"{how}")
 
 
 # -- the report under a cell -------------------------------------------------------------------------------

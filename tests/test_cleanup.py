@@ -52,6 +52,20 @@ def test_deleting_a_name_leaves_other_names_bound_to_the_same_tensor(ip):
     assert "Out[" in rep.steps[0].note and "_" in rep.steps[0].note
 
 
+def test_what_is_still_held_counts_the_graph_the_other_name_keeps(ip):
+    """A loss still bound to `loss` after its list is deleted keeps its whole graph, not only its 4 bytes."""
+    ok(ip, "w = torch.randn(1024, 1024, requires_grad=True)\nlosses = []\nfor _ in range(3):\n"
+           "    loss = (torch.randn(1024, 1024) @ w).sum()  # its graph saves the 4 MiB input\n"
+           "    losses.append(loss)")
+    rep = nbmem.cleanup(names=["losses"])
+    ((held),) = rep.still_held
+    assert (held.name, held.nbytes, held.named_by, held.graph_bytes) == ("losses", 4, ("loss",), 4 * MiB)
+    assert ("`losses`: 4 B of its memory (and its autograd graph, 4.00 MiB) is still held, named by `loss` → "
+            "`%cudamem clean loss` frees it") in str(rep), str(rep)
+    rep = nbmem.cleanup(names=["loss"])
+    assert rep.freed_allocated_bytes == 4 * MiB + 4 and rep.still_held == ()  # the graph went with it
+
+
 def test_deleting_a_name_frees_what_only_it_held(ip):
     ok(ip, "x = torch.empty(4 * 2**20)")
     ref = weakref.ref(ip.user_ns["x"])

@@ -371,20 +371,27 @@ class Holdings:
         cur = self.last_scan
         if cur is None or not any(lefts.values()):
             return ()
-        return still_held(lefts, cur, self.scanner.storages.states, self._graphs_now(cur)[1])
+        graphs, keepers = self._graphs_now(cur)
+        return still_held(lefts, cur, self.scanner.storages.states, keepers, graphs)
 
     def forget_current(self) -> None:
         self._current_of = None
 
 
-def still_held(lefts: Mapping[str, list[int]], cur: Scan, states: Mapping[int, Any], keepers: Keepers
-               ) -> tuple[StillHeld, ...]:
+def still_held(lefts: Mapping[str, list[int]], cur: Scan, states: Mapping[int, Any], keepers: Keepers,
+               graphs: Mapping[int, Graph] | None = None) -> tuple[StillHeld, ...]:
     """Per deleted name, of its storages still alive (``lefts``): the other paths to them, the autograd graphs that
-    saved them, the bytes nothing nbmem walks reaches, and what would free the rest (``Keepers.needs``)."""
+    saved them, the bytes nothing nbmem walks reaches, what would free the rest (``Keepers.needs``), and the
+    graphs those storages' tensors keep (``graphs``: a loss that another name holds keeps its whole graph)."""
     out = []
     for name, left in lefts.items():
         if not left:
             continue
+        kept_graph: dict[int, int] = {}
+        for s in left:
+            g = (graphs or {}).get(s)
+            if g is not None:
+                kept_graph.update(g.saved)
         named: dict[str, None] = {}
         saved: dict[str, None] = {}
         holders: list[Held] = []
@@ -404,7 +411,8 @@ def still_held(lefts: Mapping[str, list[int]], cur: Scan, states: Mapping[int, A
                 unnamed += states[s].nbytes
         need = keepers.needs("", holders)
         out.append(StillHeld(name, sum(states[s].nbytes for s in left), tuple(named)[:6], tuple(saved)[:6], unnamed,
-                             CleanupOf(need.names, need.outputs, need.traceback), paged))
+                             CleanupOf(need.names, need.outputs, need.traceback), paged,
+                             sum(n for k, n in kept_graph.items() if k not in left)))
     return tuple(out)
 
 
