@@ -106,3 +106,50 @@ def page(tmp_path: Path) -> Iterator[Any]:
 def artifacts() -> Path:
     ARTIFACTS.mkdir(exist_ok=True)
     return ARTIFACTS
+
+
+#: A cell that draws a gauge state recorded on a GPU machine (no browser runs there) with the gauge's own front
+#: end (``nbmem.ui.frontend.bundle()``): the widget's synced traits set from the recording.
+RECORDED_CELL = """import sys
+sys.path.insert(0, {root!r})
+import json, anywidget, traitlets
+from nbmem.ui.frontend import bundle
+
+class Recorded(anywidget.AnyWidget):
+    _esm = bundle()
+    snapshot = traitlets.Dict().tag(sync=True)
+    history = traitlets.Dict().tag(sync=True)
+    cells = traitlets.List().tag(sync=True)
+    processes = traitlets.Dict().tag(sync=True)
+    children = traitlets.Dict().tag(sync=True)
+    last_cell = traitlets.Dict().tag(sync=True)
+    holders = traitlets.List().tag(sync=True)
+    holders_note = traitlets.Unicode("").tag(sync=True)
+    action = traitlets.Dict().tag(sync=True)
+    holders_at = traitlets.Float(None, allow_none=True).tag(sync=True)
+    note = traitlets.Unicode("").tag(sync=True)
+    placement = traitlets.Unicode("inline").tag(sync=True)
+
+state = json.load(open({path!r}))["state"]
+Recorded(**{{k: v for k, v in state.items() if k in Recorded.class_trait_names(sync=True)}})"""
+
+
+def draw_recorded(lab: Any, page: Any, recorded: Path, name: str, errors: list[str]) -> Any:
+    """A notebook ``name`` whose one cell draws the gauge state in ``recorded``, run in JupyterLab: the gauge's
+    locator (page errors go to ``errors``)."""
+    import nbformat
+    from playwright.sync_api import expect
+
+    root = Path(__file__).resolve().parents[2]
+    cell = RECORDED_CELL.format(root=str(root), path=str(recorded))
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(cell)])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, lab.root / name)
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.set_default_timeout(30_000)
+    page.goto(lab.url(f"/lab/tree/{name}?reset"))
+    page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for()
+    Cells(page).run(0)
+    gauge = page.locator(".nbmem-gauge")
+    expect(gauge).to_have_count(1)
+    return gauge

@@ -13,10 +13,9 @@ import json
 from pathlib import Path
 from typing import Any
 
-import nbformat
 import pytest
 
-from tests.browser.conftest import Cells
+from tests.browser.conftest import draw_recorded
 
 expect = pytest.importorskip("playwright.sync_api").expect
 
@@ -24,44 +23,12 @@ pytestmark = pytest.mark.browser
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORDED = ROOT / "docs" / "img" / "gauge-two-gpus.json"
-CELL = f"""import sys
-sys.path.insert(0, {str(ROOT)!r})
-import json, anywidget, traitlets
-from nbmem.ui.frontend import bundle
-
-class Recorded(anywidget.AnyWidget):
-    _esm = bundle()
-    snapshot = traitlets.Dict().tag(sync=True)
-    history = traitlets.Dict().tag(sync=True)
-    cells = traitlets.List().tag(sync=True)
-    processes = traitlets.Dict().tag(sync=True)
-    children = traitlets.Dict().tag(sync=True)
-    last_cell = traitlets.Dict().tag(sync=True)
-    holders = traitlets.List().tag(sync=True)
-    holders_note = traitlets.Unicode("").tag(sync=True)
-    action = traitlets.Dict().tag(sync=True)
-    holders_at = traitlets.Float(None, allow_none=True).tag(sync=True)
-    note = traitlets.Unicode("").tag(sync=True)
-    placement = traitlets.Unicode("inline").tag(sync=True)
-
-state = json.load(open({str(RECORDED)!r}))["state"]
-Recorded(**{{k: v for k, v in state.items() if k in Recorded.class_trait_names(sync=True)}})"""
 
 
 def test_two_gpus_each_with_this_notebooks_worker_in_jupyterlab(lab: Any, page: Any, artifacts: Path) -> None:
     rec = json.loads(RECORDED.read_text())
-    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(CELL)])
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nbformat.write(nb, lab.root / "two_gpus.ipynb")
     errors: list[str] = []
-    page.on("pageerror", lambda e: errors.append(str(e)))
-    page.set_default_timeout(30_000)
-    page.goto(lab.url("/lab/tree/two_gpus.ipynb?reset"))
-    page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").wait_for()
-    cells = Cells(page)
-    cells.run(0)
-    gauge = page.locator(".nbmem-gauge")
-    expect(gauge).to_have_count(1)
+    gauge = draw_recorded(lab, page, RECORDED, "two_gpus.ipynb", errors)
     snap = rec["state"]["snapshot"]
     for dev, model in rec["recorded_on"].items():
         section = gauge.locator(f"section[data-device='{dev}']")
