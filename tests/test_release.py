@@ -55,8 +55,11 @@ def test_the_version_is_the_newest_dated_release_in_the_changelog() -> None:
 
 
 def copy(tmp_path: Path) -> Path:
+    """The checkout's CHANGELOG and version as released: an Unreleased section it has now is left out."""
     (tmp_path / "nbmem").mkdir()
-    shutil.copy(ROOT / "CHANGELOG.md", tmp_path / "CHANGELOG.md")
+    text = (ROOT / "CHANGELOG.md").read_text()
+    text = re.sub(r"\n## Unreleased\b.*?(?=\n## )", "", text, count=1, flags=re.S)
+    (tmp_path / "CHANGELOG.md").write_text(text)
     shutil.copy(ROOT / "nbmem" / "__init__.py", tmp_path / "nbmem" / "__init__.py")
     return tmp_path
 
