@@ -350,3 +350,15 @@ def test_an_out_of_memory_error_names_its_line_and_the_users_function_it_came_th
     assert not r.success
     advice = nbmem.ipython.root.session_of(ip).last_report.advice
     assert advice[0] == f"the allocation that failed was asked for by line 2: step() (in In[{helper}]:4 in step)"
+
+
+def test_an_inexact_peak_says_what_the_trace_missed_in_a_readers_units():
+    from nbmem.trace.linetrace import Replay
+
+    def note(diff: int) -> str:
+        return Replay("cuda:0", 20 * 2**30, False, diff, 10, None, (), {}, None).note()
+
+    # The 7B notebook's gauge read "(-31,064,064 bytes unaccounted)": a sign a reader had to decode.
+    assert note(-31_064_064) == "≈ from the allocator's trace (it missed 29.6 MiB the allocator counted)"
+    assert note(2 * 2**20) == "≈ from the allocator's trace (it has 2.00 MiB the allocator did not count)"
+    assert Replay("cuda:0", 1, True, 0, 1, None, (), {}, None).note() == ""

@@ -282,8 +282,8 @@ def test_a_hint_says_del_frees_it_only_where_that_name_alone_frees_it(ip):
     assert by["preds"].hint == "`del preds` frees it", "its graph saved only x, which x's row counts"
     # x needs no grad, so the graph saves no weight; but its AccumulateGrad nodes hold the parameters themselves.
     assert by["model"].state == "model" and by["model"].hint.startswith(
-        "`del model` frees nothing: `model.weight` is also saved by the graph of `preds` (1 more of its tensors "
-        "too)"), by["model"].hint  # the bias: saved by the same graph
+        "`del model` frees nothing: `model.weight` is also saved by the graph of `preds` (and 1 more of its "
+        "tensors)"), by["model"].hint  # the bias: saved by the same graph
     assert by["model"].hint.endswith("→ `%cudamem clean model preds`")
     assert session_of(ip).last_report.last_report_cleanup().names == ("preds", "x", "kept")
 

@@ -377,8 +377,11 @@ def _needs_hint(owner: str, needs: Needs, also: Also, graph_bytes: int, count: i
                 if not any(root_name(k) == root_name(o) for o in needs.shared)]  # said already: "goes with"
     if saved_by:
         member, keeper = saved_by[0]
-        more = f" ({plural(len(saved_by) - 1, 'more of its tensors', 'more of its tensors')} too)" if len(
-            saved_by) > 1 else ""
+        # ``saved_by`` pairs each member with each graph that saved it: say how many tensors and graphs those are
+        tensors, graphs = len({m for m, _k in saved_by}), len({k for _m, k in saved_by})
+        more = (f" (and {plural(tensors - 1, 'more of its tensors', 'more of its tensors')}"
+                f"{f', by {graphs:,} graphs in all' if graphs > 1 else ''})" if tensors > 1 else
+                f" (and by {plural(graphs - 1, 'more graph')})" if graphs > 1 else "")
         why.append(f"`{member}` is also saved by the graph of `{keeper}`{more}, so it goes with "
                    f"`{owner_of(root_name(keeper))}`")
     if not why:  # a holder `also` leaves out (a second frame, a later output): the command still names it

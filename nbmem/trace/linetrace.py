@@ -19,6 +19,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from nbmem.formatting import fmt_bytes
 from nbmem.measure import libraries
 from nbmem.records import LineRecord, block_bytes
 
@@ -51,7 +52,10 @@ class Replay:
     def note(self) -> str:
         if self.exact:
             return ""
-        return f"≈ from the allocator's trace ({self.difference_bytes:+,} bytes unaccounted)"
+        d = self.difference_bytes
+        off = (f"it missed {fmt_bytes(-d)} the allocator counted" if d < 0 else
+               f"it has {fmt_bytes(d)} the allocator did not count")
+        return f"≈ from the allocator's trace ({off})"
 
 
 def _frame_text(f: Mapping[str, Any], names: Mapping[str, str] | None = None) -> str:
