@@ -379,7 +379,7 @@ class Holdings:
 
 
 def still_held(lefts: Mapping[str, list[int]], cur: Scan, states: Mapping[int, Any], keepers: Keepers,
-               graphs: Mapping[int, Graph] | None = None) -> tuple[StillHeld, ...]:
+               graphs: Mapping[int, Graph]) -> tuple[StillHeld, ...]:
     """Per deleted name, of its storages still alive (``lefts``): the other paths to them, the autograd graphs that
     saved them, the bytes nothing nbmem walks reaches, what would free the rest (``Keepers.needs``), and the
     graphs those storages' tensors keep (``graphs``: a loss that another name holds keeps its whole graph)."""
@@ -389,7 +389,7 @@ def still_held(lefts: Mapping[str, list[int]], cur: Scan, states: Mapping[int, A
             continue
         kept_graph: dict[int, int] = {}
         for s in left:
-            g = (graphs or {}).get(s)
+            g = graphs.get(s)
             if g is not None:
                 kept_graph.update(g.saved)
         named: dict[str, None] = {}

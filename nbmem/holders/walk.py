@@ -420,11 +420,13 @@ class Walk:
             else:
                 add(v, node, L_KEY, k, root)
 
-    def _instance(self, obj: Any, node: int, root: int, info: _TypeInfo, *, plain: bool, tensor: bool = False) -> None:
-        if plain or info.layout is None:
-            return
-        lay = info.layout
-        d = reach.instance_dict(obj, lay)
+    def _instance(self, obj: Any, node: int, root: int, info: _TypeInfo, *, plain: bool) -> None:
+        if not plain and info.layout is not None:
+            self._attrs(obj, reach.instance_dict(obj, info.layout), node, root, info.layout)
+
+    def _attrs(self, obj: Any, d: dict[Any, Any] | None, node: int, root: int, lay: reach.Layout, *,
+               tensor: bool = False) -> None:
+        """An object's attributes: its instance dict ``d`` (read already), a shadowed dict's values, its slots."""
         if d is not None:
             for k, v in reach.dict_items(d):
                 # A weight's attribute back to a module already walked (bitsandbytes' ``weight.module``) adds
@@ -444,8 +446,8 @@ class Walk:
     def _tensor(self, t: Any, node: int, root: int, info: _TypeInfo) -> None:
         TB = self.TB
         layout = TB.layout.__get__(t)
-        heap = info.layout is not None and reach.is_heap(type(t))
-        d = reach.instance_dict(t, info.layout) if heap and info.layout is not None else None
+        lay = info.layout if info.layout is not None and reach.is_heap(type(t)) else None
+        d = reach.instance_dict(t, lay) if lay is not None else None  # read once: its marks, then its attributes
         if layout is not self.torch.strided:
             for part, label in inside.sparse_parts(self.torch, TB, t, layout):
                 self._add(part, node, L_TEXT, label, root)
@@ -477,8 +479,8 @@ class Walk:
             g = TB._grad.__get__(t) if hasattr(TB, "_grad") else None
             if g is not None:
                 self._add(g, node, L_TEXT, ".grad", root)
-        if heap:
-            self._instance(t, node, root, info, plain=False, tensor=True)
+        if lay is not None:
+            self._attrs(t, d, node, root, lay, tensor=True)
 
     def is_module(self, node: int) -> bool:
         """Whether the node is an ``nn.Module``."""
