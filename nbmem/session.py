@@ -385,8 +385,7 @@ class Session:
 
         try:
             result = fit_in_notebook(self.adapter, self.release, self.holdings.scanner.type_cache, body, name,
-                                     values, cell=cell, warmup=warmup, restore=restore,
-                                     budget_s=self.settings.scan_budget_s, want=want, on=on,
+                                     values, cell=cell, warmup=warmup, restore=restore, want=want, on=on,
                                      own_used=self.probe.nvml.own_used, show=show, host_limit=host_limit)
         finally:
             self.holdings.closed_scan = None  # the fit ran code: the next cell's baseline is scanned again

@@ -160,6 +160,21 @@ def test_a_fit_finds_schedulers_scalers_and_the_iterators_it_cannot_put_back(nb)
     assert sorted(found.iterators) == ["g (generator)", "loop.batches (list_iterator)"]
 
 
+def test_a_walk_for_the_state_that_runs_out_of_time_says_so(nb):
+    """The optimizer comes after a large object in the walk: out of time before it, the walk must not pass for
+    complete (a fit would then put back the model and not the optimizer, as it did at 7B under a profiler)."""
+    from nbmem.fitting.runs.notebook import state_reached
+
+    ok(nb, "big = [[i] for i in range(200_000)]")
+    sess = session_of(nb)
+    used = {"big", "model", "opt"}
+    cut = state_reached(sess.adapter, torch, sess.holdings.scanner.type_cache, used, [], budget_s=0.0)
+    whole = state_reached(sess.adapter, torch, sess.holdings.scanner.type_cache, used, [], budget_s=None)
+    assert cut.stopped_after is not None and cut.stopped_after < 200_000
+    assert whole.stopped_after is None
+    assert [id(o) for o in whole.optimizers] == [id(nb.user_ns["opt"])]
+
+
 def test_a_fit_finds_the_state_a_cell_changes_through_the_functions_it_calls(nb):
     """`train_step(batch)` trains `model` and `opt` through its globals: they are what a fit must restore."""
     from nbmem.fitting.runs.notebook import state_reached

@@ -88,20 +88,26 @@ class TrainingState:
     # GPU index -> bytes of paged (CUDA managed) memory the state holds (bitsandbytes' paged optimizers): memory
     # PyTorch's allocator does not count, which a fit counts as taken
     paged_bytes: dict[int, int] = field(default_factory=dict)
+    # None: the walk reached everything; else how many objects it had visited when its time ran out (what it did
+    # not reach may hold more state)
+    stopped_after: int | None = None
 
 
 def reachable_state(torch: Any, roots: Sequence[Root], types_: reach.TypeCache, *, budget_s: float | None = None,
                     kinds: tuple[type, ...] = ()) -> TrainingState:
     """The outermost ``nn.Module``s, every optimizer and every object of ``kinds`` reachable from ``roots``:
     the state a cell's code can change, which a fit copies and restores; and the iterators it could advance.
-    Found by a walk (no user code runs); the caller holds the objects only while it needs them."""
+    Found by a walk (no user code runs); the caller holds the objects only while it needs them. Where
+    ``budget_s`` runs out first, ``stopped_after`` says so: what was found is then not all there is."""
     deadline = None if budget_s is None else time.perf_counter() + budget_s
     w = Walk(torch, types_, deadline)
+    finished = True
     with torch._C.DisableTorchFunction():
         for r in roots:
             if not w.run_root(r)[0]:
+                finished = False
                 break
-    found = TrainingState([], [], [], [])
+    found = TrainingState([], [], [], [], stopped_after=None if finished else w.objects)
     paths = PathBuilder(w, lambda t: "")
     for node, obj in enumerate(w.keep):
         t = type(obj)

@@ -34,3 +34,22 @@ def test_a_fit_predicts_and_leaves_the_model_the_variable_and_memory_as_they_wer
     assert ns["a1"] == ns["a0"], (ns["a0"], ns["a1"])
     text = str(res)
     assert f"largest batch that fits: {res.largest_value:,}" in text, text
+
+
+def test_a_fit_whose_walk_cannot_find_all_the_state_in_time_is_refused_and_runs_nothing(gpu):
+    """The optimizer lies past a large object: a walk out of time before it would put back the model alone."""
+    from nbmem.fitting.runs.notebook import fit_in_notebook
+    from nbmem.fitting.runs.state import FitRefused
+
+    ok(gpu, "model = torch.nn.Linear(1024, 1024).cuda()\nopt = torch.optim.Adam(model.parameters())\n"
+            "big = [[i] for i in range(200_000)]\nruns = 0")
+    sess = session_of(gpu)
+    body = "runs += 1\n_ = big\n" + TRAIN
+    try:
+        fit_in_notebook(sess.adapter, sess.release, sess.holdings.scanner.type_cache, body, "batch", [8, 16],
+                        cell=0, warmup=True, restore=True, budget_s=0.0)
+    except FitRefused as e:
+        assert "could not all be found" in str(e) and "--no-restore" in str(e), e
+    else:
+        raise AssertionError("a fit that could not find all the state went ahead")
+    assert gpu.user_ns["runs"] == 0, "nothing ran"

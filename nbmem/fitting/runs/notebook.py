@@ -24,15 +24,25 @@ from nbmem.holders.reached import TrainingState, reachable_state
 from nbmem.holders.walk import Root
 from nbmem.records import HolderKind
 
+#: How long the walk for the training state a fit restores may take (``fit_in_notebook``'s ``budget_s``):
+#: longer than a cell's scan (``Nbmem.scan_budget``), since the fit must find all of it. Under a profiler the
+#: scan's 0.5 s ended inside a 7B model, before its optimizer, and the fit put back the model alone.
+FIT_WALK_S = 30.0
+_NOT_ALL_FOUND = ("the training state this cell reaches could not all be found in {s:g} s (the walk from the names "
+                  "it uses stopped before the end), so the fit could not put it all back; fit without restoring it "
+                  "(--no-restore) to go ahead, and the fit will train the model")
+
 
 def fit_in_notebook(adapter: Any, source: TorchRelease, type_cache: Any, body: str | Callable[[int], object],
                     name: str, values: Sequence[int], *, cell: int, warmup: bool, restore: bool,
-                    budget_s: float | None, want: int | None = None, on: Target | str | None = None,
+                    budget_s: float | None = FIT_WALK_S, want: int | None = None, on: Target | str | None = None,
                     own_used: Callable[[int], int | None] | None = None, show: Show | None = None,
                     host_limit: int | None = None) -> FitResult:
     """A fit of a cell's source (run in the notebook's namespace, ``name`` bound, put back after each run) or
     of a function of the value; the training state it reaches (found by a walk from the names it uses) is
-    what is restored. ``adapter`` is the IPython adapter (``shell.ShellAdapter``)."""
+    what is restored. ``adapter`` is the IPython adapter (``shell.ShellAdapter``). ``budget_s``: how long the walk
+    for that state may take; where it stops first, a fit that restores is refused (what it did not reach is not
+    put back)."""
     why = refusal()
     if why:
         raise FitRefused(why)
@@ -48,6 +58,9 @@ def fit_in_notebook(adapter: Any, source: TorchRelease, type_cache: Any, body: s
         extra = []
     found = state_reached(adapter, source.torch(), type_cache, used, extra, budget_s=budget_s)
     del extra
+    if restore and found.stopped_after is not None:
+        del found  # the traceback keeps this frame: it must not keep the model
+        raise FitRefused(_NOT_ALL_FOUND.format(s=budget_s))
     nothing = not (found.modules or found.optimizers or found.others)
     try:
         result = fit(runner, values, source=source, name=name, clean=clean, warmup=warmup, modules=found.modules,
