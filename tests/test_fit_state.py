@@ -155,3 +155,30 @@ def test_the_kinds_walked_for_are_torchs_schedulers_and_scalers() -> None:
     for obj in (torch.optim.lr_scheduler.StepLR(opt, 1), torch.optim.lr_scheduler.ReduceLROnPlateau(opt),
                 torch.amp.GradScaler("cpu")):
         assert any(isinstance(obj, k) for k in kinds), type(obj)
+
+
+def test_the_host_arena_copies_every_layout_bit_for_bit_and_keeps_dense_strides():
+    """The arena a fit copies CUDA tensors into, filled here from CPU tensors (the copy is the same operation):
+    each dtype at an aligned place, a channels-last tensor's strides kept (a grad made again from it is laid out
+    as before), a transposed one made contiguous, an empty one, and one tensor named twice copied once."""
+    from nbmem.fitting.runs.state import _ALIGN, _Arena
+
+    g = torch.Generator().manual_seed(0)
+    cl = torch.randn(2, 3, 5, 7, generator=g).to(memory_format=torch.channels_last)
+    t = torch.randn(6, 9, generator=g).t()
+    xs = [torch.randn(3, generator=g).to(torch.bfloat16), torch.tensor([True, False, True]),
+          torch.arange(7, dtype=torch.int64), torch.randn(4, dtype=torch.complex64, generator=g), cl, t,
+          torch.empty(0, 5), torch.randn(1, generator=g)]
+    arena = _Arena(torch, [*xs, xs[0]])
+    copies = [arena.copy(x) for x in xs]
+    for x, c in zip(xs, copies):
+        assert c.dtype == x.dtype and c.shape == x.shape and torch.equal(c, x)
+        assert c.data_ptr() % _ALIGN == arena.buf.data_ptr() % _ALIGN
+    assert copies[4].stride() == cl.stride(), "channels-last strides are kept"
+    assert copies[5].is_contiguous() and not t.is_contiguous()
+    assert len({c.data_ptr() for c in copies if c.numel()}) == len([x for x in xs if x.numel()])
+    assert arena.size == sum(-(-x.numel() * x.element_size() // _ALIGN) * _ALIGN for x in xs)
+    xs[7].add_(1)  # the original changes; its copy does not
+    assert not torch.equal(copies[7], xs[7])
+    arena.close()
+    assert torch.equal(copies[2], torch.arange(7)), "the copies outlive close()"

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import random
 import sys
+import weakref
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
@@ -144,6 +145,12 @@ class StateCopy:
     _rng: list[tuple[str, Any]] = field(default_factory=list, repr=False)
     restored: list[str] = field(default_factory=list)
     not_restored: list[str] = field(default_factory=list)
+    _arena: _Arena | None = field(default=None, repr=False)
+
+    def close(self) -> None:
+        """Unlock the host memory the copies are in (they stay readable); after the last ``restore_state``."""
+        if self._arena is not None:
+            self._arena.close()
 
 
 def _nbytes(t: Any) -> int:
@@ -153,6 +160,93 @@ def _nbytes(t: Any) -> int:
 def _host(t: Any) -> tuple[Any, Any]:
     """A host copy of a tensor and the device it came from."""
     return t.detach().to("cpu", copy=True), t.device
+
+
+#: Each copy's place in the arena starts at a multiple of this (any dtype's element; the copy engines' liking).
+_ALIGN = 512
+#: Below this the arena is not page-locked: registering costs more than it saves.
+_REGISTER_BYTES = 64 << 20
+
+
+class _Arena:
+    """Host memory for the copies of CUDA tensors: one anonymous mapping, in 2 MiB pages where the kernel allows,
+    page-locked for the GPU's copy engines where CUDA allows (``cudaHostRegister``, as torch's own checkpoint
+    stager does). Measured on an H100 host with a 7B model's 12.5 GiB: to separate host tensors 12.1 s (4 KiB
+    page faults) and back 1.9 s; here 2.4 s and back 0.3 s. ``close`` unlocks it; the mapping goes with its
+    last copy."""
+
+    def __init__(self, torch: Any, tensors: Sequence[Any]) -> None:
+        import mmap
+
+        self.torch = torch
+        self.places: dict[int, int] = {}
+        size = 0
+        for x in tensors:
+            if id(x) not in self.places:
+                self.places[id(x)] = size
+                size += -(-_nbytes(x) // _ALIGN) * _ALIGN
+        self.size = size
+        self.registered = False
+        self.buf: Any = None
+        if size == 0:
+            return
+        flags = getattr(mmap, "MAP_PRIVATE", 0) | getattr(mmap, "MAP_ANONYMOUS", 0)
+        self.map = mmap.mmap(-1, size, flags=flags) if flags else mmap.mmap(-1, size)
+        huge = getattr(mmap, "MADV_HUGEPAGE", None)
+        if huge is not None:
+            try:
+                self.map.madvise(huge)
+            except OSError:
+                pass  # 4 KiB pages: slower to fill, the same copy
+        self.buf = torch.frombuffer(self.map, dtype=torch.uint8)
+        if size >= _REGISTER_BYTES:
+            self.registered = _register(torch, self.buf.data_ptr(), size)
+
+    def copy(self, t: Any) -> Any:
+        """``t`` copied into the arena: its shape, dtype and, where it is dense (channels-last too), its strides,
+        so that a tensor made again from it (a grad the fit freed) is laid out as the original was."""
+        off = self.places[id(t)]
+        flat = self.buf[off:off + _nbytes(t)].view(t.dtype)
+        mf = self.torch.channels_last if t.dim() == 4 else self.torch.channels_last_3d if t.dim() == 5 else None
+        dense = t.is_contiguous() or (mf is not None and t.is_contiguous(memory_format=mf))
+        out = flat.as_strided(t.shape, t.stride()) if dense else flat.view(t.shape)
+        out.copy_(t.detach())
+        return out
+
+    def close(self) -> None:
+        if self.registered:
+            self.registered = False
+            try:
+                self.torch.cuda.cudart().cudaHostUnregister(self.buf.data_ptr())
+            except Exception:
+                pass
+        self.buf = None  # the mapping is unmapped when its last copy goes
+
+
+def _register(torch: Any, ptr: int, size: int) -> bool:
+    """Page-lock host memory for the copy engines; False (and CUDA's error cleared) where it cannot."""
+    try:
+        rt = torch.cuda.cudart()
+        if int(rt.cudaHostRegister(ptr, size, 0)) == 0:
+            return True
+        clear = getattr(rt, "cudaGetLastError", None)  # never left for the next kernel launch to raise
+        if clear is not None:
+            clear()
+    except Exception:
+        pass
+    return False
+
+
+def _arena_tensors(torch: Any, params: Sequence[Any], buffers: Sequence[Any], optimizers: Sequence[Any]) -> list[Any]:
+    """The CUDA tensors a snapshot copies whole: parameters, their grads, buffers, optimizer state tensors."""
+    out = [x for p in params for x in (p, p.grad) if x is not None]
+    out += buffers
+    out += [v for opt in optimizers for st in opt.state.values() for v in st.values() if _is_tensor(v)]
+    return [x for x in out if _in_arena(torch, x)]
+
+
+def _in_arena(torch: Any, t: Any) -> bool:
+    return t.device.type == "cuda" and t.layout == torch.strided and not t.is_quantized
 
 
 def state_bytes(modules: Iterable[Any] = (), optimizers: Iterable[Any] = ()) -> int:
@@ -226,15 +320,24 @@ def snapshot_state(modules: Iterable[Any] = (), optimizers: Iterable[Any] = (), 
                          f"({fmt_bytes(avail)} available) to be restored after the fit; fit without restoring it "
                          "(--no-restore) to go ahead, and the fit will train the model")
     saved = StateCopy(need)
-    for p in _params(modules, optimizers):
-        data, _ = _host(p)
-        grad = None if p.grad is None else _host(p.grad)
+    params, buffers = _params(modules, optimizers), _buffers(modules)
+    arena = saved._arena = _Arena(t, _arena_tensors(t, params, buffers, optimizers))
+    weakref.finalize(saved, arena.close)  # unlocked as the copy goes (the runner drops it after its last restore)
+
+    def host(x: Any) -> tuple[Any, Any]:
+        if id(x) in arena.places:
+            return arena.copy(x), x.device
+        return _host(x)
+
+    for p in params:
+        data, _ = host(p)
+        grad = None if p.grad is None else host(p.grad)
         saved._params.append((p, data, grad))
-    saved._buffers = [(b, _host(b)[0]) for b in _buffers(modules)]
+    saved._buffers = [(b, host(b)[0]) for b in buffers]
     saved._training = [(m, bool(m.training)) for top in modules for m in top.modules()]
     copier = _Copier(t)
     for opt in optimizers:
-        state = {p: {k: (_host(v) if _is_tensor(v) else copier.copy(v)) for k, v in st.items()}
+        state = {p: {k: (host(v) if _is_tensor(v) else copier.copy(v)) for k, v in st.items()}
                  for p, st in opt.state.items()}
         groups = [{k: copier.copy(v) for k, v in g.items() if k != "params"} for g in opt.param_groups]
         saved._optimizers.append((opt, state, groups))
