@@ -9,7 +9,9 @@ A fit's time at 7B is mostly its analyses of the runs (the allocator model's rep
 allocations, RESULTS.md "A 7B fine-tune"); this replays every row of the recorded traces
 (``tests/data/fit_*.json.gz``, on an H100) through ``prediction.analyse``, each checkout in a process of its own,
 in turns (this one, the other, ...), and prints each turn's total, the medians' ratio, and whether the two gave
-the same answers (they must: the analysis is pure). Nothing is asserted; no GPU is used.
+the same answers, with the rows where they differ (a change to the search may answer otherwise where fitting is
+not monotone in the value; bench_fit.py --replay judges answers against the real boundary). Nothing is asserted;
+no GPU is used.
 """
 
 from __future__ import annotations
@@ -41,7 +43,8 @@ for path in sys.argv[2:]:
 t = time.perf_counter()
 answers = [prediction.analyse(runs, model.Room(**s["room"]), name=s["family"], segments=segs).largest_value
            for s, runs, segs in rows]
-print(json.dumps({"seconds": time.perf_counter() - t, "answers": answers}))
+print(json.dumps({"seconds": time.perf_counter() - t, "answers": answers,
+                  "rows": [s["family"] + "/" + str(s.get("state", "")) for s, _, _ in rows]}))
 """
 
 
@@ -61,6 +64,7 @@ def main(argv: list[str] | None = None) -> int:
     mine: list[float] = []
     other: list[float] = []
     same, rows = True, 0
+    differ: list[str] = []
     for turn in range(a.turns):
         got = one(str(ROOT), a.traces)
         mine.append(got["seconds"])
@@ -70,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
             was = one(a.against, a.traces)
             other.append(was["seconds"])
             same &= was["answers"] == got["answers"]
+            differ = [f"{r}: {x:,} where {a.against} gives {y:,} ({x / y - 1:+.2%})" for r, x, y in
+                      zip(got["rows"], got["answers"], was["answers"]) if x != y and x is not None and y]
             line += f", {a.against} {was['seconds']:.2f} s"
         print(line, flush=True)
     print(f"\n=== summary ===\nanalysis of the recorded runs ({rows} rows from {len(a.traces)} files): this checkout "
@@ -77,6 +83,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.against:
         print(f"{a.against}: {statistics.median(other):.2f} s; ratio this / that: "
               f"{statistics.median(mine) / statistics.median(other):.2f}x; the same answers: {'yes' if same else 'NO'}")
+        for d in differ:
+            print(f"  {d}")
     return 0
 
 

@@ -386,7 +386,7 @@ def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segmen
 
     # The search runs with one order and checks the answer, and below it, with both: over 30 recorded rows the
     # analysis takes 12 % longer than with one order, where both at every step took 29 %.
-    largest = largest_fitting(fits_up, values[-1], cap)
+    largest = largest_fitting(fits_up, values[-1], cap, peak=lambda v: ups[v].peak_reserved_bytes, limit=capacity)
     if largest is not None and largest < SEARCH_CAP:
         largest = largest_fitting(fits, largest, largest)
     timeline = replace(base, method="timeline")
@@ -405,7 +405,14 @@ def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segmen
     at = ups.get(largest) or tl.simulate(largest, capacity)
     if at.ties:  # the report's reserved peak is the larger of the two orders'
         at = max(at, tl.simulate(largest, capacity, descending=True), key=lambda s: s.peak_reserved_bytes)
-    small = tl.simulate(values[0], math.inf)
+    unbounded: dict[int, Sim] = {}  # the report's replays without a room: the smallest value's, the curve's
+
+    def free_run(v: int) -> Sim:
+        if v not in unbounded:
+            unbounded[v] = tl.simulate(v, math.inf)
+        return unbounded[v]
+
+    small = free_run(values[0])
     live = tl.simulate(largest, math.inf, stop_at=_after(at.peak_at, tl)).live or {}
     fixed, per, sq, by_line = tl.decompose(live)
     lines = []
@@ -417,7 +424,7 @@ def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segmen
     lines.sort(key=lambda g: -(g.bytes_at_largest or 0))
     if all(s is None for s in tl.sites):
         all_notes.append("the traces have no stacks: record them with stacks to see which lines grow")
-    curve = _curve(lambda v: tl.simulate(v, math.inf), values[0], max(largest, values[-1]))
+    curve = _curve(free_run, values[0], max(largest, values[-1]))
     remedies: list[Remedy] = []
     if want is not None and want > largest:
         remedies += accumulation(name, largest, want)
@@ -488,7 +495,7 @@ def _phase_place(tl: Timeline, at: tuple[int, int], sources: Mapping[int, str]) 
     return f"{place} of {run}" if place else run
 
 
-def _curve(sim: Callable[[int], Sim], lo: int, hi: int, points: int = 24) -> tuple[tuple[int, int, int], ...]:
+def _curve(sim: Callable[[int], Sim], lo: int, hi: int, points: int = 12) -> tuple[tuple[int, int, int], ...]:
     """The model's peaks over a geometric grid from the smallest value to a quarter past the prediction."""
     top = max(hi + hi // 4, lo + 1)
     grid = sorted({max(1, round(lo * (top / lo) ** (k / (points - 1)))) for k in range(points)} | {hi})
