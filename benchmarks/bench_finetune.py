@@ -68,7 +68,10 @@ each fit cell runs under cProfile and its 60 costliest calls (cumulative) go to 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import json
+import os
+import pstats
 import shutil
 import statistics
 import sys
@@ -197,6 +200,8 @@ def per_cell(sh: InteractiveShell, pairs: int, model: str) -> None:
     off_ms: list[float] = []
     first_ms: list[float] = []
     toggle_ms: list[float] = []
+    where = os.environ.get("NBMEM_BENCH_PROFILE")  # a folder: the timed cells with nbmem on, profiled together
+    prof = cProfile.Profile() if where else None
     for i in range(pairs):
         for mode in (("on", "off") if i % 2 == 0 else ("off", "on")):
             with Quiet():
@@ -204,8 +209,15 @@ def per_cell(sh: InteractiveShell, pairs: int, model: str) -> None:
                 if mode == "on":
                     first_ms.append(cell(sh, MOVE) * 1e3)  # the first cell after `on` rescans: not per-cell cost
                 cell(sh, "del x")
+                if prof is not None and mode == "on":
+                    prof.enable()
                 (on_ms if mode == "on" else off_ms).append(cell(sh, MOVE) * 1e3)
+                if prof is not None:
+                    prof.disable()
         print(f"    pair {i + 1}: on {on_ms[-1]:.2f} ms, off {off_ms[-1]:.2f} ms", flush=True)
+    if prof is not None:
+        with open(os.path.join(str(where), "per-cell.txt"), "w") as fh:
+            pstats.Stats(prof, stream=fh).sort_stats("cumulative").print_stats(80)
     diffs = [a - b for a, b in zip(on_ms, off_ms)]
     d = statistics.median(diffs)
     line(f"per-cell cost, memory-moving cell (keeps 4 MiB more), {model} + LoRA + AdamW in the namespace",

@@ -249,6 +249,55 @@ class Found:
     hi: int | None = None  # the smallest above it that did not
 
 
+def _record_analyses(what: str) -> Any:
+    """With ``NBMEM_BENCH_RECORD=DIR``: each analysis the fit cell makes, its inputs pickled whole (the traces with
+    their stacks) to ``DIR/<part>-<k>.pkl.gz``, so the analysis can be timed and changed on a machine without a GPU
+    (``bench_analysis.py --pickles``). Returns what undoes it."""
+    where = os.environ.get("NBMEM_BENCH_RECORD")
+    if not where:
+        return lambda: None
+    import gzip
+    import pickle
+
+    from nbmem.fitting.runs import multigpu
+
+    real = multigpu.analyse
+    slug = re.sub(r"[^A-Za-z0-9]+", "-", what).strip("-")
+    count = itertools.count()
+
+    from dataclasses import replace as renew
+
+    from nbmem.measure import libraries
+
+    cells = None
+
+    def slim(entries: Any) -> list[Any]:
+        # Only the frames the analysis reads (the cell's and the user's own files): the sites come out the same.
+        out = []
+        for e in entries:
+            frames = e.get("frames")
+            if frames:
+                e = dict(e)
+                e["frames"] = [f for f in frames if str(f.get("filename", "")) in cells
+                               or libraries.is_user_file(str(f.get("filename", "")))]
+            out.append(e)
+        return out
+
+    def recording(runs: Any, room: Any, **kw: Any) -> Any:
+        nonlocal cells
+        t = time.perf_counter()
+        res = real(runs, room, **kw)
+        took = time.perf_counter() - t
+        cells = kw.get("cell_files") or frozenset()
+        kept = [renew(r, entries=slim(r.entries)) for r in runs]
+        with gzip.open(os.path.join(where, f"{slug}-{next(count):02d}.pkl.gz"), "wb") as fh:
+            pickle.dump({"runs": kept, "room": room, "kw": kw, "answer": res.largest_value, "seconds": took}, fh)
+        return res
+
+    multigpu.analyse = recording
+    return lambda: setattr(multigpu, "analyse", real)
+
+
 def fit_and_boundary(sh: InteractiveShell, fit: Fit, deadline_s: float) -> Found:
     """The fit, its state and memory checks, then the real boundary from its answer (no try starts after
     ``deadline_s``, counted from the run's start)."""
@@ -266,6 +315,7 @@ def fit_and_boundary(sh: InteractiveShell, fit: Fit, deadline_s: float) -> Found
     t_cell, failed = time.perf_counter(), ""
     where = os.environ.get("NBMEM_BENCH_PROFILE")  # a folder: each fit cell's profile, by cumulative time, there
     prof = cProfile.Profile() if where else None
+    unrecord = _record_analyses(fit.what)
     try:
         with Quiet():
             if prof is not None:
@@ -281,6 +331,7 @@ def fit_and_boundary(sh: InteractiveShell, fit: Fit, deadline_s: float) -> Found
     except RuntimeError as e:  # the cell failed: said, and the real boundary is still measured
         failed = str(e)
         free_exception(sh)  # its frames may hold the failed run's tensors
+    unrecord()
     t_cell = time.perf_counter() - t_cell
     res = session.last_fit if session.last_fit is not prev else None
     gc.collect()
