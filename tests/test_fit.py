@@ -778,6 +778,38 @@ def test_a_failed_runs_frames_let_go_of_what_they_held() -> None:
         assert str(e) == "the user's error"
 
 
+def test_a_fits_next_analysis_of_the_same_runs_replays_only_what_it_had_not(monkeypatch) -> None:
+    """The runner keeps each device's runs as analysed (``Built``): the report's analysis after the last check is
+    of the same runs, and its search replays nothing again; one more run is a new program. Answers as without."""
+    from nbmem.fitting.analysis.prediction import Built
+
+    made: list[tuple[Any, ...]] = []  # (value, room, phases, stop_at, descending) of each replay made
+    real = fittimeline.Timeline._simulate
+
+    def counted(self: Any, value: int, *a: Any) -> Any:
+        made.append((value, *a))
+        return real(self, value, *a)
+
+    monkeypatch.setattr(fittimeline.Timeline, "_simulate", counted)
+    runs = record(training_step(), [8, 16, 32, 64])
+    r = room(12 * GiB)
+    fresh = analyse(runs[:-1], r, name="batch")
+    alone = len(made)
+    memo = Built()
+    made.clear()
+    first = analyse(runs[:-1], r, name="batch", largest_only=True, memo=memo)
+    searched = set(made)
+    made.clear()
+    again = analyse(runs[:-1], r, name="batch", memo=memo)
+    assert first.largest_value == again.largest_value == fresh.largest_value is not None
+    assert not searched & set(made), "no replay the search made is made again"
+    assert len(made) < alone
+    made.clear()
+    more = analyse(runs, r, name="batch", memo=memo)
+    assert more.largest_value == analyse(runs, r, name="batch").largest_value
+    assert made, "a new run makes a new program"
+
+
 # -- remedies (--want) ----------------------------------------------------------------------------------------------
 def test_a_wanted_value_that_does_not_fit_gets_remedies_each_with_the_largest_value_it_allows() -> None:
     runs = record(training_step(), [8, 16, 32])

@@ -318,11 +318,32 @@ def _place(site: Site, sources: Mapping[int, str]) -> str:
     return "" if site is None else str(site)
 
 
+class Built:
+    """One device's runs as an analysis last parsed them and made them a program, kept by a fit between its
+    analyses: where the next is of the same runs (the report's, after the last check), it starts from here, and
+    the program's replays (``Timeline.simulate``) are already made. Numbers only, for the fit's lifetime."""
+
+    def __init__(self) -> None:
+        self.key: tuple[Any, ...] = ()
+        self.parsed: list[Run] = []
+        self.built: Timeline | str = ""
+
+    def get(self, runs: Sequence[RunTrace], segments: Sequence[SegmentState], cell_files: frozenset[str],
+            site_of: Callable[[Sequence[Mapping[str, Any]] | None], Site]) -> tuple[list[Run], Timeline | str]:
+        key = (segments, cell_files, *runs)  # the runs themselves, held: no id of theirs is reused meanwhile
+        if (len(key) != len(self.key) or key[:2] != self.key[:2]
+                or any(a is not b for a, b in zip(key[2:], self.key[2:]))):
+            self.parsed = [Run(r, site_of) for r in runs]
+            self.built = build_timeline(self.parsed, segments)
+            self.key = key
+        return self.parsed, self.built
+
+
 def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segments: Sequence[SegmentState] = (),
             cell_files: frozenset[str] = frozenset(), sources: Mapping[int, str] | None = None,
             max_value: int | None = None, notes: Sequence[str] = (), skipped: Sequence[int] = (),
             want: int | None = None, expandable: bool = False, measured: Sequence[Remedy] = (),
-            remedy_notes: Sequence[str] = (), largest_only: bool = False) -> FitResult:
+            remedy_notes: Sequence[str] = (), largest_only: bool = False, memo: Built | None = None) -> FitResult:
     """The largest value that fits into ``room``, from the runs' traces in the order they ran.
 
     ``segments`` is the allocator's state before the first run (``segments_from_snapshot``); without it
@@ -332,11 +353,11 @@ def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segmen
     (``expandable``: the allocator already uses expandable segments, so that is no remedy); ``measured`` are
     remedies the runner measured with runs of their own, and ``remedy_notes`` says which it left out and why.
     ``largest_only``: the largest value (and the method, or why there is none) without what the report draws
-    from it (lines, the curve, remedies): what the runner asks between runs.
+    from it (lines, the curve, remedies): what the runner asks between runs. ``memo``: the runs as the fit's
+    last analysis left them (``Built``).
     """
     sources = sources or {}
-    site_of = _site_of(cell_files)
-    parsed = [Run(r, site_of) for r in runs]
+    parsed, built = (memo or Built()).get(runs, segments, cell_files, _site_of(cell_files))
     points = tuple(FitPoint(p.value, p.peak_allocated_bytes, p.peak_reserved_bytes, p.counted, p.oom)
                    for p in parsed) + tuple(FitPoint(v, None, None, skipped=True) for v in skipped)
     values = tuple(sorted({r.value for r in runs if r.counted and not r.oom}))
@@ -344,7 +365,6 @@ def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segmen
     failed = min((r.value for r in runs if r.oom), default=None)
     cap = min([SEARCH_CAP] + ([failed - 1] if failed is not None else []) + ([max_value] if max_value else []))
     base = FitResult(name=name, device=room.device, values=values, points=points, room=room, want=want)
-    built = build_timeline(parsed, segments)
     capacity = room.capacity_bytes
     if built == "structure":
         scaled = _scaled_peak(parsed, segments, capacity, cap, base, all_notes, failed)
@@ -405,14 +425,7 @@ def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segmen
     at = ups.get(largest) or tl.simulate(largest, capacity)
     if at.ties:  # the report's reserved peak is the larger of the two orders'
         at = max(at, tl.simulate(largest, capacity, descending=True), key=lambda s: s.peak_reserved_bytes)
-    unbounded: dict[int, Sim] = {}  # the report's replays without a room: the smallest value's, the curve's
-
-    def free_run(v: int) -> Sim:
-        if v not in unbounded:
-            unbounded[v] = tl.simulate(v, math.inf)
-        return unbounded[v]
-
-    small = free_run(values[0])
+    small = tl.simulate(values[0], math.inf)
     live = tl.simulate(largest, math.inf, stop_at=_after(at.peak_at, tl)).live or {}
     fixed, per, sq, by_line = tl.decompose(live)
     lines = []
@@ -424,7 +437,7 @@ def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segmen
     lines.sort(key=lambda g: -(g.bytes_at_largest or 0))
     if all(s is None for s in tl.sites):
         all_notes.append("the traces have no stacks: record them with stacks to see which lines grow")
-    curve = _curve(free_run, values[0], max(largest, values[-1]))
+    curve = _curve(lambda v: tl.simulate(v, math.inf), values[0], max(largest, values[-1]))
     remedies: list[Remedy] = []
     if want is not None and want > largest:
         remedies += accumulation(name, largest, want)
@@ -567,5 +580,5 @@ def proportional_bound(run: RunTrace, value: int) -> int | None:
     return run.allocated_before_bytes + math.ceil(r.peak_growth_bytes * value / max(1, run.value))
 
 
-__all__ = ["ASSUMPTIONS", "FitPoint", "FitResult", "GrowthLine", "analyse",
+__all__ = ["ASSUMPTIONS", "Built", "FitPoint", "FitResult", "GrowthLine", "analyse",
            "power_of_two_below", "proportional_bound"]

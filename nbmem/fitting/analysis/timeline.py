@@ -64,10 +64,22 @@ class Timeline:
         self.notes = notes
         self.init_bytes = {addr: size for s in segments if s.usable for addr, size, alloc in s.blocks if alloc}
         self.one_time_sites: list[Site] = [None] * len(one_time)
+        self._replays: dict[tuple[int, float, int, bool], Sim] = {}
 
     def simulate(self, value: int, capacity_bytes: float, *, phases: int = 3,
                  stop_at: tuple[int, int] | None = None, descending: bool = False) -> Sim:
-        """Run the program at ``value`` through the allocator model; stops at the first failed request."""
+        """Run the program at ``value`` through the allocator model; stops at the first failed request. A replay
+        to the end is kept: the search, the report and a fit's next analysis of the same runs ask for it again."""
+        if stop_at is not None:
+            return self._simulate(value, capacity_bytes, phases, stop_at, descending)
+        key = (value, capacity_bytes, phases, descending)
+        got = self._replays.get(key)
+        if got is None:
+            got = self._replays[key] = self._simulate(value, capacity_bytes, phases, None, descending)
+        return got
+
+    def _simulate(self, value: int, capacity_bytes: float, phases: int, stop_at: tuple[int, int] | None,
+                  descending: bool) -> Sim:
         n = len(self.sizes)
         sizes = [m.at(value) for m in self.sizes]
         first = [max(s, self.first_sizes.get(j, 0)) for j, s in enumerate(sizes)]

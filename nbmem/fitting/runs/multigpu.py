@@ -19,7 +19,7 @@ from nbmem.clean.release import TorchRelease
 from nbmem.fitting.analysis.allocator import SegmentState, segments_from_snapshot
 from nbmem.fitting.analysis.devices import DeviceFit, Target, target_notes, target_room
 from nbmem.fitting.analysis.model import Room, RunTrace, margin_bytes_for
-from nbmem.fitting.analysis.prediction import FitResult, analyse
+from nbmem.fitting.analysis.prediction import Built, FitResult, analyse
 from nbmem.fitting.runs.state import FitRefused
 from nbmem.formatting import fmt_bytes
 from nbmem.measure.sources import TorchSource
@@ -140,9 +140,11 @@ def gpu_name(t: Any, device: int) -> str:
 
 
 def analyse_devices(runs: Sequence[RunSet], rooms: Mapping[int, Room], segments: Mapping[int, Sequence[SegmentState]],
-                    *, gpus: Mapping[int, str] | None = None, **kw: Any) -> FitResult:
+                    *, gpus: Mapping[int, str] | None = None, memos: dict[int, Built] | None = None,
+                    **kw: Any) -> FitResult:
     """``analyse`` on each device the runs allocated on, each against its own room; the answer is the smallest
-    device's answer (a device whose memory does not grow with the value limits nothing), and names it."""
+    device's answer (a device whose memory does not grow with the value limits nothing), and names it. ``memos``:
+    each device's runs as the fit's last analysis left them (``prediction.Built``), kept there for the next."""
     gpus = gpus or {}
     devs = [d for d in used_devices(runs) if d in rooms]
     name = kw.get("name", "value")
@@ -150,8 +152,9 @@ def analyse_devices(runs: Sequence[RunSet], rooms: Mapping[int, Room], segments:
         values = tuple(sorted({r.value for r in runs if r.counted and not r.oom}))
         return FitResult(name=name, device="no CUDA device", values=values, points=(), room=None,
                          reason=NOTHING_ON_CUDA, notes=tuple(kw.get("notes", ())))
-    results = {d: analyse([r.traces[d] for r in runs if d in r.traces], rooms[d], segments=segments.get(d, ()), **kw)
-               for d in devs}
+    memos = {} if memos is None else memos
+    results = {d: analyse([r.traces[d] for r in runs if d in r.traces], rooms[d], segments=segments.get(d, ()),
+                          memo=memos.setdefault(d, Built()), **kw) for d in devs}
     if len(devs) == 1:
         (d, res), = results.items()
         return replace(res, devices=(DeviceFit(rooms[d].device, gpus.get(d, ""), res.largest_value, res.reason,

@@ -13,10 +13,11 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from nbmem.fitting.analysis.prediction import FitResult
+from nbmem.fitting.analysis.model import Room
+from nbmem.fitting.analysis.prediction import FitResult, proportional_bound
 from nbmem.fitting.analysis.search import halfway_within
 from nbmem.fitting.runs.hostwatch import HostWatch
-from nbmem.fitting.runs.multigpu import RunSet
+from nbmem.fitting.runs.multigpu import RunSet, used_devices
 from nbmem.fitting.runs.progress import FitProgress
 
 
@@ -34,7 +35,9 @@ class BodyRuns(Protocol):
 
     def steps_at(self, value: int, steps: int) -> tuple[RunSet, str]: ...
 
-    def analyse(self, runs: list[RunSet], cell_files: frozenset[str]) -> FitResult: ...
+    rooms: dict[int, Room]
+
+    def analyse(self, runs: list[RunSet], cell_files: frozenset[str], max_value: int | None = None) -> FitResult: ...
 
 #: A prediction this far beyond the largest value run is checked by another run, halfway to it ...
 REFINE_FACTOR = 1.5
@@ -149,6 +152,23 @@ def confirm(body: BodyRuns, runs: list[RunSet], res: FitResult | None, cell_file
     return res if res is not None else body.analyse(runs, cell_files)
 
 
+def predicted_not_to_fit(body: BodyRuns, runs: list[RunSet], value: int, cell_files: frozenset[str]) -> bool:
+    """Whether the runs so far say ``value`` would not fit on this machine's devices (never run it then): from
+    two values, the analysis searched no further than ``value``; from one, its peak in proportion."""
+    done = [r for r in runs if r.counted and not r.oom]
+    if len({r.value for r in done}) >= 2:
+        res = body.analyse(runs, cell_files, max_value=value)
+        return res.largest_value is not None and value > res.largest_value
+    last = next((r for r in reversed(runs) if not r.oom), None)
+    if last is None:
+        return False
+    for d in used_devices([last]):  # a device the body does not allocate on limits nothing, however full it is
+        bound = proportional_bound(last.traces[d], value)
+        if d in body.rooms and bound is not None and bound > body.rooms[d].capacity_bytes:
+            return True
+    return False
+
+
 def near_answer(body: BodyRuns, runs: list[RunSet], stopped: bool, cell_files: frozenset[str], max_value: int | None,
                 here: bool) -> FitResult | None:
     """The runs after the fit's schedule: ``refine`` unless the schedule ``stopped`` early (a value skipped, or an
@@ -158,4 +178,5 @@ def near_answer(body: BodyRuns, runs: list[RunSet], stopped: bool, cell_files: f
     return confirm(body, runs, res, cell_files, max_value) if here else res
 
 
-__all__ = ["CONFIRM_RUNS", "REFINE_FACTOR", "REFINE_RUNS", "REFINE_SECONDS", "confirm", "near_answer", "refine"]
+__all__ = ["CONFIRM_RUNS", "REFINE_FACTOR", "REFINE_RUNS", "REFINE_SECONDS", "confirm", "near_answer",
+           "predicted_not_to_fit", "refine"]

@@ -33,7 +33,7 @@ from nbmem.fitting.analysis.devices import Target, parse_on
 from nbmem.fitting.analysis.hostroom import with_host
 from nbmem.fitting.analysis.model import Room, RunTrace
 from nbmem.fitting.analysis.modelled import Remedy
-from nbmem.fitting.analysis.prediction import FitResult, proportional_bound
+from nbmem.fitting.analysis.prediction import Built, FitResult
 from nbmem.fitting.runs import remedies
 from nbmem.fitting.runs.hostwatch import HostWatch, room_for
 from nbmem.fitting.runs.multigpu import (
@@ -51,7 +51,7 @@ from nbmem.fitting.runs.multigpu import (
     synchronize,
     used_devices,
 )
-from nbmem.fitting.runs.nearby import CONFIRM_RUNS, REFINE_RUNS, near_answer
+from nbmem.fitting.runs.nearby import CONFIRM_RUNS, REFINE_RUNS, near_answer, predicted_not_to_fit
 from nbmem.fitting.runs.progress import FitProgress, Show, interrupts_held, planned_runs
 from nbmem.fitting.runs.state import FitRefused, StateCopy, restore_state, snapshot_state
 from nbmem.fitting.runs.torchcheck import _torch, expandable_on, graphs_compiled, is_out_of_memory, refusal
@@ -135,7 +135,7 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchRel
             # with the cell's lines as the sites, as refine's analyses and the final one have them
             plain = (refined if refined is not None and max_value is None and target is None else
                      analyse_devices(runs, body.answer_rooms(target, own_used), body.segments, name=name,
-                                     cell_files=cell_files, max_value=max_value, largest_only=True))
+                                     cell_files=cell_files, max_value=max_value, largest_only=True, memos=body.memos))
             plain = body.host_bound(plain, target)
             ran_ok = [r.value for r in runs if r.counted and not r.oom]
             if plain.largest_value is not None and want > plain.largest_value and ran_ok:
@@ -188,8 +188,8 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchRel
     rooms, said = (dict(body.rooms), ()) if target is None else on_target(body.rooms, target, own_used, margin_bytes,
                                                                            body.outside)
     notes += said
-    result = analyse_devices(runs, rooms, body.segments, gpus={d: gpu_name(t, d) for d in rooms}, name=name,
-                             cell_files=cell_files, sources=sources, max_value=max_value, notes=notes,
+    result = analyse_devices(runs, rooms, body.segments, gpus={d: gpu_name(t, d) for d in rooms}, memos=body.memos,
+                             name=name, cell_files=cell_files, sources=sources, max_value=max_value, notes=notes,
                              skipped=skipped, want=want, expandable=expandable_on(), measured=measured,
                              remedy_notes=remedy_notes)
     result = body.host_bound(result, target)
@@ -209,7 +209,7 @@ def _runs(body: FitBody, vals: Sequence[int], warmup: bool, runs: list[RunSet], 
     graphs = graphs_compiled()
     for k, (v, counted) in enumerate(schedule):
         if (k == 1 and warmup and graphs_compiled() != graphs and not (body.host and body.host.over(vals[1], name))
-                and not _predicted_not_to_fit(runs, vals[1], body, cell_files)):
+                and not predicted_not_to_fit(body, runs, vals[1], cell_files)):
             # torch.compile made a graph for the warm-up's shape; at a second shape it makes one for every shape
             # (dynamic): one more warm-up there, so that every counted run runs that one graph.
             body.compiled.append(vals[1])
@@ -221,7 +221,7 @@ def _runs(body: FitBody, vals: Sequence[int], warmup: bool, runs: list[RunSet], 
                              "allocated was freed")
                 return True
         on_host = body.host.over(v, name) if counted and body.host is not None else ""
-        if on_host or (counted and _predicted_not_to_fit(runs, v, body, cell_files)):
+        if on_host or (counted and predicted_not_to_fit(body, runs, v, cell_files)):
             skipped += [w for w, c in schedule[k:] if c]
             notes.append(f"{name}={v:,} was not run: {on_host or 'the runs before it predict it does not fit'}")
             return True
@@ -283,7 +283,7 @@ def _measure_remedies(body: FitBody, candidates: Sequence[remedies.Candidate], v
                                       max_value, on[0] is None)
                 res = (refined if refined is not None and max_value is None and on[0] is None else
                        analyse_devices(runs, sub.answer_rooms(*on), sub.segments, name=name, max_value=max_value,
-                                       largest_only=True))
+                                       largest_only=True, memos=sub.memos))
                 res = sub.host_bound(res, on[0])
                 notes += [f"{c.name}: {n}" for n in sub.notes if "steps in a row" in n]  # what running its answer said
                 step_s = _timed_step(sub, timed) if res.largest_value is not None else None
@@ -387,6 +387,7 @@ class FitBody:
     host: HostWatch | None = None  # each run's host bytes, and the room there
     outside: dict[int, int] = field(default_factory=dict)  # device -> managed memory counted as taken (``fit``)
     target: tuple[Target, Callable[[int], int | None] | None] | None = None  # another GPU's answer (``fit``'s ``on``)
+    memos: dict[int, Built] = field(default_factory=dict)  # each device's runs as the last analysis left them
 
     def measure(self) -> dict[int, int]:
         """Each device's room, read after the cache is given back; what is allocated on each before the runs."""
@@ -416,10 +417,12 @@ class FitBody:
         return dict(self.rooms) if target is None else on_target(self.rooms, target, own_used, self.margin_bytes,
                                                                  self.outside)[0]
 
-    def analyse(self, runs: Sequence[RunSet], cell_files: frozenset[str]) -> FitResult:
-        """The largest value only, against the devices the answer is for: what the runs ask between them."""
+    def analyse(self, runs: Sequence[RunSet], cell_files: frozenset[str], max_value: int | None = None) -> FitResult:
+        """The largest value only (up to ``max_value``), against the devices the answer is for: what the runs ask
+        between them."""
         rooms = self.rooms if self.target is None else self.answer_rooms(*self.target)
-        res = analyse_devices(runs, rooms, self.segments, name=self.name, cell_files=cell_files, largest_only=True)
+        res = analyse_devices(runs, rooms, self.segments, name=self.name, cell_files=cell_files, largest_only=True,
+                              max_value=max_value, memos=self.memos)
         return self.host_bound(res, None if self.target is None else self.target[0])
 
     def host_bound(self, res: FitResult, target: Target | None = None) -> FitResult:
@@ -578,22 +581,6 @@ def _one_run(run: Callable[[int], object], value: int, counted: bool, src: Torch
             allocated, reserved = start.get(d, (0, 0))
             out[d] = RunTrace(value, mine, counted, allocated, reserved, oom=bool(oom))
     return RunSet(value, counted, bool(oom), out), oom
-
-
-def _predicted_not_to_fit(runs: Sequence[RunSet], value: int, body: FitBody, cell_files: frozenset[str]) -> bool:
-    """Whether the runs so far say ``value`` would not fit on this machine's devices (never run it then)."""
-    done = [r for r in runs if r.counted and not r.oom]
-    if len({r.value for r in done}) >= 2:
-        res = body.analyse(runs, cell_files)
-        return res.largest_value is not None and value > res.largest_value
-    last = next((r for r in reversed(runs) if not r.oom), None)
-    if last is None:
-        return False
-    for d in used_devices([last]):  # a device the body does not allocate on limits nothing, however full it is
-        bound = proportional_bound(last.traces[d], value)
-        if d in body.rooms and bound is not None and bound > body.rooms[d].capacity_bytes:
-            return True
-    return False
 
 
 __all__ = ["DEFAULT_MAX_ENTRIES", "FitRefused", "fit", "is_out_of_memory", "refusal"]
