@@ -20,6 +20,8 @@ import { fmtBytes, isNA } from "./format.js";
  * @property {string|null} limit the CPU row: where its total comes from when a container's limit sets it
  * @property {boolean|null} near_limit the CPU row: RSS at 90 % or more of the memory limit (warn)
  * @property {number|null} tensors CPU tensors reachable from the notebook (CPU, as of the last scan)
+ * @property {number|null} paged a GPU's paged memory (CUDA managed, a bitsandbytes paged optimizer's state) as of
+ *   the last scan: 0 where it found none, null before a scan, on the CPU, and from a kernel too old to send it
  * @property {number|null} peak session peak: torch allocated (GPU) or RSS (CPU)
  * @property {number|null} children this notebook's child processes on the GPU (NVML); null on the CPU, or
  *   where they cannot be told from other processes (a container), or from a kernel too old to send it
@@ -34,8 +36,8 @@ import { fmtBytes, isNA } from "./format.js";
 
 // A row's columns: nbmem/ui/frontend.py's GAUGE_COLUMNS, as the kernel sends them (tests/test_segments.py
 // checks the two lists, and the DeviceRow properties above, are the same).
-const COLUMNS = ["device", "model", "allocated", "reserved", "process", "others", "used", "total", "tensors", "peak",
-  "children", "limit", "near_limit"];
+const COLUMNS = ["device", "model", "allocated", "reserved", "process", "others", "used", "total", "tensors", "paged",
+  "peak", "children", "limit", "near_limit"];
 
 /**
  * Rows from the column-oriented snapshot; a missing column or entry reads as unknown.
@@ -57,23 +59,27 @@ export function rows(snapshot) {
 }
 
 /**
- * `a - b`, unknown if either is; clamped at 0 because the two numbers come from different reads
- * (allocator vs NVML) that can be a few kilobytes out of step.
+ * `a - b - ...`, unknown if any is; clamped at 0 because the numbers come from different reads (allocator vs
+ * NVML, or the last holder scan) that can be out of step.
  * @param {number|null} a
- * @param {number|null} b
+ * @param {...(number|null)} rest
  * @returns {number|null}
  */
-export function diff(a, b) {
-  return isNA(a) || isNA(b) ? null : Math.max(0, a - b);
+export function diff(a, ...rest) {
+  if (isNA(a) || rest.some(isNA)) return null;
+  return Math.max(0, rest.reduce((left, b) => left - /** @type {number} */ (b), a));
 }
 
 /**
  * @typedef {object} SegmentDef
  * @property {string} key
  * @property {string} label
- * @property {string | [string, "-", string]} [bytes] a row column, or the difference of two (at least 0)
+ * @property {string | [string, "-", string] | [string, "-", string, "-", string]} [bytes] a row column, or the
+ *   first minus the others (at least 0)
+ * @property {boolean} [optional] left out where it has no bytes (0 or unknown)
  * @property {string} color
  * @property {string} css
+ * @property {string} [scan] an unscanned block's column: the block stands in for `replaces` while it is unknown
  * @property {string[]} [replaces]
  */
 /**
@@ -81,12 +87,13 @@ export function diff(a, b) {
  * @property {SegmentDef[]} gpu
  * @property {SegmentDef[]} cpu
  * @property {SegmentDef} cpu_unscanned
+ * @property {SegmentDef} gpu_unscanned
  * @property {SegmentDef} unsplit
  * @property {SegmentDef} free
  */
 
 /**
- * A segment's bytes from the row, as segments.js says: a column, or `a - b` (unknown if either is).
+ * A segment's bytes from the row, as segments.js says: a column, or `a - b - ...` (unknown if any is).
  * @param {DeviceRow} r
  * @param {SegmentDef["bytes"]} how
  * @returns {number|null}
@@ -94,7 +101,9 @@ export function diff(a, b) {
 function bytesOf(r, how) {
   const col = (/** @type {string} */ c) => /** @type {number|null} */ (/** @type {Record<string, unknown>} */ (r)[c] ?? null);
   if (how === undefined) return null;
-  return typeof how === "string" ? col(how) : diff(col(how[0]), col(how[2]));
+  if (typeof how === "string") return col(how);
+  const [first, ...rest] = how.filter((_, i) => i % 2 === 0).map(col);  // the odd places hold the "-"
+  return diff(first, ...rest);
 }
 
 /**
@@ -107,15 +116,18 @@ function bytesOf(r, how) {
 export function segments(r) {
   const seg = (/** @type {SegmentDef} */ d) => ({ key: d.key, label: d.label, bytes: bytesOf(r, d.bytes) });
   const cpu = r.device === "cpu";
+  const defs = cpu ? SEGMENTS.cpu : SEGMENTS.gpu;
   /** @type {Segment[]} */
-  let inUse = (cpu ? SEGMENTS.cpu : SEGMENTS.gpu).map(seg);
-  if (cpu && isNA(r.tensors) && !isNA(r.process)) {
-    // Without a scan the process is one block: RSS, not split into tensors and the rest.
-    const u = SEGMENTS.cpu_unscanned;
+  let inUse = defs.map(seg);
+  const u = cpu ? SEGMENTS.cpu_unscanned : SEGMENTS.gpu_unscanned;
+  if (isNA(bytesOf(r, u.scan)) && !isNA(r.process)) {
+    // Without a scan the process is not split by it: RSS as one block (CPU), non-PyTorch as it was (GPU).
     const at = inUse.findIndex((g) => (u.replaces || []).includes(g.key));
     inUse = inUse.filter((g) => !(u.replaces || []).includes(g.key));
     inUse.splice(Math.max(0, at), 0, seg(u));
   }
+  const optional = new Set(defs.filter((d) => d.optional).map((d) => d.key));
+  inUse = inUse.filter((g) => !optional.has(g.key) || (!isNA(g.bytes) && g.bytes > 0));
   const known = inUse.reduce((s, g) => s + (isNA(g.bytes) ? 0 : g.bytes), 0);
   if (inUse.some((g) => isNA(g.bytes)) && !isNA(r.used) && r.used > known) {
     inUse.push({ key: SEGMENTS.unsplit.key, label: SEGMENTS.unsplit.label, bytes: r.used - known });
@@ -132,8 +144,8 @@ export function segments(r) {
 export function segmentColour(key) {
   const u = SEGMENTS.unsplit;
   if (key === u.key) return `repeating-linear-gradient(45deg, var(${u.css}, ${u.color}) 0 3px, transparent 3px 6px)`;
-  const d = [...SEGMENTS.gpu, ...SEGMENTS.cpu, SEGMENTS.cpu_unscanned, SEGMENTS.free].find((g) => g.key === key)
-    || SEGMENTS.free;
+  const all = [...SEGMENTS.gpu, ...SEGMENTS.cpu, SEGMENTS.cpu_unscanned, SEGMENTS.gpu_unscanned, SEGMENTS.free];
+  const d = all.find((g) => g.key === key) || SEGMENTS.free;
   return `var(${d.css}, ${d.color})`;
 }
 

@@ -40,6 +40,42 @@ test("a GPU bar has the six segments, in order, that add up to the total", () =>
   assert.ok(segs.every((s) => s.label.length > 0), "every colour has a text label");
 });
 
+test("paged memory (a bitsandbytes paged optimizer) is its own slice, carved out of non-PyTorch", () => {
+  const r = row({ allocated: 500 * MiB, reserved: 600 * MiB, process: 1000 * MiB, paged: 300 * MiB, others: 0,
+    used: 1000 * MiB, total: 2000 * MiB });
+  const segs = segments(r);
+  assert.deepEqual(segs.map((s) => s.key), ["allocated", "cached", "paged", "nontorch", "children", "others", "free"]);
+  assert.deepEqual(byKey(segs), { allocated: 500 * MiB, cached: 100 * MiB, paged: 300 * MiB, nontorch: 100 * MiB,
+    children: 0, others: 0, free: 1000 * MiB });
+  assert.equal(segs[2].label, "paged (bitsandbytes, CUDA managed)");
+  assert.deepEqual(widths(segs, scaleOf(r, segs)), [25, 5, 15, 5, 0, 0, 50]);
+  // More paged memory than NVML counts beyond torch's (part of it paged out to the host): non-PyTorch is 0, not less.
+  assert.equal(byKey(segments({ ...r, paged: 450 * MiB })).nontorch, 0);
+});
+
+test("no paged memory found, or no scan yet: the GPU bar is split as it always was", () => {
+  const base = { allocated: 500 * MiB, reserved: 600 * MiB, process: 1000 * MiB, others: 0, used: 1000 * MiB,
+    total: 2000 * MiB };
+  const before = { allocated: 500 * MiB, cached: 100 * MiB, nontorch: 400 * MiB, children: 0, others: 0,
+    free: 1000 * MiB };
+  for (const paged of [0, null, undefined]) {
+    const segs = segments(row({ ...base, paged }));
+    assert.deepEqual(byKey(segs), before, `paged ${paged}`);
+    assert.ok(!segs.some((s) => s.key === "unsplit"), "an unknown paged figure is not 'not split'");
+  }
+  assert.equal(rows({ device: ["cuda:0"], process: [5] })[0].paged, null, "an older kernel sends no column");
+  // Unknown per-process numbers: paged memory the scan found still shows; the rest of `used` is "not split".
+  const s = byKey(segments(row({ ...base, process: null, others: null, paged: 300 * MiB })));
+  assert.deepEqual(s, { allocated: 500 * MiB, cached: 100 * MiB, paged: 300 * MiB, nontorch: null, children: 0,
+    others: null, unsplit: 100 * MiB, free: 1000 * MiB });
+});
+
+test("diff subtracts each of several numbers, unknown if any is, never below 0", () => {
+  assert.equal(diff(10, 3, 2), 5);
+  assert.equal(diff(10, 3, null), null);
+  assert.equal(diff(10, 8, 5), 0);
+});
+
 test("child processes that cannot be told from others (a container) are NA, inside 'not split'", () => {
   const r = row({ allocated: GiB, reserved: GiB, process: 2 * GiB, children: null, others: 3 * GiB, used: 5 * GiB,
     total: 8 * GiB });

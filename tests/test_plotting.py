@@ -192,6 +192,10 @@ def test_a_gpu_panel_stacks_the_five_gauge_kinds_in_the_gauge_colours(int64):
     assert ax.get_title(loc="left") == "cuda:0 · NVIDIA H100 80GB HBM3"
     assert set(fills(ax)) == set(GPU_KINDS)
     assert to_hex(fills(ax)["non-PyTorch (this process)"][0].get_facecolor()[0]) == "#f57c00"
+    # Paged memory is known from the latest scan only, not over time: a panel draws non-PyTorch whole, unhatched,
+    # and does not name paged memory as unknown on every GPU.
+    assert fills(ax)["non-PyTorch (this process)"][0].get_hatch() is None
+    assert not any(t.startswith("paged") for t in legend_texts(fig))
 
 
 def test_a_cpu_panel_with_the_host_columns_names_the_four_kinds():

@@ -28,10 +28,11 @@ from IPython.core.error import UsageError
 from nbmem.formatting import fmt_bytes
 from nbmem.ipython.root import root_of
 from nbmem.measure.sources import NvmlSource, Probe, TorchSource
-from nbmem.records import AllocatorReading, CellRecord, CleanupStep, Finding, HolderKind, Sample
+from nbmem.records import AllocatorReading, CellRecord, CleanupStep, Finding, HolderKind, Sample, Tick
 from nbmem.reports import CellReport, CleanupReport
 from nbmem.session import Session
 from nbmem.ui import widget
+from nbmem.ui.frontend import scan_bytes
 from nbmem.ui.widget import Gauge, Publisher, history_columns, show_gauge
 from tests.conftest import HAS_GPU, cpu_only, ok
 
@@ -209,7 +210,8 @@ def test_gpu_layout_from_fake_samples(gpu_session: Session) -> None:
         gpu = columns(g, "cuda:0")
         assert gpu == {"device": "cuda:0", "model": "Fake H100", "allocated": 8 * GiB, "reserved": 10 * GiB,
                        "process": 11 * GiB, "others": 19 * GiB, "used": 30 * GiB, "total": 80 * GiB,
-                       "tensors": None, "peak": 9 * GiB, "children": 0, "limit": None, "near_limit": None}
+                       "tensors": None, "paged": None, "peak": 9 * GiB, "children": 0, "limit": None,
+                       "near_limit": None}, "no holder scan has run: paged memory is unknown, not 0"
         assert g.children == {"cuda:0": []}
         assert [p["pid"] for p in g.processes["cuda:0"]] == [4242], "this process is not 'another process'"
         assert g.processes["cuda:0"][0]["bytes"] == 19 * GiB
@@ -218,6 +220,60 @@ def test_gpu_layout_from_fake_samples(gpu_session: Session) -> None:
         assert g.history["aux"]["cuda:0"][-1] == 10 * GiB
     finally:
         g.close()
+
+
+PAGED_CELL = """
+def paged(n, gpu):  # bitsandbytes.functional.get_paged's marks (is_paged, page_deviceid), over plain memory
+    t = torch.zeros(n, dtype=torch.uint8)
+    t.is_paged = True
+    t.page_deviceid = gpu
+    return t
+state = {"state1": paged(3 * 2**20, 0), "state2": paged(2**20, 0), "state3": paged(2**21, 1)}
+"""
+
+
+def gpu_tick(g: Gauge) -> None:
+    """The session's own CPU sample with two GPUs this machine does not have, published now."""
+    g.session.sampler.sample_once()
+    (cpu,) = g.session.store.latest_tick()
+    gpus = [Sample(cpu.t_wall, f"cuda:{i}", GiB, 2 * GiB, GiB, 0, 30 * GiB, 80 * GiB, 11 * GiB, 19 * GiB, None)
+            for i in (0, 1)]
+    g._on_event(Tick((cpu, *gpus)))
+    g._publisher.flush()
+
+
+@cpu_only
+def test_each_gpus_bar_gets_the_paged_memory_the_last_scan_found_on_it(ip: Any, gauge: Gauge) -> None:
+    gpu_tick(gauge)
+    paged = {d: columns(gauge, d)["paged"] for d in ("cpu", "cuda:0", "cuda:1")}
+    assert paged == {"cpu": None, "cuda:0": 0, "cuda:1": 0}, "scanned, and none found: 0 on each GPU"
+    ok(ip, PAGED_CELL)
+    gpu_tick(gauge)
+    paged = {d: columns(gauge, d)["paged"] for d in ("cpu", "cuda:0", "cuda:1")}
+    assert paged == {"cpu": None, "cuda:0": 4 * MiB, "cuda:1": 2 * MiB}
+    assert columns(gauge, "cpu")["tensors"] < MiB, "paged memory is not counted again as CPU tensors"
+    # The holder list names the same memory on the same GPUs (the records the scan made, as the gauge lists them).
+    rows = {h["device"]: h["bytes"] for h in gauge.holders if h["name"] == "state"}
+    assert rows == {"paged:cuda:0": 4 * MiB, "paged:cuda:1": 2 * MiB}
+    ok(ip, "del state")
+    gpu_tick(gauge)
+    assert (columns(gauge, "cuda:0")["paged"], columns(gauge, "cuda:1")["paged"]) == (0, 0)
+
+
+def test_paged_bytes_are_sent_by_gpu_and_unknown_before_a_scan() -> None:
+    batch = [Sample(0.0, "cpu", None, None, None, None, None, None, None, None, GiB),
+             Sample(0.0, "cuda:0", GiB, 2 * GiB, GiB, 0, 30 * GiB, 80 * GiB, 11 * GiB, 19 * GiB, None)]
+    tensors, paged = scan_bytes({"cpu": 7 * MiB, "paged:cuda:0": 305 * MiB, "paged:cuda:1": MiB, "cuda:0": GiB})
+    assert (tensors, paged) == (7 * MiB, {"cuda:0": 305 * MiB, "cuda:1": MiB})
+
+    def sent(by_gpu: dict[str, int] | None) -> list[int | None]:
+        cols = widget.snapshot_columns(batch, models={}, peaks={}, cpu_tensors_bytes=0, paged_bytes=by_gpu)
+        return list(cols["paged"])
+
+    assert sent(paged) == [None, 305 * MiB]
+    assert scan_bytes({"cpu": 0}) == (0, {}) and sent({}) == [None, 0], "a scan that found none: 0"
+    assert scan_bytes(None) == (None, None) and sent(None) == [None, None], "no scan yet: unknown"
+    assert widget.snapshot_columns(batch, models={}, peaks={}, cpu_tensors_bytes=None)["paged"] == [None, None]
 
 
 def test_the_notebooks_child_processes_are_its_own_not_other_processes() -> None:

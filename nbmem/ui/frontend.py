@@ -1,5 +1,5 @@
-"""The front end: whether there is one (``in_kernel``), where ``js/`` is, the gauge's one ES module, and the
-segment split both sides read.
+"""The front end: whether there is one (``in_kernel``), where ``js/`` is, the gauge's one ES module, the columns
+of its rows, and the segment split both sides read.
 
 ``js/segments.js`` holds the split of a device's bar as a JSON object: the gauge (``layout.js``) imports it, and
 ``segment_spec()`` parses the same text for ``nbmem.plot()``, so a new segment is written once.
@@ -11,8 +11,11 @@ import functools
 import json
 import re
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
+
+from nbmem.records import PAGED
 
 # -- the front end: one ES module ------------------------------------------------------------------
 # anywidget evaluates a single module from a string, so `import … from "./format.js"` cannot resolve
@@ -44,11 +47,11 @@ def bundle(directory: Path | None = None) -> str:
 #: A gauge row's columns, the one list of them: ``widget.snapshot_columns`` sends one list per name, one entry
 #: per device, and ``js/layout.js``'s ``COLUMNS`` reads them back into rows (tests/test_segments.py holds the
 #: two lists together).
-GAUGE_COLUMNS = ("device", "model", "allocated", "reserved", "process", "others", "used", "total", "tensors", "peak",
-                 "children", "limit", "near_limit")
+GAUGE_COLUMNS = ("device", "model", "allocated", "reserved", "process", "others", "used", "total", "tensors", "paged",
+                 "peak", "children", "limit", "near_limit")
 
 #: The sample column behind each column of a gauge row that a sample gives, by device kind; ``tensors`` on the
-#: CPU is the last scan's, not a sample column.
+#: CPU and ``paged`` on a GPU are the last scan's, not sample columns.
 ROW_COLUMNS: dict[str, dict[str, str]] = {
     "gpu": {"allocated": "allocated_bytes", "reserved": "reserved_bytes", "process": "process_used_bytes",
             "children": "children_used_bytes", "others": "other_processes_bytes", "used": "nvml_used_bytes",
@@ -58,6 +61,16 @@ ROW_COLUMNS: dict[str, dict[str, str]] = {
 }
 #: The gauge's columns a sample gives, on any device (a CPU row has None in those it lacks).
 SAMPLED_COLUMNS = tuple(dict.fromkeys(c for kind in ROW_COLUMNS.values() for c in kind))
+
+
+def scan_bytes(totals: Mapping[str, int] | None) -> tuple[int | None, dict[str, int] | None]:
+    """The gauge's columns a holder scan gives, from its bytes per device (``Session.tensor_totals``): the CPU
+    tensors, and the paged memory (``records.PAGED``) by GPU, ``cuda:0`` as samples name it; unknown before a scan.
+    Every paged storage counts, not only the owners the holder list shows: NVML counts all of it in this process
+    (``%cudamem status`` counts it so too)."""
+    if totals is None:
+        return None, None
+    return int(totals.get("cpu", 0)), {d.removeprefix(PAGED): n for d, n in totals.items() if d.startswith(PAGED)}
 
 
 @functools.cache

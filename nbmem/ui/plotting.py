@@ -31,11 +31,12 @@ if TYPE_CHECKING:
     from nbmem.fitting.analysis.prediction import FitResult
 
 _SPEC = segment_spec()  # js/segments.js: the gauge's split, read here so nbmem.plot() agrees with the gauge
-_ALL = [*_SPEC["gpu"], *_SPEC["cpu"], _SPEC["cpu_unscanned"], _SPEC["unsplit"], _SPEC["free"]]
+_ALL = [*_SPEC["gpu"], *_SPEC["cpu"], _SPEC["cpu_unscanned"], _SPEC["gpu_unscanned"], _SPEC["unsplit"], _SPEC["free"]]
 #: The gauge's colours, by the gauge's names.
 COLORS = {d["label"]: d["color"] for d in _ALL}
-GPU_KINDS = tuple(d["label"] for d in [*_SPEC["gpu"], _SPEC["free"]])
-CPU_KINDS = tuple(d["label"] for d in [*_SPEC["cpu"], _SPEC["free"]])
+#: The kinds a panel always names, as drawn or as unknown; an optional kind (paged memory) only where it has bytes.
+GPU_KINDS = tuple(d["label"] for d in [*_SPEC["gpu"], _SPEC["free"]] if not d.get("optional"))
+CPU_KINDS = tuple(d["label"] for d in [*_SPEC["cpu"], _SPEC["free"]] if not d.get("optional"))
 
 #: Tick steps of the time axis, in seconds; past a day, whole days.
 TIME_STEPS = (0.1, 0.2, 0.5, 1, 2, 5, 10, 15, 30, 60, 120, 300, 600, 900, 1800,
@@ -104,8 +105,8 @@ def plot(session: Any, *, clock: bool = False) -> MemoryFigure:
         rows = samples[mine].iloc[order]
         x = x_all[mine][order]
         on_dev = cells[cells["device"] == dev]
-        tensors = _cpu_tensors(on_dev, t0, x) if dev == "cpu" else None
-        bands, total = stack(dev, rows, tensors)
+        # A GPU's paged memory is known from the latest scan only, not over time: its panel keeps it in non-PyTorch.
+        bands, total = stack(dev, rows, _cpu_tensors(on_dev, t0, x) if dev == "cpu" else None)
         if hold and len(x):
             x = np.r_[x, x[-1] + hold]
             bands = [replace(b, bytes=np.r_[b.bytes, b.bytes[-1:]]) for b in bands]
@@ -210,22 +211,24 @@ def plot_fit(result: FitResult, ax: Any = None) -> Any:
 
 
 # -- what is stacked --------------------------------------------------------------------------------
-def stack(device: str, rows: Any, cpu_tensors: np.ndarray | None = None) -> tuple[list[Band], float]:
+def stack(device: str, rows: Any, scanned: np.ndarray | None = None) -> tuple[list[Band], float]:
     """A panel's bands, bottom to top, and the device's total (NaN if unknown).
 
-    GPU: torch allocated, torch cached (reserved - allocated), non-PyTorch (NVML process - reserved), the
-    notebook's child processes, other processes, then free (total - used). CPU: CPU tensors, rest of this
-    process (RSS - tensors), other processes (host used - RSS), free. Where some in-use kind is unknown,
-    "used, not split" covers what is in use but unexplained; where the CPU tensors are unknown the process
-    is one "this process (RSS)" block, as in the gauge.
+    GPU: torch allocated, torch cached (reserved - allocated), paged memory, non-PyTorch (NVML process - reserved
+    - paged), the notebook's child processes, other processes, then free (total - used). CPU: CPU tensors, rest of
+    this process (RSS - tensors), other processes (host used - RSS), free. ``scanned`` is the column the holder
+    scan gives (the CPU tensors, a GPU's paged memory; NaN where unknown): where it is unknown the process is one
+    block, "this process (RSS)" or "non-PyTorch (this process)" as before paged memory was named, as in the gauge.
+    Where some in-use kind is unknown, "used, not split" covers what is in use but unexplained.
     """
     n = len(rows)
     kind = "cpu" if device == "cpu" else "gpu"
-    tensors = np.full(n, np.nan) if cpu_tensors is None else np.asarray(cpu_tensors, dtype="float64")
+    u = _SPEC[f"{kind}_unscanned"]
+    scan = np.full(n, np.nan) if scanned is None else np.asarray(scanned, dtype="float64")
 
     def col(name: str) -> np.ndarray:
-        if name == "tensors":
-            return tensors
+        if name == u["scan"]:
+            return scan
         sample_col = ROW_COLUMNS[kind].get(name)
         if sample_col is None or sample_col not in rows:
             return np.full(n, np.nan)
@@ -234,26 +237,23 @@ def stack(device: str, rows: Any, cpu_tensors: np.ndarray | None = None) -> tupl
         return pd.to_numeric(rows[sample_col], errors="coerce").astype("float64").to_numpy()
 
     def bytes_of(how: Any) -> np.ndarray:
-        return col(how) if isinstance(how, str) else _diff(col(how[0]), col(how[2]))
+        return col(how) if isinstance(how, str) else _diff(col(how[0]), *(col(c) for c in how[2::2]))
 
     in_use = [Band(d["label"], bytes_of(d["bytes"])) for d in _SPEC[kind]]
-    unknown = np.zeros(n, dtype=bool)
-    if kind == "cpu":
-        # Where the last scan's tensors are known the process is split; elsewhere it is one block (RSS).
-        u = _SPEC["cpu_unscanned"]
-        split = np.isfinite(tensors)
-        replaced = [i for i, d in enumerate(_SPEC[kind]) if d["key"] in u["replaces"]]
-        for i in replaced:
-            in_use[i] = Band(in_use[i].label, np.where(split, in_use[i].bytes, np.nan))
-        block = Band(u["label"], np.where(split, np.nan, bytes_of(u["bytes"])), hatch="//")
-        in_use.insert(replaced[-1] + 1, block)
-        group = np.where(split, sum(in_use[i].bytes for i in replaced), block.bytes)
-        unknown |= ~np.isfinite(group)
-        in_use_checked = [b for i, b in enumerate(in_use) if i not in replaced and b is not block]
-    else:
-        in_use_checked = in_use
-    for b in in_use_checked:
+    # Where the last scan's column is known the process is split by it; elsewhere it is one block.
+    split = np.isfinite(scan)
+    replaced = [i for i, d in enumerate(_SPEC[kind]) if d["key"] in u["replaces"]]
+    for i in replaced:
+        in_use[i] = Band(in_use[i].label, np.where(split, in_use[i].bytes, np.nan))
+    # Hatched on the CPU, where RSS is not split at all; a GPU's block is the non-PyTorch slice drawn as always.
+    block = Band(u["label"], np.where(split, np.nan, bytes_of(u["bytes"])), hatch="//" if kind == "cpu" else None)
+    in_use.insert(replaced[-1] + 1, block)
+    unknown = ~np.isfinite(np.where(split, sum(in_use[i].bytes for i in replaced), block.bytes))
+    for b in [b for i, b in enumerate(in_use) if i not in replaced and b is not block]:
         unknown |= ~np.isfinite(b.bytes)
+    # Dropped after the sums above: an optional band with no bytes anywhere is left out, never drawn as unknown.
+    optional = {d["label"] for d in _SPEC[kind] if d.get("optional")}
+    in_use = [b for b in in_use if b.label not in optional or bool((np.nan_to_num(b.bytes) > 0).any())]
     used, total = col("used"), col("total")
     known = np.nansum(np.vstack([b.bytes for b in in_use]), axis=0) if n else np.zeros(0)
     unsplit = np.where(unknown & (used > known), used - known, np.nan)
@@ -263,10 +263,13 @@ def stack(device: str, rows: Any, cpu_tensors: np.ndarray | None = None) -> tupl
     return bands, float(finite.max()) if finite.size else math.nan
 
 
-def _diff(a: np.ndarray, b: np.ndarray) -> np.ndarray:
-    """``a - b``, unknown where either is; at least 0, as the two come from different reads."""
+def _diff(a: np.ndarray, *rest: np.ndarray) -> np.ndarray:
+    """``a - b - ...``, unknown where any is; at least 0, as they come from different reads."""
+    ok = np.isfinite(a)
+    for b in rest:
+        ok &= np.isfinite(b)
     with np.errstate(invalid="ignore"):
-        return np.where(np.isfinite(a) & np.isfinite(b), np.maximum(a - b, 0.0), np.nan)
+        return np.where(ok, np.maximum(a - sum(rest, np.zeros_like(a)), 0.0), np.nan)
 
 
 def _cpu_tensors(cpu_cells: Any, t0: Any, x: np.ndarray) -> np.ndarray:
@@ -311,7 +314,9 @@ def _draw_stack(ax: Any, x: np.ndarray, bands: Sequence[Band], total: float, leg
                 # Each sample holds until the next one, so a known run reaches the next sample.
                 held = ok | np.r_[False, ok[:-1]]
                 ax.fill_between(x, base, top, where=held, step="post", label=band.label, **style)
-            legend.setdefault(band.label, Patch(label=band.label, **style))
+            named = legend.get(band.label)
+            if named is None or named.get_label() != band.label:  # a band of its name was unknown: it is drawn here
+                legend[band.label] = Patch(label=band.label, **style)
         elif band.label in GPU_KINDS + CPU_KINDS:
             # Named in the legend as unknown, so a missing band does not read as an empty one.
             legend.setdefault(band.label, Patch(facecolor="none", edgecolor="#9e9e9e", linestyle=(0, (2, 2)),

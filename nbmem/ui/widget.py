@@ -34,7 +34,7 @@ import traitlets
 from nbmem.clean.request import CleanupRefused, CleanupRequest
 from nbmem.records import HOLDER_KINDS, CellRecord, Finding, HolderKind, Holders, Sample, Tick, kind_words
 from nbmem.reports import CellReport, CleanupReport, memory_name, near_limit
-from nbmem.ui.frontend import GAUGE_COLUMNS, NO_FRONT_END, ROW_COLUMNS, SAMPLED_COLUMNS, bundle, in_kernel
+from nbmem.ui.frontend import GAUGE_COLUMNS, NO_FRONT_END, ROW_COLUMNS, SAMPLED_COLUMNS, bundle, in_kernel, scan_bytes
 
 if TYPE_CHECKING:
     from nbmem.session import Session
@@ -52,8 +52,8 @@ _REFUSED_KEPT = 100
 
 # -- what the publisher sends: pure functions of the engine's records --------------------------------
 def snapshot_columns(batch: Sequence[Sample], *, models: Mapping[str, str], peaks: Mapping[str, int],
-                     cpu_tensors_bytes: int | None) -> dict[str, Any]:
-    """One column per quantity, one entry per device (``cpu`` first); None where unknown."""
+                     cpu_tensors_bytes: int | None, paged_bytes: Mapping[str, int] | None = None) -> dict[str, Any]:
+    """One column per quantity, one entry per device (``cpu`` first); None where unknown (``scan_bytes``)."""
     cols: dict[str, Any] = {k: [] for k in GAUGE_COLUMNS}
     cols["t"] = batch[0].t_wall if batch else time.time()
     for s in batch:
@@ -64,6 +64,7 @@ def snapshot_columns(batch: Sequence[Sample], *, models: Mapping[str, str], peak
         for c in SAMPLED_COLUMNS:
             cols[c].append(getattr(s, source[c]) if c in source else None)
         cols["tensors"].append(cpu_tensors_bytes if cpu else None)
+        cols["paged"].append(None if cpu or paged_bytes is None else paged_bytes.get(s.device, 0))
         cols["peak"].append(peaks.get(s.device))
         lim = s.memory_limit if cpu and s.memory_limit is not None and s.memory_limit.applies else None
         cols["limit"].append(lim.source if lim else None)  # cpu: `total` is this container limit, not host RAM
@@ -311,6 +312,7 @@ class Gauge(anywidget.AnyWidget):
         self.in_page_sidebar = False  # a JupyterLab page said it shows this gauge in its right sidebar
         self._latest: Sequence[Sample] = ()
         self._tensors: int | None = None
+        self._paged: dict[str, int] | None = None  # by GPU, as of the last scan
         self._peaks: dict[str, int] = {}
         self._peaks_lock = threading.Lock()
         self._history_at = float("-inf")
@@ -344,7 +346,7 @@ class Gauge(anywidget.AnyWidget):
             self._raise_peak_from(r)
         latest_t = samples[-1].t_wall if samples else None
         self._latest = [x for x in samples if x.t_wall == latest_t]
-        self._tensors = self._cpu_tensors()
+        self._read_scan()
         self._publisher.put(holders=holder_rows(s.findings()), holders_note=s.holders_note(),
                             holders_at=s.holders_scanned_at(), cells=cell_spans(records, time.time()),
                             last_cell=last_cell_row(s.last_report) if s.last_report else {})
@@ -360,19 +362,18 @@ class Gauge(anywidget.AnyWidget):
         elif isinstance(event, CellReport):
             for r in event.records:
                 self._raise_peak_from(r)
-            self._tensors = self._cpu_tensors()
+            self._read_scan()
             self._publisher.put(last_cell=last_cell_row(event),
                                 cells=cell_spans(self.session.cell_list(), time.time()))
             self._publisher.poke()
         elif isinstance(event, Holders):
-            self._tensors = self._cpu_tensors()
+            self._read_scan()
             self._publisher.put(holders=holder_rows(event.findings), holders_note=self.session.holders_note(),
                                 holders_at=self.session.holders_scanned_at())
             self._publisher.poke()
 
-    def _cpu_tensors(self) -> int | None:
-        totals = self.session.tensor_totals()
-        return None if totals is None else int(totals.get("cpu", 0))
+    def _read_scan(self) -> None:
+        self._tensors, self._paged = scan_bytes(self.session.tensor_totals())
 
     def _raise_peak(self, device: str, value: int | None) -> None:
         if value is not None:
@@ -400,7 +401,8 @@ class Gauge(anywidget.AnyWidget):
         kids = {x.device: [{"pid": p.pid, "name": p.name, "command": p.command, "bytes": p.used_bytes}
                            for p in x.children] for x in batch if x.device != "cpu"}
         out: dict[str, Any] = {
-            "snapshot": snapshot_columns(batch, models=models, peaks=peaks, cpu_tensors_bytes=self._tensors),
+            "snapshot": snapshot_columns(batch, models=models, peaks=peaks, cpu_tensors_bytes=self._tensors,
+                                         paged_bytes=self._paged),
             "processes": procs,
             "children": kids,
             "note": " · ".join(self.session.notes()),
