@@ -810,6 +810,26 @@ def test_a_fits_next_analysis_of_the_same_runs_replays_only_what_it_had_not(monk
     assert made, "a new run makes a new program"
 
 
+def test_the_report_says_where_the_value_above_the_answer_runs_out_and_what_the_allocator_held_then() -> None:
+    """One temporary of 20 MiB per unit in a 1,000 MiB room: 50 fits (a 1,000 MiB segment); at 51 line 2 of the
+    first run asks for 1,020 MiB, a segment of that size, with nothing reserved and all 1,000 MiB left. The
+    peak reserved figure (before a release) is not what an out-of-memory error would print; this is."""
+    from nbmem.formatting import fmt_bytes
+
+    def body(v: int, first: bool) -> Iterator[tuple[Any, ...]]:
+        yield ("alloc", "t", v * 20 * MiB, 2)
+        yield ("free", "t", 2)
+
+    res = analyse(record(body, [10, 20, 40]), room(1000 * MiB), name="batch", cell_files=frozenset({"<cell>"}),
+                  sources={2: "t = make(batch)"})
+    assert res.largest_value == 50
+    want = (f"at 51, line 2 (`t = make(batch)`) of the first run runs out: a request for {fmt_bytes(1020 * MiB)} "
+            f"needs a new segment of {fmt_bytes(1020 * MiB)}, and {fmt_bytes(1000 * MiB)} of the "
+            f"{fmt_bytes(1000 * MiB)} room is left ({fmt_bytes(0)} reserved, {fmt_bytes(0)} of it allocated, the "
+            "cache given back)")
+    assert res.failure == want and want in str(res)
+
+
 # -- remedies (--want) ----------------------------------------------------------------------------------------------
 def test_a_wanted_value_that_does_not_fit_gets_remedies_each_with_the_largest_value_it_allows() -> None:
     runs = record(training_step(), [8, 16, 32])

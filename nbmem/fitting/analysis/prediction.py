@@ -44,7 +44,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any
 
-from nbmem.fitting.analysis.allocator import CachingAllocatorModel, SegmentState
+from nbmem.fitting.analysis.allocator import CachingAllocatorModel, SegmentState, segment_bytes
 from nbmem.fitting.analysis.devices import DeviceFit
 from nbmem.fitting.analysis.model import ALLOC, FREE, MARGIN_FRACTION, Room, Run, RunTrace, Site
 from nbmem.fitting.analysis.modelled import Remedy, accumulation
@@ -53,6 +53,7 @@ from nbmem.fitting.analysis.search import SEARCH_CAP, below_failure, largest_fit
 from nbmem.fitting.analysis.sizes import fit_size
 from nbmem.fitting.analysis.timeline import Sim, Timeline, build_timeline
 from nbmem.formatting import Column, esc, fmt_bytes, fmt_seconds, html_table, prose, text_table
+from nbmem.records import block_bytes
 from nbmem.reports import Shown
 from nbmem.trace.linetrace import cell_line, deepest_user_frame
 
@@ -121,6 +122,7 @@ class FitResult(Shown):
     devices: tuple[DeviceFit, ...] = ()  # each device the runs allocated on, with its own answer
     capped: str = ""  # what capped the answer below the model's own, said with it ("" when nothing did)
     host: HostFit | None = None  # host memory, where the runs keep memory there (``hostroom``)
+    failure: str = ""  # where the value above the answer runs out in the model, what the allocator held then
 
     # -- for code -----------------------------------------------------------------------------------------------
     def row(self) -> dict[str, Any]:
@@ -237,7 +239,7 @@ class FitResult(Shown):
 
     def _facts(self) -> list[str]:
         facts = [f.line(self.name) for f in self.devices] if len(self.devices) > 1 else []
-        facts += [self._room(), self._model(), self._where()]
+        facts += [self._room(), self._model(), self.failure, self._where()]
         if self.host is not None:
             facts.append(self.host.line(self.name, self.largest_value))
         if self.restored_bytes is not None:
@@ -426,6 +428,7 @@ def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segmen
     if at.ties:  # the report's reserved peak is the larger of the two orders'
         at = max(at, tl.simulate(largest, capacity, descending=True), key=lambda s: s.peak_reserved_bytes)
     small = tl.simulate(values[0], math.inf)
+    failure = _failure(tl, largest + 1, capacity, sources) if largest < cap else ""
     live = tl.simulate(largest, math.inf, stop_at=_after(at.peak_at, tl)).live or {}
     fixed, per, sq, by_line = tl.decompose(live)
     lines = []
@@ -451,6 +454,7 @@ def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segmen
                    peak_allocated_at_largest_bytes=at.peak_allocated_bytes,
                    peak_reserved_at_largest_bytes=at.peak_reserved_bytes,
                    peak_where=(_phase_place(tl, small.peak_at, sources), _phase_place(tl, at.peak_at, sources)),
+                   failure=failure,
                    lines=tuple(lines[:8]), curve=curve, notes=(*all_notes, *ASSUMPTIONS))
 
 
@@ -498,6 +502,23 @@ def _after(at: tuple[int, int], tl: Timeline) -> tuple[int, int]:
     phase, op = at
     n = len(tl.first_ops if phase == 0 else tl.steady_ops)
     return (phase, op + 1) if op + 1 < n else (phase + 1, 0)
+
+
+def _failure(tl: Timeline, value: int, capacity: float, sources: Mapping[int, str]) -> str:
+    """Where ``value`` (the one above the answer) runs out in the model, and what the allocator held then: the
+    figure an out-of-memory error would print, where the peak reserved is what stood before the cache was given
+    back. "" where it does not run out in either order (fragmentation or a failed run capped the answer)."""
+    s = tl.simulate(value, capacity)
+    if s.ok and s.ties:
+        s = tl.simulate(value, capacity, descending=True)
+    if s.ok or s.failed_at is None:
+        return ""
+    seg = segment_bytes(block_bytes(s.request_bytes))
+    return (f"at {value:,}, {_phase_place(tl, s.failed_at, sources)} runs out: a request for "
+            f"{fmt_bytes(s.request_bytes)} needs a new segment of {fmt_bytes(seg)}, and "
+            f"{fmt_bytes(max(0, capacity - s.reserved_at_failure_bytes))} of the {fmt_bytes(capacity)} room is left "
+            f"({fmt_bytes(s.reserved_at_failure_bytes)} reserved, {fmt_bytes(s.allocated_at_failure_bytes)} of it "
+            "allocated, the cache given back)")
 
 
 def _phase_place(tl: Timeline, at: tuple[int, int], sources: Mapping[int, str]) -> str:

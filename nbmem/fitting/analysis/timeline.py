@@ -46,6 +46,11 @@ class Sim:
     failed_at: tuple[int, int] | None = None
     live: dict[Any, int] | None = None
     ties: int = 0  # large requests that had free blocks of one size to choose from: addresses decide only these
+    # where it failed: the request, and what the allocator held then (after giving back its cache, as torch's does
+    # before it raises)
+    request_bytes: int = 0
+    reserved_at_failure_bytes: int = 0
+    allocated_at_failure_bytes: int = 0
 
 
 class Timeline:
@@ -101,7 +106,9 @@ class Timeline:
                         key, size = -1 - ref, self.one_time[ref]
                     addr = alloc.malloc(size, stream)
                     if addr is None:
-                        return Sim(False, peak, alloc.peak_reserved_bytes, peak_at, (phase, k), ties=alloc.ties)
+                        return Sim(False, peak, alloc.peak_reserved_bytes, peak_at, (phase, k), ties=alloc.ties,
+                                   request_bytes=size, reserved_at_failure_bytes=alloc.reserved_bytes,
+                                   allocated_at_failure_bytes=alloc.allocated_bytes)
                     live[key] = addr
                     if alloc.allocated_bytes > peak:
                         peak, peak_at = alloc.allocated_bytes, (phase, k)
