@@ -51,7 +51,7 @@ from nbmem.fitting.analysis.modelled import Remedy, accumulation
 from nbmem.fitting.analysis.modelled import expandable as expandable_segments
 from nbmem.fitting.analysis.search import SEARCH_CAP, below_failure, largest_fitting
 from nbmem.fitting.analysis.sizes import fit_size
-from nbmem.fitting.analysis.timeline import Sim, Timeline, build_timeline
+from nbmem.fitting.analysis.timeline import Built, Sim, Timeline
 from nbmem.formatting import Column, esc, fmt_bytes, fmt_seconds, html_table, prose, text_table
 from nbmem.records import block_bytes
 from nbmem.reports import Shown
@@ -320,27 +320,6 @@ def _place(site: Site, sources: Mapping[int, str]) -> str:
     return "" if site is None else str(site)
 
 
-class Built:
-    """One device's runs as an analysis last parsed them and made them a program, kept by a fit between its
-    analyses: where the next is of the same runs (the report's, after the last check), it starts from here, and
-    the program's replays (``Timeline.simulate``) are already made. Numbers only, for the fit's lifetime."""
-
-    def __init__(self) -> None:
-        self.key: tuple[Any, ...] = ()
-        self.parsed: list[Run] = []
-        self.built: Timeline | str = ""
-
-    def get(self, runs: Sequence[RunTrace], segments: Sequence[SegmentState], cell_files: frozenset[str],
-            site_of: Callable[[Sequence[Mapping[str, Any]] | None], Site]) -> tuple[list[Run], Timeline | str]:
-        key = (segments, cell_files, *runs)  # the runs themselves, held: no id of theirs is reused meanwhile
-        if (len(key) != len(self.key) or key[:2] != self.key[:2]
-                or any(a is not b for a, b in zip(key[2:], self.key[2:]))):
-            self.parsed = [Run(r, site_of) for r in runs]
-            self.built = build_timeline(self.parsed, segments)
-            self.key = key
-        return self.parsed, self.built
-
-
 def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segments: Sequence[SegmentState] = (),
             cell_files: frozenset[str] = frozenset(), sources: Mapping[int, str] | None = None,
             max_value: int | None = None, notes: Sequence[str] = (), skipped: Sequence[int] = (),
@@ -408,7 +387,7 @@ def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segmen
 
     # The search runs with one order and checks the answer, and below it, with both: over 30 recorded rows the
     # analysis takes 12 % longer than with one order, where both at every step took 29 %.
-    largest = largest_fitting(fits_up, values[-1], cap, peak=lambda v: ups[v].peak_reserved_bytes, limit=capacity)
+    largest = largest_fitting(fits_up, values[-1], cap)
     if largest is not None and largest < SEARCH_CAP:
         largest = largest_fitting(fits, largest, largest)
     timeline = replace(base, method="timeline")
@@ -601,5 +580,5 @@ def proportional_bound(run: RunTrace, value: int) -> int | None:
     return run.allocated_before_bytes + math.ceil(r.peak_growth_bytes * value / max(1, run.value))
 
 
-__all__ = ["ASSUMPTIONS", "Built", "FitPoint", "FitResult", "GrowthLine", "analyse",
+__all__ = ["ASSUMPTIONS", "FitPoint", "FitResult", "GrowthLine", "analyse",
            "power_of_two_below", "proportional_bound"]
