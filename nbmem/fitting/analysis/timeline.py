@@ -9,12 +9,12 @@ writes the steps of the first run and of the steady run; ``Timeline.simulate`` r
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 from nbmem.fitting.analysis.allocator import CachingAllocatorModel, SegmentState
-from nbmem.fitting.analysis.model import ALLOC, EVENT_COUNT_RATIO, EXTERNAL, FREE, Run, Site, align
+from nbmem.fitting.analysis.model import ALLOC, EVENT_COUNT_RATIO, EXTERNAL, FREE, Run, RunTrace, Site, align
 from nbmem.fitting.analysis.sizes import SizeModel, fit_size
 from nbmem.formatting import fmt_bytes
 
@@ -214,6 +214,28 @@ def build_timeline(runs: Sequence[Run], segments: Sequence[SegmentState]) -> Tim
     return tl
 
 
+class Built:
+    """One device's runs as an analysis last parsed them and made them a program, kept by a fit between its
+    analyses: where the next is of the same runs (the report's, after the last check), it starts from here, and
+    the program's replays (``Timeline.simulate``) are already made. It holds the runs' traces (numbers and code
+    locations, no user object) for the fit's lifetime; a fit that fails lets go of them with its runs."""
+
+    def __init__(self) -> None:
+        self.key: tuple[Any, ...] = ()
+        self.parsed: list[Run] = []
+        self.built: Timeline | str = ""
+
+    def get(self, runs: Sequence[RunTrace], segments: Sequence[SegmentState], cell_files: frozenset[str],
+            site_of: Callable[[Sequence[Mapping[str, Any]] | None], Site]) -> tuple[list[Run], Timeline | str]:
+        key = (segments, cell_files, *runs)  # the runs themselves, held: no id of theirs is reused meanwhile
+        if (len(key) != len(self.key) or key[:2] != self.key[:2]
+                or any(a is not b for a, b in zip(key[2:], self.key[2:]))):
+            self.parsed = [Run(r, site_of) for r in runs]
+            self.built = build_timeline(self.parsed, segments)
+            self.key = key
+        return self.parsed, self.built
+
+
 def _one_structure(counted: Sequence[Run], first: Run) -> bool:
     """Whether the runs share one structure: their event counts within ``EVENT_COUNT_RATIO`` (a loop over the
     value does not). A counted first run (no warm-up) made one-time allocations too: it is left out of the check
@@ -408,5 +430,16 @@ def _first_ops(first: Run, template: Run, first_key: Mapping[int, tuple[int, int
     return ops
 
 
-__all__ = ["ALLOC_ONE_TIME", "ALLOC_TEMPLATE", "FREE_BEFORE", "FREE_LEFT", "FREE_ONE_TIME", "FREE_TEMPLATE", "Op",
-           "Sim", "Timeline", "build_timeline"]
+__all__ = [
+    "ALLOC_ONE_TIME",
+    "ALLOC_TEMPLATE",
+    "FREE_BEFORE",
+    "FREE_LEFT",
+    "FREE_ONE_TIME",
+    "FREE_TEMPLATE",
+    "Built",
+    "Op",
+    "Sim",
+    "Timeline",
+    "build_timeline",
+]

@@ -19,7 +19,8 @@ from nbmem.clean.release import TorchRelease
 from nbmem.fitting.analysis.allocator import SegmentState, segments_from_snapshot
 from nbmem.fitting.analysis.devices import DeviceFit, Target, target_notes, target_room
 from nbmem.fitting.analysis.model import Room, RunTrace, margin_bytes_for
-from nbmem.fitting.analysis.prediction import Built, FitResult, analyse
+from nbmem.fitting.analysis.prediction import FitResult, analyse
+from nbmem.fitting.analysis.timeline import Built
 from nbmem.fitting.runs.state import FitRefused
 from nbmem.formatting import fmt_bytes
 from nbmem.measure.sources import TorchSource
@@ -144,7 +145,7 @@ def analyse_devices(runs: Sequence[RunSet], rooms: Mapping[int, Room], segments:
                     **kw: Any) -> FitResult:
     """``analyse`` on each device the runs allocated on, each against its own room; the answer is the smallest
     device's answer (a device whose memory does not grow with the value limits nothing), and names it. ``memos``:
-    each device's runs as the fit's last analysis left them (``prediction.Built``), kept there for the next."""
+    each device's runs as the fit's last analysis left them (``timeline.Built``), kept there for the next."""
     gpus = gpus or {}
     devs = [d for d in used_devices(runs) if d in rooms]
     name = kw.get("name", "value")

@@ -33,7 +33,8 @@ from nbmem.fitting.analysis.devices import Target, parse_on
 from nbmem.fitting.analysis.hostroom import with_host
 from nbmem.fitting.analysis.model import Room, RunTrace
 from nbmem.fitting.analysis.modelled import Remedy
-from nbmem.fitting.analysis.prediction import Built, FitResult
+from nbmem.fitting.analysis.prediction import FitResult
+from nbmem.fitting.analysis.timeline import Built
 from nbmem.fitting.runs import remedies
 from nbmem.fitting.runs.hostwatch import HostWatch, room_for
 from nbmem.fitting.runs.multigpu import (
@@ -145,6 +146,7 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchRel
                                              functools.partial(_as_the_user_has_it, body, saved, before, reset_said))
     except BaseException as e:
         runs.clear()  # the error's frames keep this one: let go of the traces (and the copy, below) now
+        body.memos.clear()
         failed = e
         raise
     finally:
@@ -156,6 +158,8 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchRel
             restored = restore_state(saved) if saved is not None else None
             lines = ((tuple(saved.restored), tuple(dict.fromkeys(saved.not_restored))) if saved is not None
                      else ((), ()))
+            if saved is not None:
+                saved.close()  # the copies' host memory unlocked now, not when the copy is collected
             saved = None
             devs = body.every_device()
             free_cached(src, devs)
