@@ -182,3 +182,15 @@ def test_the_host_arena_copies_every_layout_bit_for_bit_and_keeps_dense_strides(
     assert not torch.equal(copies[7], xs[7])
     arena.close()
     assert torch.equal(copies[2], torch.arange(7)), "the copies outlive close()"
+
+
+def test_an_arena_of_empty_tensors_copies_them_without_a_mapping():
+    from nbmem.fitting.runs.state import _Arena
+
+    xs = [torch.empty(0), torch.empty(0, 4, dtype=torch.bfloat16)]
+    arena = _Arena(torch, xs)
+    assert arena.size == 0 and arena.buf is None
+    copies = [arena.copy(x) for x in xs]
+    assert [(c.shape, c.dtype) for c in copies] == [(x.shape, x.dtype) for x in xs]
+    arena.close()
+    arena.close()  # twice: nothing was locked, nothing to undo

@@ -12,8 +12,10 @@ the C methods of plain containers.
 
 from __future__ import annotations
 
+import functools
 import random
 import sys
+import traceback
 import weakref
 from collections import OrderedDict, defaultdict
 from collections.abc import Iterable, Sequence
@@ -148,7 +150,8 @@ class StateCopy:
     _arena: _Arena | None = field(default=None, repr=False)
 
     def close(self) -> None:
-        """Unlock the host memory the copies are in (they stay readable); after the last ``restore_state``."""
+        """Unlock the host memory the copies are in (they stay readable); after the last ``restore_state`` (a copy
+        that is dropped unlocks it too)."""
         if self._arena is not None:
             self._arena.close()
 
@@ -170,10 +173,10 @@ _REGISTER_BYTES = 64 << 20
 
 class _Arena:
     """Host memory for the copies of CUDA tensors: one anonymous mapping, in 2 MiB pages where the kernel allows,
-    page-locked for the GPU's copy engines where CUDA allows (``cudaHostRegister``, as torch's own checkpoint
-    stager does). Measured on an H100 host with a 7B model's 12.5 GiB: to separate host tensors 12.1 s (4 KiB
-    page faults) and back 1.9 s; here 2.4 s and back 0.3 s. ``close`` unlocks it; the mapping goes with its
-    last copy."""
+    page-locked for the GPU's copy engines where CUDA allows (``cudaHostRegister``, portable, as torch's own
+    checkpoint stager does). Measured on an H100 host with a 7B model's 12.5 GiB: to separate host tensors 12.1 s
+    (4 KiB page faults) and back 1.9 s; here 2.4 s and back 0.3 s. ``close`` unlocks it; the mapping goes with
+    its last copy."""
 
     def __init__(self, torch: Any, tensors: Sequence[Any]) -> None:
         import mmap
@@ -186,7 +189,7 @@ class _Arena:
                 self.places[id(x)] = size
                 size += -(-_nbytes(x) // _ALIGN) * _ALIGN
         self.size = size
-        self.registered = False
+        self.locked_on: int | None = None  # the device it was registered under, while it is page-locked
         self.buf: Any = None
         if size == 0:
             return
@@ -200,11 +203,17 @@ class _Arena:
                 pass  # 4 KiB pages: slower to fill, the same copy
         self.buf = torch.frombuffer(self.map, dtype=torch.uint8)
         if size >= _REGISTER_BYTES:
-            self.registered = _register(torch, self.buf.data_ptr(), size)
+            # under a device the tensors are on: registering under the current one could make a context on a GPU
+            # the notebook never used
+            dev = tensors[0].device.index
+            if _register(torch, dev, self.buf.data_ptr(), size):
+                self.locked_on = dev
 
     def copy(self, t: Any) -> Any:
         """``t`` copied into the arena: its shape, dtype and, where it is dense (channels-last too), its strides,
         so that a tensor made again from it (a grad the fit freed) is laid out as the original was."""
+        if self.buf is None:  # every tensor empty
+            return _host(t)[0]
         off = self.places[id(t)]
         flat = self.buf[off:off + _nbytes(t)].view(t.dtype)
         mf = self.torch.channels_last if t.dim() == 4 else self.torch.channels_last_3d if t.dim() == 5 else None
@@ -214,27 +223,62 @@ class _Arena:
         return out
 
     def close(self) -> None:
-        if self.registered:
-            self.registered = False
+        if self.locked_on is not None:
+            dev, self.locked_on = self.locked_on, None
             try:
-                self.torch.cuda.cudart().cudaHostUnregister(self.buf.data_ptr())
+                with self.torch.cuda.device(dev):
+                    if int(self.torch.cuda.cudart().cudaHostUnregister(self.buf.data_ptr())) != 0:
+                        _clear_cuda_error()
             except Exception:
                 pass
         self.buf = None  # the mapping is unmapped when its last copy goes
 
 
-def _register(torch: Any, ptr: int, size: int) -> bool:
-    """Page-lock host memory for the copy engines; False (and CUDA's error cleared) where it cannot."""
+#: cudaHostRegisterPortable: page-locked for every device's context, not only the one current when registered.
+_PORTABLE = 1
+
+
+def _register(torch: Any, device: int, ptr: int, size: int) -> bool:
+    """Page-lock host memory for the copy engines; False where it cannot. Only where a failure's error can be
+    cleared: CUDA keeps it to be read once, and torch's check after the next kernel launch (the user's own) would
+    raise it as that kernel's."""
+    if _cuda_error_clearer() is None:
+        return False
     try:
-        rt = torch.cuda.cudart()
-        if int(rt.cudaHostRegister(ptr, size, 0)) == 0:
-            return True
-        clear = getattr(rt, "cudaGetLastError", None)  # never left for the next kernel launch to raise
-        if clear is not None:
-            clear()
+        with torch.cuda.device(device):
+            if int(torch.cuda.cudart().cudaHostRegister(ptr, size, _PORTABLE)) == 0:
+                return True
     except Exception:
         pass
+    _clear_cuda_error()
     return False
+
+
+@functools.cache
+def _cuda_error_clearer() -> Any:
+    """``cudaGetLastError`` of the CUDA runtime library this process loaded (torch's binding of the runtime has
+    none), or None where none is found (a runtime linked into torch): then nothing is page-locked."""
+    import ctypes
+
+    try:
+        with open("/proc/self/maps") as f:
+            paths = sorted({line.split()[-1] for line in f if "libcudart.so" in line})
+    except OSError:
+        return None
+    for path in paths:
+        try:
+            fn = ctypes.CDLL(path).cudaGetLastError
+        except (OSError, AttributeError):
+            continue
+        fn.restype = ctypes.c_int
+        return fn
+    return None
+
+
+def _clear_cuda_error() -> None:
+    fn = _cuda_error_clearer()
+    if fn is not None:
+        fn()
 
 
 def _arena_tensors(torch: Any, params: Sequence[Any], buffers: Sequence[Any], optimizers: Sequence[Any]) -> list[Any]:
@@ -246,7 +290,11 @@ def _arena_tensors(torch: Any, params: Sequence[Any], buffers: Sequence[Any], op
 
 
 def _in_arena(torch: Any, t: Any) -> bool:
-    return t.device.type == "cuda" and t.layout == torch.strided and not t.is_quantized
+    """A CUDA tensor whose bytes are its data: not a wrapper subclass (one that defines ``__torch_dispatch__``, such
+    as DTensor or a quantized tensor type, copies as something else); those keep their own host copy."""
+    return (t.device.type == "cuda" and t.layout == torch.strided and not t.is_quantized
+            and not any("__torch_dispatch__" in vars(c) for c in reach.mro(type(t))
+                        if c is not torch.Tensor and c is not torch._C.TensorBase))
 
 
 def state_bytes(modules: Iterable[Any] = (), optimizers: Iterable[Any] = ()) -> int:
@@ -319,9 +367,20 @@ def snapshot_state(modules: Iterable[Any] = (), optimizers: Iterable[Any] = (), 
         raise FitRefused(f"the model's state ({fmt_bytes(need)}) does not fit into host memory "
                          f"({fmt_bytes(avail)} available) to be restored after the fit; fit without restoring it "
                          "(--no-restore) to go ahead, and the fit will train the model")
-    saved = StateCopy(need)
     params, buffers = _params(modules, optimizers), _buffers(modules)
-    arena = saved._arena = _Arena(t, _arena_tensors(t, params, buffers, optimizers))
+    arena = _Arena(t, _arena_tensors(t, params, buffers, optimizers))
+    try:
+        return _copy(t, StateCopy(need, _arena=arena), arena, modules, optimizers, others, params, buffers, rng,
+                     iterators)
+    except BaseException as e:
+        arena.close()  # a copy cut short (an error, Ctrl-C) leaves nothing locked ...
+        if e.__traceback__ is not None:  # ... and its traceback none of the copies (gigabytes of host memory)
+            traceback.clear_frames(e.__traceback__.tb_next)
+        raise
+
+
+def _copy(t: Any, saved: StateCopy, arena: _Arena, modules: list[Any], optimizers: list[Any], others: list[Any],
+          params: list[Any], buffers: list[Any], rng: bool, iterators: Sequence[str]) -> StateCopy:
     weakref.finalize(saved, arena.close)  # unlocked as the copy goes (the runner drops it after its last restore)
 
     def host(x: Any) -> tuple[Any, Any]:
