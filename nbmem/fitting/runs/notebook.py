@@ -59,7 +59,11 @@ def fit_in_notebook(adapter: Any, source: TorchRelease, type_cache: Any, body: s
     found = state_reached(adapter, source.torch(), type_cache, used, extra, budget_s=budget_s)
     del extra
     if restore and found.stopped_after is not None:
-        del found  # the traceback keeps this frame: it must not keep the model
+        # the traceback keeps this frame: it must keep neither the model nor the namespace's copy
+        del found, runner, clean
+        if space is not None:
+            space.close()
+            space = None
         raise FitRefused(_NOT_ALL_FOUND.format(s=budget_s))
     nothing = not (found.modules or found.optimizers or found.others)
     try:
