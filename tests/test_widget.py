@@ -274,6 +274,12 @@ def test_paged_bytes_are_sent_by_gpu_and_unknown_before_a_scan() -> None:
     assert scan_bytes({"cpu": 0}) == (0, {}) and sent({}) == [None, 0], "a scan that found none: 0"
     assert scan_bytes(None) == (None, None) and sent(None) == [None, None], "no scan yet: unknown"
     assert widget.snapshot_columns(batch, models={}, peaks={}, cpu_tensors_bytes=None)["paged"] == [None, None]
+    # Managed memory moved to host RAM is no longer in NVML's figure for this process: the bar shows no more than
+    # that figure beyond torch's reserved (2.1 GiB - 2 GiB here), and the scan's bytes where NVML has no figure.
+    batch[1] = Sample(0.0, "cuda:0", GiB, 2 * GiB, GiB, 0, 30 * GiB, 80 * GiB, 2 * GiB + 100 * MiB, 19 * GiB, None)
+    assert sent(paged) == [None, 100 * MiB]
+    batch[1] = Sample(0.0, "cuda:0", GiB, 2 * GiB, GiB, 0, 30 * GiB, 80 * GiB, None, None, None)
+    assert sent(paged) == [None, 305 * MiB]
 
 
 def test_the_notebooks_child_processes_are_its_own_not_other_processes() -> None:

@@ -64,12 +64,18 @@ def snapshot_columns(batch: Sequence[Sample], *, models: Mapping[str, str], peak
         for c in SAMPLED_COLUMNS:
             cols[c].append(getattr(s, source[c]) if c in source else None)
         cols["tensors"].append(cpu_tensors_bytes if cpu else None)
-        cols["paged"].append(None if cpu or paged_bytes is None else paged_bytes.get(s.device, 0))
+        cols["paged"].append(None if cpu or paged_bytes is None else _on_gpu(paged_bytes.get(s.device, 0), s))
         cols["peak"].append(peaks.get(s.device))
         lim = s.memory_limit if cpu and s.memory_limit is not None and s.memory_limit.applies else None
         cols["limit"].append(lim.source if lim else None)  # cpu: `total` is this container limit, not host RAM
         cols["near_limit"].append(near_limit(lim, s.rss_bytes) if lim else None)  # cpu: >= 90 % of it: warn
     return cols
+
+
+def _on_gpu(paged: int, s: Sample) -> int:
+    """The scan's paged bytes, at most what NVML counts here beyond reserved (managed memory may be on the host)."""
+    used, reserved = s.process_used_bytes, s.reserved_bytes
+    return paged if used is None or reserved is None else min(paged, max(0, used - reserved))
 
 
 def _main_value(s: Sample) -> int | None:
