@@ -371,19 +371,16 @@ def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segmen
         all_notes.append("two values show linear growth only: a third value would show growth that speeds up "
                          "(such as attention scores in the sequence length)")
 
-    ups: dict[int, Sim] = {}
-
     def fits_up(v: int) -> bool:
-        if v not in ups:
-            ups[v] = tl.simulate(v, capacity)
-        return ups[v].ok
+        return tl.simulate(v, capacity).ok  # the timeline keeps each replay: asking again costs nothing
 
     def fits(v: int) -> bool:
         # Among free blocks of one size the allocator takes the lowest address, and where cudaMalloc puts a new
         # segment is the driver's choice: a value fits only if it fits with new segments above all others and
         # with them below (where blocks are a sixth of the GPU, that choice alone decided a real OOM). Without
         # a tie in the large pool on the way up, the other order makes the same choices there.
-        return fits_up(v) and (not ups[v].ties or tl.simulate(v, capacity, descending=True).ok)
+        up = tl.simulate(v, capacity)
+        return up.ok and (not up.ties or tl.simulate(v, capacity, descending=True).ok)
 
     # The search runs with one order and checks the answer, and below it, with both: over 30 recorded rows the
     # analysis takes 12 % longer than with one order, where both at every step took 29 %.
@@ -403,7 +400,7 @@ def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segmen
     capped = capped if largest >= below else ""
     if largest_only:
         return replace(timeline, largest_value=largest, notes=tuple(all_notes), capped=capped)
-    at = ups.get(largest) or tl.simulate(largest, capacity)
+    at = tl.simulate(largest, capacity)
     if at.ties:  # the report's reserved peak is the larger of the two orders'
         at = max(at, tl.simulate(largest, capacity, descending=True), key=lambda s: s.peak_reserved_bytes)
     small = tl.simulate(values[0], math.inf)
