@@ -19,14 +19,26 @@ from traitlets.config import Config
 
 
 def _nvml_gpus() -> int:
-    """GPUs NVML sees (asked without CUDA, so no context is made)."""
+    """GPUs this process may use: NVML's count (asked without CUDA, so no context is made), cut to
+    ``CUDA_VISIBLE_DEVICES`` where it is set, as CUDA cuts it (at the first entry that names no GPU), so that
+    the two-GPU tests skip in a process given one GPU of two."""
     try:
         import pynvml
 
         pynvml.nvmlInit()
-        return int(pynvml.nvmlDeviceGetCount())
+        count = int(pynvml.nvmlDeviceGetCount())
     except Exception:
         return 0
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return count
+    usable = 0
+    for entry in visible.split(","):
+        entry = entry.strip()
+        if not entry or (entry.lstrip("-").isdigit() and not 0 <= int(entry) < count):
+            break
+        usable += 1
+    return min(count, usable)
 
 
 HAS_GPU = _nvml_gpus() > 0
