@@ -212,7 +212,7 @@ for src in ("%load_ext nbmem", "%cudamem on", "import torch"):
     assert ip.run_cell(src, store_history=True).success, src
 import nbmem
 from nbmem.ipython.root import session_of
-from tests.gpu.nvml_truth import nvml_by_pid
+from tests.gpu.nvml_truth import cuda_name, nvml_by_pid
 
 seen = {}
 
@@ -220,7 +220,8 @@ seen = {}
 def nvml_of(pids):
     out = {}
     for (i, _), used in nvml_by_pid(pids).items():
-        out[f"cuda:{i}"] = out.get(f"cuda:{i}", 0) + used
+        name = cuda_name(i)  # nbmem names devices as CUDA does in this process
+        out[name] = out.get(name, 0) + used
     return out
 
 
