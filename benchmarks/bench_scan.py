@@ -135,6 +135,25 @@ SHAPES = [
         objs = [{"i": i, "v": [i, float(i)]} for i in range($n // 3)]
         tensors = [torch.empty(256, device=DEV) for _ in range(1000)]
     """, scales=False),
+    Shape("lora7b", "Llama-2-7B-shaped decoder ({n} layers, narrow: 7B's tensor count, not its bytes) + LoRA on "
+          "q/k/v/o + AdamW state, a kept loss list and Out[] (issue 48's notebook)", 32, """
+        from transformers import LlamaConfig, LlamaForCausalLM
+        from peft import LoraConfig, get_peft_model
+        torch.manual_seed(0)
+        config = LlamaConfig(vocab_size=320, hidden_size=64, intermediate_size=172, num_hidden_layers=$n,
+                             num_attention_heads=4, num_key_value_heads=4)
+        lora = get_peft_model(LlamaForCausalLM(config).to(DEV),
+                              LoraConfig(r=16, lora_alpha=32, task_type="CAUSAL_LM",
+                                         target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+        opt = torch.optim.AdamW([p for p in lora.parameters() if p.requires_grad], lr=1e-4)
+        for step in range(2):
+            ids = torch.randint(0, 320, (2, 32), device=DEV)
+            out = lora(input_ids=ids, labels=ids)
+            out.loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        losses = [lora(input_ids=ids, labels=ids).loss for _ in range(2)]  # evaluated without no_grad
+    """, after=(("lora(input_ids=ids[:, :16]).logits.softmax(-1)", False),)),
     Shape("gpt2", "GPT-2-small-shaped model ({n} layers, d_model 768, tied 50257 vocab) + AdamW state", 12, """
         class GPT(torch.nn.Module):
             def __init__(self, layers, vocab=50257, ctx=1024, d=768, heads=12):
