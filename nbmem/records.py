@@ -95,10 +95,7 @@ def is_cache_name(name: str) -> bool:
 
 def root_name(path: str) -> str:
     """The top-level name a holder path starts from (``losses[3]`` → ``losses``)."""
-    for i, ch in enumerate(path):
-        if ch in ".[":
-            return path[:i]
-    return path
+    return path.split(".", 1)[0].split("[", 1)[0]  # in C: every root's path is asked, every cell
 
 
 # -- readings -----------------------------------------------------------------------------------------

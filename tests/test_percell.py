@@ -217,3 +217,66 @@ def test_kept_graphs_compare_by_identity_never_by_their_tensors() -> None:
     a, b = torch.zeros(3).as_subclass(Hostile), torch.zeros(3).as_subclass(Hostile)
     one, other = GraphState(weakref.ref(a), {1: ("cpu", 12)}), GraphState(weakref.ref(b), {1: ("cpu", 12)})
     assert {7: one} != {7: other} and {7: one} == {7: one}
+
+
+def test_graph_sharing_is_worked_out_again_only_when_an_owner_that_keeps_a_graph_changes(ip, monkeypatch):
+    """A kept list of losses and the output they came from share a graph; a tensor without a graph made and deleted
+    cell after cell (the 7B notebook's memory-moving cell) does not make the gauge work their sharing out again."""
+    ok(ip, MODEL)
+    ok(ip, "out = model(torch.randn(512, 256))\nlosses = [out.sum(), out.mean()]")
+    session_of(ip).findings()
+    calls: list[int] = []
+    real = owners.graph_sharing
+
+    def counting(saved_by: Any) -> Any:
+        if len(saved_by) > 1:  # the cell's own rows (the new tensor, no graph) have nothing to share
+            calls.append(len(saved_by))
+        return real(saved_by)
+
+    monkeypatch.setattr(owners, "graph_sharing", counting)
+    for cell in ["x = torch.empty(2**20)", "del x"] * 3:
+        ok(ip, cell)
+        rows = session_of(ip).findings()
+        assert calls == [], (cell, calls)
+        monkeypatch.setattr(owners, "graph_sharing", real)
+        assert rows == fresh(ip), cell  # a judgement from nothing (it works the sharing out itself)
+        monkeypatch.setattr(owners, "graph_sharing", counting)
+    shared = {r.owner: r.graph_shared_with for r in session_of(ip).findings()}
+    assert shared["losses"] == ("out",) and shared["out"] == ("losses",), shared
+    ok(ip, "more = out * 2")  # a third owner keeps the same graph: worked out again, and named
+    shared = {r.owner: r.graph_shared_with for r in session_of(ip).findings()}
+    assert len(calls) == 1 and "more" in shared["out"], (calls, shared)
+
+
+def test_a_monitored_cell_reads_the_c_heap_once_and_still_sees_cpu_tensors_no_walk_found(ip, monkeypatch):
+    """Reading the C heap walks every arena: a cell whose baseline is the previous cell's closing scan takes that
+    scan's reading instead of reading again when it opens."""
+    from nbmem.holders import holdings
+
+    ok(ip, MODEL)
+    ok(ip, MOVE)
+    reads: list[int] = []
+    real = holdings.heap_bytes
+    assert real is not None, "glibc's mallinfo2 is not here: the test shows nothing"
+
+    def counting() -> int:
+        reads.append(1)
+        return real()
+
+    monkeypatch.setattr(holdings, "heap_bytes", counting)
+    for _ in range(4):
+        ok(ip, MOVE)
+    assert len(reads) == 4, reads
+    # A CPU tensor that no walked root reaches (a closure cell: not a root of its own) is still found.
+    ok(ip, "def keep():\n    t = torch.ones(2**22)\n    return lambda: t\nheld_by_closure = keep()")
+    rep = session_of(ip).last_report
+    assert rep is not None and any(f.name.startswith("held_by_closure") for f in rep.holders.findings), rep
+
+
+def test_a_storage_that_ends_takes_its_identity_entry_with_it(ip):
+    ok(ip, MODEL)
+    st = session_of(ip).holdings.scanner.storages
+    for cell in [MOVE, MOVE, "bag.clear()", "x = torch.empty(2**20)", "del x", "del model, opt",
+                 "import gc; gc.collect()", "y = torch.empty(2**20)"]:
+        ok(ip, cell)
+        assert set(st.by_obj.values()) == set(st.states), cell

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import time
 import weakref
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from nbmem.records import block_bytes
+
+K = TypeVar("K", bound=Hashable)
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,14 +129,14 @@ def _saved(node: Any, names: dict[int, tuple[str, ...]], keep: list[Any]) -> lis
     return out
 
 
-def sharing(saved_by: Mapping[int, Iterable[int]]) -> dict[int, list[int]]:
-    """For rows keyed by index, each with the saved storages its graphs keep: which other rows keep some of
-    the same ones (a graph they share, counted under each)."""
-    keepers: dict[int, list[int]] = {}  # saved storage -> the rows that keep it
+def sharing(saved_by: Mapping[K, Iterable[int]]) -> dict[K, list[K]]:
+    """For rows (keyed by their index or their owner), each with the saved storages its graphs keep: which other
+    rows keep some of the same ones (a graph they share, counted under each)."""
+    keepers: dict[int, list[K]] = {}  # saved storage -> the rows that keep it
     for i, saved in saved_by.items():
         for s in saved:
             keepers.setdefault(s, []).append(i)
-    shared: dict[int, dict[int, None]] = {}
+    shared: dict[K, dict[K, None]] = {}
     for idx in keepers.values():
         if len(idx) > 1:
             for i in idx:

@@ -138,7 +138,7 @@ class RowCache(dict[tuple[str, str], tuple[tuple[list[Held], dict[int, int], str
     which rows share graphs, with the saved storages of each row it was worked out from (a kept list of losses
     and its outputs share thousands: worked out again only when those change)."""
 
-    shared: tuple[dict[int, set[int]], dict[int, list[int]]] | None = None
+    shared: tuple[dict[Key, set[int]], dict[Key, list[Key]]] | None = None
     graph_reads: tuple[Any, ...] | None = None  # (graphs, their holders' records, what ``_graph_reads`` gave)
     sets: dict[int, tuple[dict[int, int], set[int]]] | None = None  # id of a kept saved dict -> it, its keys
 
@@ -206,7 +206,10 @@ def group(held: Sequence[Held] | Grouped, cell_of: Any, *, threshold_bytes: int,
     by = held if isinstance(held, Grouped) else grouped(held)
     graph_key, saved_of = _graph_reads(graphs, by, keepers, row_cache)
     rows: list[Finding] = []
-    saved_by: dict[int, set[int]] = {}  # row -> the graph storages it keeps
+    # (owner, device) -> the graph storages its row keeps, for the rows that keep any: keyed by owner, not by the
+    # row's place, so that a row without a graph coming and going (``x`` made, then deleted) changes nothing.
+    saved_by: dict[Key, set[int]] = {}
+    place: dict[Key, int] = {}
     sizes: dict[int, int] = {}  # those storages' bytes
     for (owner, device), grp in by.groups.items():
         members = grp.members
@@ -229,13 +232,15 @@ def group(held: Sequence[Held] | Grouped, cell_of: Any, *, threshold_bytes: int,
             kept = [n for n in row.roots if n in states]
             row = replace(row, roots=tuple(n for n in row.roots if n not in states),
                           hint=f"{row.hint} (`{'`, `'.join(kept)}`: the cell's state, which `--last-report` keeps)")
-        saved_by[len(rows)] = row_cache.set_of(saved) if row_cache is not None else set(saved)
-        sizes.update(saved)
+        if saved:
+            saved_by[owner, device] = row_cache.set_of(saved) if row_cache is not None else set(saved)
+            sizes.update(saved)
+        place[owner, device] = len(rows)
         rows.append(row)
     if row_cache is not None:
         for key in [k for k in row_cache if k not in by.groups]:
             del row_cache[key]
-    _mark_shared(rows, saved_by, row_cache)
+    _mark_shared(rows, saved_by, place, row_cache)
     total = sum(r.storage_bytes for r in rows) + sum(sizes.values())
     # What no cell meant to keep comes first: a 13 GB model listed above a 600 MB leak hides the mistake.
     order = sorted(range(len(rows)), key=lambda i: (bool(rows[i].state), -rows[i].bytes))
@@ -519,15 +524,17 @@ def tensor_words(h: Held) -> str:
     return shape
 
 
-def _mark_shared(rows: list[Finding], saved_by: dict[int, set[int]], kept: RowCache | None = None) -> None:
-    """A graph whose saved tensors several owners keep alive is named under each of them. ``kept``: where the
-    last sharing worked out is kept, reused for the same rows' same saved storages."""
+def _mark_shared(rows: list[Finding], saved_by: dict[Key, set[int]], place: Mapping[Key, int],
+                 kept: RowCache | None = None) -> None:
+    """A graph whose saved tensors several owners keep alive is named under each of them (``place``: each owner's
+    row). ``kept``: where the last sharing worked out is kept, reused while the owners' saved storages are the
+    same (rows without a graph may come and go)."""
     if kept is not None and kept.shared is not None and kept.shared[0] == saved_by:
         shared = kept.shared[1]
     else:
         shared = graph_sharing(saved_by)
         if kept is not None:
             kept.shared = (saved_by, shared)
-    for i, others in shared.items():
-        names = tuple(rows[j].name for j in others)[:MAX_HOLDERS]
-        rows[i] = replace(rows[i], graph_shared_with=names)
+    for key, others in shared.items():
+        names = tuple(rows[place[k]].name for k in others)[:MAX_HOLDERS]
+        rows[place[key]] = replace(rows[place[key]], graph_shared_with=names)

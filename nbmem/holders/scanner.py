@@ -75,6 +75,7 @@ class Storages:
     def __init__(self) -> None:
         self.states: dict[int, _StorageState] = {}
         self.by_obj: dict[int, int] = {}  # id(storage object) -> sid
+        self._obj_of: dict[int, int] = {}  # sid -> id(storage object): its by_obj entry goes with it
         self._next = 1
         self._died: deque[int] = deque()  # storages whose objects went, as their weak references tell
         self._told = 0  # how many of those were taken from the queue
@@ -96,6 +97,7 @@ class Storages:
         tell = functools.partial(_gone, self._died, sid)  # keeps the queue, not these storages
         self.states[sid] = _StorageState(weakref.ref(storage, tell), device, nbytes, cell, addr)
         self.by_obj[id(storage)] = sid
+        self._obj_of[sid] = id(storage)
         return sid
 
     def known(self, storage: Any) -> int | None:
@@ -154,8 +156,9 @@ class Storages:
         for sid in dead:
             del self.states[sid]
             self.graphed.discard(sid)
-        if dead:
-            self.by_obj = {k: v for k, v in self.by_obj.items() if v in self.states}
+            k = self._obj_of.pop(sid, None)
+            if k is not None and self.by_obj.get(k) == sid:  # not a later storage's at the same address
+                del self.by_obj[k]
         return dead
 
 
