@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nbmem.records import block_bytes
+from nbmem.records import CUDA_BLOCK_BYTES
 
 # -- the caching allocator's constants (c10/cuda/CUDACachingAllocator.cpp, default settings) ----------------
 SMALL_REQUEST_BYTES = 1 << 20  # kSmallSize: blocks up to 1 MiB come from the small pool
@@ -139,13 +139,17 @@ class CachingAllocatorModel:
 
     def malloc(self, size: int, stream: int = 0) -> int | None:
         """The address of a new block for a request of ``size`` bytes, or None: out of memory."""
-        need = block_bytes(size)
+        # block_bytes, inline: a 7B replay makes some 14,000 requests
+        need = CUDA_BLOCK_BYTES if size < CUDA_BLOCK_BYTES else -(-size // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
         small = need <= SMALL_REQUEST_BYTES
         key = (small, stream)
-        pool = self._pools.setdefault(key, [])
+        pool = self._pools.get(key)
+        if pool is None:
+            pool = self._pools[key] = []
         i = bisect_left(pool, (need, -1))
-        if i < len(pool):
-            if not small and i + 1 < len(pool) and pool[i + 1][0] == pool[i][0]:
+        n = len(pool)
+        if i < n:
+            if not small and i + 1 < n and pool[i + 1][0] == pool[i][0]:
                 self.ties += 1
             _, addr = pool.pop(i)
             b = self._free.pop(addr)

@@ -91,20 +91,23 @@ class Timeline:
         alloc = CachingAllocatorModel(capacity_bytes, self.segments, descending=descending)
         live: dict[Any, int] = {("i", a): a for a in self.init_bytes}
         peak, peak_at = alloc.allocated_bytes, (0, -1)
+        malloc, free, one_time = alloc.malloc, alloc.free, self.one_time  # looked up once: the loop runs 10^4 times
         for phase in range(phases):
             ops = self.first_ops if phase == 0 else self.steady_ops
+            now = first if phase == 0 else sizes
             base, prev = phase * n, (phase - 1) * n
+            stop_k = stop_at[1] if stop_at is not None and stop_at[0] == phase else -1
             for k, op in enumerate(ops):
-                if stop_at is not None and (phase, k) == stop_at:
+                if k == stop_k:
                     return Sim(True, peak, alloc.peak_reserved_bytes, peak_at, None, dict(live), alloc.ties)
                 code, ref, stream, replaces = op
                 if code == ALLOC_TEMPLATE or code == ALLOC_ONE_TIME:
                     if code == ALLOC_TEMPLATE:
                         key: Any = base + ref
-                        size = first[ref] if phase == 0 else sizes[ref]
+                        size = now[ref]
                     else:
-                        key, size = -1 - ref, self.one_time[ref]
-                    addr = alloc.malloc(size, stream)
+                        key, size = -1 - ref, one_time[ref]
+                    addr = malloc(size, stream)
                     if addr is None:
                         return Sim(False, peak, alloc.peak_reserved_bytes, peak_at, (phase, k), ties=alloc.ties,
                                    request_bytes=size, reserved_at_failure_bytes=alloc.reserved_bytes,
@@ -116,7 +119,7 @@ class Timeline:
                         # What the last run left under this allocation's name is replaced by it now.
                         old = live.pop(prev + replaces, None)
                         if old is not None:
-                            alloc.free(old)
+                            free(old)
                     continue
                 if code == FREE_TEMPLATE:
                     got = live.pop(base + ref, None)
@@ -127,7 +130,7 @@ class Timeline:
                 else:
                     got = live.pop(("i", ref), None)
                 if got is not None:
-                    alloc.free(got)
+                    free(got)
         return Sim(True, peak, alloc.peak_reserved_bytes, peak_at, None, dict(live) if stop_at else None, alloc.ties)
 
     def site_at(self, phase: int, op: int) -> Site:
