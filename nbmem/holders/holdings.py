@@ -166,6 +166,7 @@ class Holdings:
         base = self.last_scan
         base_bytes = self.tensor_bytes(base) if scan and base is not None else None
         heap = self._closed_heap if self.fresh_baseline(monitoring) else None
+        self._closed_heap = None  # taken once: a cell that closes without a scan leaves the next to read its own
         if heap is None and heap_bytes:
             heap = heap_bytes()
         return Baseline(base, base_bytes, mentioned, collections(), heap)
