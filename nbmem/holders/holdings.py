@@ -53,9 +53,9 @@ class Baseline:
     tensor_bytes: dict[str, int] | None  # per device, taken while its storages' graphs were alive
     mentioned: frozenset[str]
     gen_collections: int
-    # The C heap in use: as the previous measured cell closed, when that closing scan is the baseline (reading it
-    # walks every arena's free chunks, up to a millisecond in a big process, and nothing but nbmem's own report ran
-    # since); else read when the cell opened. None: unknown.
+    # The C heap in use when the cell opened, None: unknown. Read here, not taken from the previous cell's closing:
+    # what ran in between (a front end's silent run, another extension, a thread) may have freed heap, which would
+    # then hide the growth of this cell that tells the scan to look further.
     heap_bytes: int | None
 
 
@@ -83,7 +83,6 @@ class Holdings:
         self.last_scan: Scan | None = None
         self.closed_scan: Scan | None = None  # the last scan a measured cell closed with
         self._scan_mark: Mark | None = None
-        self._closed_heap: int | None = None  # the C heap as the last measured cell closed
         self._gaps: dict[str, int] = {}  # allocated bytes no name reached, per device, after the last scan
         self._by_cell: dict[int, owners.Rows] = {}
         self._cells: deque[int] = deque()
@@ -165,11 +164,7 @@ class Holdings:
         mentioned = frozenset(self.adapter.mentioned(source)) if scan and source else frozenset()
         base = self.last_scan
         base_bytes = self.tensor_bytes(base) if scan and base is not None else None
-        heap = self._closed_heap if self.fresh_baseline(monitoring) else None
-        self._closed_heap = None  # taken once: a cell that closes without a scan leaves the next to read its own
-        if heap is None and heap_bytes:
-            heap = heap_bytes()
-        return Baseline(base, base_bytes, mentioned, collections(), heap)
+        return Baseline(base, base_bytes, mentioned, collections(), heap_bytes() if heap_bytes else None)
 
     def tensor_bytes(self, scan: Scan) -> dict[str, int]:
         """Bytes per device of the storages a scan found, and of the walked graphs they keep.
@@ -211,7 +206,6 @@ class Holdings:
     def _scan_after_cell(self, cell: int, base: Baseline, before: Boundary, after: Boundary) -> Scan:
         """Changed roots first; everything else only if memory moved unexplained."""
         mark = self.mark(after.allocator)
-        self._closed_heap = mark.heap
         if not self._changed_since_scan(mark) and self.last_scan is not None:
             return self.last_scan
         budget = self.settings.scan_budget_s

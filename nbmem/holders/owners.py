@@ -529,7 +529,8 @@ def _mark_shared(rows: list[Finding], saved_by: dict[Key, set[int]], place: Mapp
     """A graph whose saved tensors several owners keep alive is named under each of them (``place``: each owner's
     row). ``kept``: where the last sharing worked out is kept, reused while the owners' saved storages are the
     same (rows without a graph may come and go)."""
-    if kept is not None and kept.shared is not None and kept.shared[0] == saved_by:
+    # In order too: each owner's others are listed in the rows' order, which can change while the sets do not.
+    if kept is not None and kept.shared is not None and list(kept.shared[0].items()) == list(saved_by.items()):
         shared = kept.shared[1]
     else:
         shared = graph_sharing(saved_by)
