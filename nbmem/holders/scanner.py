@@ -63,6 +63,7 @@ class _StorageState:
     graph: GraphState | None = None  # walked once, on demand; saved storages are re-checked weakly
     view_paths: set[str] = field(default_factory=set)  # paths to a tensor spanning less than the storage
     module_paths: set[str] = field(default_factory=set)  # paths whose last step is a module's attribute
+    obj_id: int = 0  # id() of the storage object: its ``Storages.by_obj`` entry, dropped when it ends
 
 
 def _gone(died: deque[int], sid: int, _ref: Any) -> None:
@@ -75,7 +76,6 @@ class Storages:
     def __init__(self) -> None:
         self.states: dict[int, _StorageState] = {}
         self.by_obj: dict[int, int] = {}  # id(storage object) -> sid
-        self._obj_of: dict[int, int] = {}  # sid -> id(storage object): its by_obj entry goes with it
         self._next = 1
         self._died: deque[int] = deque()  # storages whose objects went, as their weak references tell
         self._told = 0  # how many of those were taken from the queue
@@ -95,9 +95,8 @@ class Storages:
         except Exception:
             addr = 0
         tell = functools.partial(_gone, self._died, sid)  # keeps the queue, not these storages
-        self.states[sid] = _StorageState(weakref.ref(storage, tell), device, nbytes, cell, addr)
+        self.states[sid] = _StorageState(weakref.ref(storage, tell), device, nbytes, cell, addr, obj_id=id(storage))
         self.by_obj[id(storage)] = sid
-        self._obj_of[sid] = id(storage)
         return sid
 
     def known(self, storage: Any) -> int | None:
@@ -154,10 +153,9 @@ class Storages:
         if everything:
             dead = [sid for sid, st in self.states.items() if st.ref() is None]
         for sid in dead:
-            del self.states[sid]
+            k = self.states.pop(sid).obj_id
             self.graphed.discard(sid)
-            k = self._obj_of.pop(sid, None)
-            if k is not None and self.by_obj.get(k) == sid:  # not a later storage's at the same address
+            if self.by_obj.get(k) == sid:  # not a later storage's at the same address
                 del self.by_obj[k]
         return dead
 
