@@ -15,7 +15,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from nbmem.records import CUDA_BLOCK_BYTES
+from nbmem.records import block_bytes
 
 # -- the caching allocator's constants (c10/cuda/CUDACachingAllocator.cpp, default settings) ----------------
 SMALL_REQUEST_BYTES = 1 << 20  # kSmallSize: blocks up to 1 MiB come from the small pool
@@ -139,8 +139,7 @@ class CachingAllocatorModel:
 
     def malloc(self, size: int, stream: int = 0) -> int | None:
         """The address of a new block for a request of ``size`` bytes, or None: out of memory."""
-        # block_bytes, inline: a 7B replay makes some 14,000 requests
-        need = CUDA_BLOCK_BYTES if size < CUDA_BLOCK_BYTES else -(-size // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
+        need = block_bytes(size)
         small = need <= SMALL_REQUEST_BYTES
         key = (small, stream)
         pool = self._pools.get(key)
