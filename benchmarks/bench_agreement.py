@@ -600,6 +600,26 @@ class RowB:
     margin_bytes: int = 0
 
 
+@contextmanager
+def last_timeline() -> Iterator[list[Any]]:
+    """Within it, the list holds the timeline (or why none) the last analysis built: a fit's answer is from it."""
+    from nbmem.fitting.analysis import timeline as fitmodel
+
+    built: list[Any] = []
+    real_build = fitmodel.build_timeline  # the name Built.get calls
+
+    def keep(runs: Any, segments: Any) -> Any:
+        got = real_build(runs, segments)
+        built[:] = [got]
+        return got
+
+    fitmodel.build_timeline = keep
+    try:
+        yield built
+    finally:
+        fitmodel.build_timeline = real_build
+
+
 def synthesised(tl: Any, value: int, capacity: float) -> tuple[list[int], Any]:
     """The requests the fit's timeline makes at ``value`` (its allocator model, recording), and the simulation
     whose reserved peak is the larger of the two placements of new segments, as the prediction reports it."""
@@ -615,7 +635,7 @@ def synthesised(tl: Any, value: int, capacity: float) -> tuple[list[int], Any]:
 
     fitmodel.CachingAllocatorModel = Recording  # type: ignore[misc]  # what Timeline.simulate builds its allocator from
     try:
-        up = tl.simulate(value, capacity)
+        up = tl._simulate(value, capacity, 3, None, False)  # past the replays it keeps: the answer's is kept
     finally:
         fitmodel.CachingAllocatorModel = real_model  # type: ignore[misc]
     down = tl.simulate(value, capacity, descending=True)
@@ -638,7 +658,6 @@ def sweep(body: Body, tl: Any, row: RowB, room: Any, values: int, reach: float) 
 
 def part_b(body: Body, cap_bytes: int, rows: list[RowB], sweep_values: int = 0, reach: float = 1.2) -> None:
     """Part B for one body: the fit in a room of ``cap_bytes``, its timeline at the answer against a real try."""
-    from nbmem.fitting.analysis import prediction
     from nbmem.fitting.analysis.timeline import Timeline
     from nbmem.fitting.runs import runner
 
@@ -651,22 +670,11 @@ def part_b(body: Body, cap_bytes: int, rows: list[RowB], sweep_values: int = 0, 
     hold = t.empty(hold_bytes, dtype=t.uint8, device="cuda") if hold_bytes > 0 else None
     before = body.before
     body.before = t.cuda.memory_allocated()
-    built: list[Any] = []
-    real_build = prediction.build_timeline
-
-    def keep(runs: Any, segments: Any) -> Any:
-        got = real_build(runs, segments)
-        built[:] = [got]  # the last analysis's: the fit's answer is from it
-        return got
-
     try:
-        prediction.build_timeline = keep
         started = time.perf_counter()
-        try:
+        with last_timeline() as built:
             res = runner.fit(body.run, fam.values, name=fam.var, clean=body.ns.clear, modules=[body.model],
                              optimizers=[body.opt], others=body.others, stacks=True)
-        finally:
-            prediction.build_timeline = real_build
         row.fit_s = time.perf_counter() - started
         row.answer, row.method = res.largest_value, res.method
         row.runs = tuple(p.value for p in res.points if p.counted and not p.skipped)

@@ -113,6 +113,19 @@ def families(torch: Any, dev: str = "cuda") -> dict[str, Family]:
         ns["y"] = torch.randint(0, 10, (b,), device=dev)
         classify(model, opt, ns)
 
+    def wide_mlp(device: Any) -> Any:
+        """bench_multi's ``mlp-cuda1`` on one GPU: eight 4096-wide layers, so a value's activations come in
+        blocks of several GiB near a large card's limit."""
+        layers: list[Any] = []
+        for _ in range(8):
+            layers += [nn.Linear(4096, 4096), nn.GELU()]
+        return nn.Sequential(*layers, nn.Linear(4096, 10)).to(device)
+
+    def wide_body(model: Any, opt: Any, ns: dict[str, Any], b: int) -> None:
+        ns["x"] = torch.randn(b, 4096, device=dev)
+        ns["y"] = torch.randint(0, 10, (b,), device=dev)
+        classify(model, opt, ns)
+
     # -- a small transformer LM, bf16 autocast (causal SDPA: flash attention) -------------------------------------
     V, D, T = 8192, 256, 128
     LM_VOCAB = 1024
@@ -398,6 +411,7 @@ def families(torch: Any, dev: str = "cuda") -> dict[str, Family]:
 
     return {
         "mlp": Family("mlp", "batch", (256, 512, 1024), mlp, mlp_body, adamw, (512,)),
+        "mlp-wide": Family("mlp-wide", "batch", (512, 1024, 2048), wide_mlp, wide_body, adamw, (4096,)),
         "lm-bf16": Family("lm-bf16", "batch", (8, 16, 32), lambda d: LM().to(d), lm_body, adamw),
         "cnn-bn": Family("cnn-bn", "batch", (32, 64, 128), cnn, cnn_body, sgd, (3, 64, 64), "sgd_momentum"),
         "lstm": Family("lstm", "batch", (64, 128, 256), lambda d: RNN().to(d), rnn_body, adamw, (64, 256)),

@@ -246,8 +246,12 @@ class Gpu:
         start = snapshot_state(modules, [opt], others)
 
         def fit_once() -> Any:
-            res = self.fitting.fit(step, values, name="batch", clean=ns.clear, modules=modules, optimizers=[opt],
-                                   others=others, stacks=True, on=on, own_used=own_used)
+            unrecord = recording(f"{row.part}-{row.family}-{row.size}")
+            try:
+                res = self.fitting.fit(step, values, name="batch", clean=ns.clear, modules=modules,
+                                       optimizers=[opt], others=others, stacks=True, on=on, own_used=own_used)
+            finally:
+                unrecord()
             row.memory_back = self.allocated(devices) == before
             print(str(res), flush=True)
             return res
@@ -270,6 +274,17 @@ class Gpu:
             measure_row(row, fit_once, truth, values[-1], hard_deadline)
         finally:
             self.fitting.give_back_workspaces(self.src, before)  # the last try's, as a fit leaves them
+
+
+def recording(what: str) -> Callable[[], None]:
+    """With ``NBMEM_BENCH_RECORD=DIR``, each analysis the fit makes is pickled there (bench_finetune's recorder),
+    so it can be studied and changed without a GPU. Returns what undoes it."""
+    if not os.environ.get("NBMEM_BENCH_RECORD"):
+        return lambda: None
+    from finetune_parts import _record_analyses  # imports IPython, which the other rows do not need
+
+    undo: Callable[[], None] = _record_analyses(what)
+    return undo
 
 
 def hold(torch: Any, device: int, gib: float) -> list[Any]:

@@ -204,3 +204,24 @@ def test_the_benchmark_without_cuda_says_so_in_one_line_and_exits_0() -> None:
                          text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.splitlines() == [ba.NEEDS_CUDA], out.stdout
+
+
+def test_part_bs_hooks_see_the_timeline_a_fit_builds_and_its_requests() -> None:
+    """Part B reads the fit's timeline and its replay's requests through two names it swaps in the analysis; a
+    rename there (as when the fit's house was split) must fail here, not on the next GPU run."""
+    import gzip
+    import json
+
+    from nbmem.fitting.analysis.model import Room, RunTrace
+    from nbmem.fitting.analysis.prediction import analyse
+    from nbmem.fitting.analysis.timeline import Timeline
+
+    row = json.load(gzip.open(ROOT / "tests" / "data" / "fit_traces_h100.json.gz", "rt"))[0]
+    runs = [RunTrace(r["value"], r["entries"], r["counted"], r["allocated_before_bytes"], r["reserved_before_bytes"],
+                     r["oom"]) for r in row["runs"]]
+    room = Room(**row["room"])
+    with ba.last_timeline() as built:
+        res = analyse(runs, room, name=row["family"])
+    assert res.largest_value is not None and len(built) == 1 and isinstance(built[0], Timeline)
+    sizes, sim = ba.synthesised(built[0], res.largest_value, room.capacity_bytes)
+    assert sim.ok and len(sizes) > 10 and sim.peak_allocated_bytes >= max(sizes)
