@@ -75,6 +75,34 @@ def test_deleting_a_name_frees_what_only_it_held(ip):
     assert rep.freed_reserved_bytes is None  # no CUDA: unknown, not 0
 
 
+def test_the_collector_never_starts_on_its_own_inside_a_cleanup_step(ip):
+    """A step's bytes are what it freed: were the collector to start inside `del x`, garbage from earlier cells
+    (reference cycles holding tensors) would be counted as the step's. The gc step collects that garbage, when
+    asked."""
+    ok(ip, "x = torch.empty(4 * 2**20)")
+    inside: list[int] = []
+
+    def watch(phase: str, info: dict) -> None:
+        f = sys._getframe(1)
+        while phase == "start" and f is not None:
+            if f.f_code.co_name == "step" and f.f_code.co_filename.endswith("cleaner.py"):
+                inside.append(info["generation"])
+                break
+            f = f.f_back
+
+    threshold = gc.get_threshold()
+    gc.callbacks.append(watch)
+    gc.set_threshold(1, 1, 1)  # a collection at almost every allocation
+    try:
+        rep = nbmem.cleanup(names=["x"], collect=False, empty_cache=False)
+    finally:
+        gc.set_threshold(*threshold)
+        gc.callbacks.remove(watch)
+    assert [s.action for s in rep.steps] == ["del"] and rep.freed_allocated_bytes == 16 * MiB
+    assert inside == [], f"{len(inside)} collections started inside the step"
+    assert gc.isenabled()
+
+
 @pytest.mark.parametrize("value", ["None", "0", "True", "'a'", "()"])
 def test_a_name_bound_to_a_shared_singleton_removes_only_that_name(ip, value):
     ok(ip, f"gone = {value}\nkept1 = {value}\nkept2 = {value}")

@@ -61,6 +61,17 @@ class Cleaner:
         self._reset_compiled = reset_compiled
 
     def run(self, req: CleanupRequest) -> CleanupReport:
+        # The collector does not start on its own while the steps run: garbage from earlier cells that it happened
+        # to collect inside a step would be counted as what that step freed. The gc step collects it, when asked.
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            return self._run(req)
+        finally:
+            if collecting:
+                gc.enable()
+
+    def _run(self, req: CleanupRequest) -> CleanupReport:
         steps: list[CleanupStep] = []
         last = self.measure()
 
