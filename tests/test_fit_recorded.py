@@ -90,3 +90,25 @@ def test_the_larger_runs_alone_only_after_a_warm_up_and_far_above_the_rest() -> 
     runs, room, segments = _two_gpu_runs(relabel={221_696: 4_000})
     res = analyse(runs, room, name="batch", segments=segments)
     assert res.method == "scaled peak" and not any("larger runs" in n for n in res.notes)
+
+
+# -- issue 47: a compiled LM on one H200, whose graphs torch.compile wrote to new files as the batch grew ---------
+#: bench_fit's ``lm-compiled`` (the bf16 LM under ``torch.compile``), fresh. Each run at 5,200, 12,839 and 16,659 ran
+#: a graph Inductor had written to a file of its own, so an allocation's line differed from run to run; paired by
+#: line, 204 of the largest run's 267 allocations (117 GiB) matched nothing and were kept at their size. The fit
+#: answered 24,412 where 20,740 runs (1.18x), after two checks at the answer had run out of memory.
+COMPILED = json.load(gzip.open(DATA / "fit_compiled_h200.json.gz", "rt"))[0]
+
+
+def test_a_compiled_models_generated_code_is_not_where_its_allocations_are_paired() -> None:
+    segments = tuple(SegmentState(s["address"], s["total_bytes"], s["stream"], s["small"],
+                                  tuple(tuple(b) for b in s["blocks"]), s["usable"]) for s in COMPILED["segments"])
+    runs = [RunTrace(r["value"], r["entries"], r["counted"], r["allocated_before_bytes"], r["reserved_before_bytes"],
+                     r["oom"]) for r in COMPILED["runs"]]
+    real = COMPILED["real"]
+    ran = [r for r in runs if not r.oom]  # the runs before the checks at the answer
+    for some in (ran, runs):
+        res = analyse(some, Room(**COMPILED["room"]), name="batch", segments=segments)
+        assert res.method == "timeline" and res.largest_value is not None, res.reason
+        assert 0.95 * real <= res.largest_value <= real, f"{res.largest_value:,} of {real:,}"
+        assert not any("have no counterpart" in n for n in res.notes), res.notes

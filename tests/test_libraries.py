@@ -43,6 +43,22 @@ def test_user_files(filename: str) -> None:
     assert libraries.is_user_file(filename)
 
 
+def test_the_code_torch_compile_writes_is_torchs(tmp_path, monkeypatch) -> None:
+    """Inductor writes each compiled graph's Python into its cache folder, named by a hash of its content: a new
+    file for every graph, so allocation sites there differ from one batch size to the next (a fit on two H200s
+    paired nothing across its runs and answered 1.18x the real boundary). They are torch's code, not the user's."""
+    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
+
+    for folder in {default_cache_dir(), cache_dir()}:
+        generated = os.path.join(folder, "dj", "cdjuwxf2joks27emamaugqu7cl57nhypty75ujzgfpaygb4ve6ff.py")
+        assert libraries.is_library_file(generated) and not libraries.is_user_file(generated)
+    chosen = tmp_path / "inductor-cache"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(chosen))
+    assert cache_dir() == str(chosen)
+    assert libraries.is_library_file(str(chosen / "ab" / "cabcdef.py"))
+    assert libraries.is_user_file(str(tmp_path / "inductor-cache-notes.py")), "a folder that only starts the same"
+
+
 @pytest.mark.parametrize("filename", ["??", "/pytorch/torch/csrc/autograd/engine.cpp", "<string>"])
 def test_c_frames_and_strings_are_nobodys(filename: str) -> None:
     assert not libraries.is_user_file(filename)

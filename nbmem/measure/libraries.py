@@ -3,7 +3,9 @@
 A file is a library's when it lies in this interpreter's standard library or site-packages, in a
 folder on ``sys.path`` that packages were installed into (``pip install --target``, a ``PYTHONPATH``
 library folder: it holds ``*.dist-info``), under any ``site-packages`` or ``dist-packages``, in nbmem
-itself, or is frozen (``<frozen importlib._bootstrap>``). Python code anywhere else is the user's: a
+itself, or is frozen (``<frozen importlib._bootstrap>``), and so is the code torch.compile writes (Inductor's
+cache folder: ``torchinductor_<user>`` in the temporary folder, or ``TORCHINDUCTOR_CACHE_DIR``), whose file
+names change with every graph it compiles. Python code anywhere else is the user's: a
 notebook cell (``<ipython-input-3-…>``, ipykernel's ``/tmp/ipykernel_…/….py``), a script, a module
 beside the notebook. The line clock (measurement), the holder scan and the trace replay (analysis) and
 the IPython glue all ask here, so they agree at the edges.
@@ -57,6 +59,18 @@ def install_dirs() -> tuple[str, ...]:
     return _install_dirs[1]
 
 
+#: A folder of this name is Inductor's default cache (``<tmp>/torchinductor_<user>``).
+_INDUCTOR_PART = os.sep + "torchinductor_"
+
+
+def _generated(filename: str) -> bool:
+    """Code torch.compile wrote: its graphs' Python, one file per graph, named by a hash of its content."""
+    if _INDUCTOR_PART in filename:
+        return True
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    return cache is not None and cache != "" and filename.startswith(os.path.join(os.path.abspath(cache), ""))
+
+
 _verdicts: dict[str, bool] = {}
 _VERDICTS_KEPT = 65_536
 
@@ -68,7 +82,7 @@ def is_library_file(filename: str) -> bool:
     if got is None:
         got = (filename.startswith("<frozen") or filename.startswith(_NBMEM_DIR)
                or filename.startswith(python_library_dirs()) or (bool(dirs) and filename.startswith(dirs))
-               or any(part in filename for part in _INSTALLED_PARTS))
+               or any(part in filename for part in _INSTALLED_PARTS) or _generated(filename))
         if len(_verdicts) >= _VERDICTS_KEPT:
             _verdicts.clear()
         _verdicts[filename] = got
