@@ -308,3 +308,34 @@ def test_nbmem_fit_refuses_a_host_limit_that_is_no_size_before_anything_runs() -
     assert str(e.value) == ("nbmem.fit(host_limit=...) takes a memory size above 0, such as '8GiB', '8GB' or "
                             "'8000MiB'; not 'lots'. Nothing was run.")
     assert not ran
+
+
+def test_an_answer_below_checks_that_all_ran_out_of_memory_says_it_was_not_run() -> None:
+    """Where both checks at the model's answers run out of memory, the model under-counts the body near its limit
+    (a compiled LM on an H200 did so); the lower answer it then gives is unrun, and the report says so."""
+    from nbmem.fitting.analysis.prediction import FitResult
+
+    class Checked:
+        name, ran, progress, host = "batch", 0, None, None
+
+        def __init__(self) -> None:
+            self.notes: list[str] = []
+            self.durations = {100: 0.01}
+            self.rooms: dict[int, Room] = {}
+            self.asked: list[int] = []
+
+        def analyse(self, runs: list[RunSet], cell_files: frozenset[str], max_value: int | None = None) -> Any:
+            failed = [r.value for r in runs if r.oom]
+            return FitResult(name="batch", device="cuda:0", values=(100,), points=(), room=None,
+                             largest_value=min([1000, *[v - 50 for v in failed]]))
+
+        def steps_at(self, value: int, steps: int) -> tuple[RunSet, str]:
+            self.asked.append(value)
+            return RunSet.single(RunTrace(value, [], False, 0, 0, oom=True)), "CUDA out of memory"
+
+    body = Checked()
+    runs = [RunSet.single(RunTrace(100, [], True, 0, 0))]
+    res = nearby.confirm(body, runs, None, frozenset())  # type: ignore[arg-type]
+    assert body.asked == [1000, 950] and res.largest_value == 900
+    assert sum(n.startswith("2 steps in a row at batch=") for n in body.notes) == 2
+    assert body.notes[-1].startswith("the answer (batch=900) was not run: the 2 checks above it ran out of memory")

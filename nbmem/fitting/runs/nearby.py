@@ -149,7 +149,13 @@ def confirm(body: BodyRuns, runs: list[RunSet], res: FitResult | None, cell_file
         notes.append(f"{CONFIRM_STEPS} steps in a row at {name}={value:,}, the model's answer, ran out of memory "
                      f"({oom}): the answer keeps the margin below what the model gives that value")
         res = None
-    return res if res is not None else body.analyse(runs, cell_files)
+    res = body.analyse(runs, cell_files)
+    if res.largest_value is not None:
+        # Every check failed: near its limit the body takes more than its runs showed, and this answer is unrun.
+        notes.append(f"the answer ({name}={res.largest_value:,}) was not run: the {CONFIRM_TRIES} checks above it ran "
+                     "out of memory, so near its limit this cell takes more than the fit's runs showed; run it once "
+                     "at the answer before relying on it")
+    return res
 
 
 def predicted_not_to_fit(body: BodyRuns, runs: list[RunSet], value: int, cell_files: frozenset[str]) -> bool:
