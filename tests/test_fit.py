@@ -932,3 +932,59 @@ def test_the_room_shrinks_by_what_went_outside_the_allocator_during_the_runs_and
     assert (got.reserved_bytes, got.margin_bytes) == (room.reserved_bytes, room.margin_bytes)
     src.free = 12 * GiB  # another process let go of memory: the room stays as it was read
     assert room_now(src, 0, room) == (room, 0)  # type: ignore[arg-type]
+
+
+# -- bodies whose runs near the answer allocate differently from the small ones ---------------------------------
+def _loop_over_the_value(v: int, first: bool) -> Iterator[tuple[Any, ...]]:
+    """``outs = [f(c) for c in x.split(4)]; out = torch.cat(outs)``: one output per chunk, held until the cat."""
+    if first:
+        yield ("alloc", "opt", 64 * MiB, 1)
+        yield ("keep", "opt")
+    yield ("alloc", "x", 4096 * v, 2)
+    for k in range(v // 4):
+        yield ("alloc", f"o{k}", 1 * MiB, 3)
+    yield ("alloc", "out", 4096 * v, 4)
+    for k in range(v // 4):
+        yield ("free", f"o{k}", 5)
+    yield ("free", "x", 6)
+    yield ("keep", "out")
+
+
+def _quadratic_with_more_chunks(v: int, first: bool) -> Iterator[tuple[Any, ...]]:
+    """Attention scores quadratic in the length, beside a product a library splits in more chunks as it grows."""
+    if first:
+        yield ("alloc", "opt", 64 * MiB, 1)
+        yield ("keep", "opt")
+    for k in range(5):
+        yield ("alloc", f"w{k}", 1 * MiB, 10 + k)
+        yield ("free", f"w{k}", 10 + k)
+    yield ("alloc", "x", 4096 * v, 2)
+    yield ("alloc", "scores", 64 * v * v, 3)
+    for k in range(1 + v // 1500):
+        yield ("alloc", f"t{k}", 1024 * v, 4)
+        yield ("free", f"t{k}", 4)
+    yield ("alloc", "out", 4096 * v, 5)
+    yield ("free", "scores", 6)
+    yield ("free", "x", 6)
+    yield ("keep", "out")
+
+
+@pytest.mark.parametrize(("body", "values", "left_out"), [
+    (_loop_over_the_value, [8, 16, 32, 512, 640], None),          # a loop: its later runs make more allocations
+    (_quadratic_with_more_chunks, [8, 16, 32, 5736], 8588),       # the runs refine() makes, halfway to each answer
+])
+def test_runs_near_the_answer_that_allocate_differently_never_lift_the_answer_above_the_boundary(
+        body: Body, values: list[int], left_out: int | None) -> None:
+    """A model made from the two larger runs alone (a rule tried for an MLP whose large matrix products split into
+    more parts) answered 22x the loop's boundary and 1.1x the quadratic one's: two runs show a line, and a loop's
+    later runs look like another algorithm. Every answer the fit's runs give stays at or below the boundary; a run
+    whose allocations do not line up with the others' is one refine() leaves out."""
+    cap = 8 * GiB
+    room = Room("cuda:0", free_bytes=cap, reserved_bytes=0, allocated_bytes=0, margin_bytes=0)
+    real = true_limit(body, cap)
+    assert real is not None
+    for k in range(3, len(values) + 1):
+        res = analyse(record(body, values[:k]), room, name="value")
+        assert res.largest_value is not None and res.largest_value <= real, (values[:k], res.largest_value, real)
+    if left_out is not None:
+        assert analyse(record(body, [*values, left_out]), room, name="value").method != "timeline"

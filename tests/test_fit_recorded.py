@@ -55,41 +55,24 @@ def test_the_prediction_is_never_above_the_real_boundary_and_within_10_percent_b
 #: bench_multi's ``mlp-cuda1`` (eight 4096-wide layers and AdamW on cuda:1; cuda:0 holding 30 GiB), recorded on two
 #: H200s: the warm-up, the runs at 512, 1,024 and 2,048, and the two the fit made near its answer (221,696 and
 #: 342,272), whose matrix products make more, short-lived, allocations (event counts 150, 182, 182, 218, 282). Its
-#: real boundary, three steps in a row, bisected to 1 %: 495,900 ran, 500,810 did not.
+#: real boundary, three steps in a row, bisected to 1 %: 495,900 ran, 500,810 did not. A model made from the two
+#: larger runs alone answered 490,112 (0.988), but the same rule answered 22x a loop's boundary and 1.1x a
+#: quadratic one's (below), so the fit keeps the runs that share one structure and stays 6.7 % short here.
 TWO_GPU = json.load(gzip.open(DATA / "fit_twogpu_h200.json.gz", "rt"))[0]
 
 
-def _two_gpu_runs(relabel: dict[int, int] | None = None, warm_up: bool = True) -> tuple[list[RunTrace], Room, tuple]:
-    relabel = relabel or {}
+def test_runs_near_the_answer_that_allocate_differently_leave_the_answer_below_the_boundary() -> None:
     segments = tuple(SegmentState(s["address"], s["total_bytes"], s["stream"], s["small"],
                                   tuple(tuple(b) for b in s["blocks"]), s["usable"]) for s in TWO_GPU["segments"])
-    runs = [RunTrace(relabel.get(r["value"], r["value"]), r["entries"], r["counted"] or not warm_up,
-                     r["allocated_before_bytes"], r["reserved_before_bytes"], r["oom"]) for r in TWO_GPU["runs"]]
-    return runs, Room(**TWO_GPU["room"]), segments
-
-
-def test_where_the_larger_runs_take_another_algorithm_the_model_is_made_from_them() -> None:
-    runs, room, segments = _two_gpu_runs()
-    res = analyse(runs, room, name="batch", segments=segments)
-    real = TWO_GPU["real"]
-    assert res.method == "timeline" and res.largest_value is not None, res.reason
-    assert 0.95 * real <= res.largest_value <= real, f"{res.largest_value:,} of {real:,}"
-    assert any("the model is made from the larger runs" in n and "512, 1,024, 2,048" in n for n in res.notes)
-    # Without the run near the answer, all runs share one structure: the small runs' irregular growth (the
-    # steepest each showed) keeps the answer lower, never above.
-    near = analyse(runs[:-1], room, name="batch", segments=segments)
-    assert near.method == "timeline" and near.largest_value is not None and near.largest_value <= res.largest_value
-
-
-def test_the_larger_runs_alone_only_after_a_warm_up_and_far_above_the_rest() -> None:
-    # No warm-up: the first run's one-time allocations cannot be told apart from another algorithm's.
-    runs, room, segments = _two_gpu_runs(warm_up=False)
-    assert analyse(runs, room, name="batch", segments=segments).method == "scaled peak"
-    # Event counts that grow from one value to the next nearby one (a loop over the value, say) are not a
-    # library's choice by size: the run at 221,696 taken as one at 4,000 is not 8 times above 2,048.
-    runs, room, segments = _two_gpu_runs(relabel={221_696: 4_000})
-    res = analyse(runs, room, name="batch", segments=segments)
-    assert res.method == "scaled peak" and not any("larger runs" in n for n in res.notes)
+    runs = [RunTrace(r["value"], r["entries"], r["counted"], r["allocated_before_bytes"], r["reserved_before_bytes"],
+                     r["oom"]) for r in TWO_GPU["runs"]]
+    room, real = Room(**TWO_GPU["room"]), TWO_GPU["real"]
+    every = analyse(runs, room, name="batch", segments=segments)  # 282 events against 150-218: no one structure
+    assert every.method == "scaled peak" and every.largest_value is not None
+    assert 0.9 * real <= every.largest_value <= real, f"{every.largest_value:,} of {real:,}"
+    before = analyse(runs[:-1], room, name="batch", segments=segments)  # what the fit answers: that run left out
+    assert before.method == "timeline" and before.largest_value is not None
+    assert 0.9 * real <= before.largest_value <= real, f"{before.largest_value:,} of {real:,}"
 
 
 # -- issue 47: a compiled LM on one H200, whose graphs torch.compile wrote to new files as the batch grew ---------

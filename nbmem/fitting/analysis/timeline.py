@@ -201,18 +201,10 @@ def build_timeline(runs: Sequence[Run], segments: Sequence[SegmentState]) -> Tim
     if len({r.value for r in counted}) < 2:
         return "the fit needs runs at two values at least"
     first = ok[0]
-    notes: list[str] = []
-    if not _one_structure(counted, first):
-        larger = _larger_regime(counted, first)
-        if larger is None:
-            return "structure"
-        small = sorted({r.value for r in counted if r not in larger})
-        notes.append(f"the runs at {', '.join(f'{v:,}' for v in small)} allocate differently from those at "
-                     f"{', '.join(f'{v:,}' for v in sorted({r.value for r in larger}))} (their event counts: "
-                     f"{', '.join(f'{len(r.events):,}' for r in counted)}; a library takes another algorithm at "
-                     "larger sizes): the model is made from the larger runs, the ones nearest the answer")
-        counted = larger
     template = max(counted, key=lambda r: r.value)
+    if not _one_structure(counted, first):
+        return "structure"
+    notes: list[str] = []
     maps, by_size = _pairings(first, template, counted)
     sizes = _size_models(template, counted, maps, by_size, notes)
     init = {addr for s in segments if s.usable for addr, _, alloc in s.blocks if alloc}
@@ -245,28 +237,6 @@ class Built:
             self.built = build_timeline(self.parsed, segments)
             self.key = key
         return self.parsed, self.built
-
-
-#: The runs a model may be made from alone, where the smaller ones allocate differently, start this many times
-#: above the largest run left out: a library's choice by size, not a loop over the value, whose event counts grow
-#: gradually with it.
-REGIME_GAP = 8
-
-
-def _larger_regime(counted: Sequence[Run], first: Run) -> list[Run] | None:
-    """Where the counted runs do not share one structure: the runs of the largest values that do (two values at
-    least), when they lie ``REGIME_GAP`` times above the rest. Only after a warm-up (``first`` not counted),
-    whose one-time allocations the model keeps whatever runs it is made from. None where there are none."""
-    if first.counted:
-        return None
-    by_value = sorted(counted, key=lambda r: r.value)
-    for k in range(1, len(by_value)):
-        larger = by_value[k:]
-        if len({r.value for r in larger}) < 2:
-            return None
-        if larger[0].value >= REGIME_GAP * by_value[k - 1].value and _one_structure(larger, first):
-            return larger
-    return None
 
 
 def _one_structure(counted: Sequence[Run], first: Run) -> bool:
