@@ -45,18 +45,22 @@ def test_user_files(filename: str) -> None:
 
 def test_the_code_torch_compile_writes_is_torchs(tmp_path, monkeypatch) -> None:
     """Inductor writes each compiled graph's Python into its cache folder, named by a hash of its content: a new
-    file for every graph, so allocation sites there differ from one batch size to the next (a fit on two H200s
-    paired nothing across its runs and answered 1.18x the real boundary). They are torch's code, not the user's."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir, default_cache_dir
+    file for every graph, so allocation sites there differ from one batch size to the next (a fit on an H200
+    paired nothing across its runs and answered 1.18x the real boundary). They are torch's code, not the user's;
+    the user's files in a folder they chose as Inductor's cache (``/tmp``, ``.``) stay theirs."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
 
-    for folder in {default_cache_dir(), cache_dir()}:
-        generated = os.path.join(folder, "dj", "cdjuwxf2joks27emamaugqu7cl57nhypty75ujzgfpaygb4ve6ff.py")
-        assert libraries.is_library_file(generated) and not libraries.is_user_file(generated)
+    monkeypatch.delenv("TORCHINDUCTOR_CACHE_DIR", raising=False)
+    name = "cdjuwxf2joks27emamaugqu7cl57nhypty75ujzgfpaygb4ve6ff.py"
+    generated = os.path.join(default_cache_dir(), "dj", name)
+    assert libraries.is_library_file(generated) and not libraries.is_user_file(generated)
     chosen = tmp_path / "inductor-cache"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(chosen))
-    assert cache_dir() == str(chosen)
-    assert libraries.is_library_file(str(chosen / "ab" / "cabcdef.py"))
+    assert libraries.is_library_file(str(chosen / "dj" / name))
     assert libraries.is_user_file(str(tmp_path / "inductor-cache-notes.py")), "a folder that only starts the same"
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a cache in the folder of the user's own files
+    for mine in (tmp_path / "ipykernel_4242" / "1234567890.py", tmp_path / "model.py", tmp_path / "cx" / "cx.py"):
+        assert libraries.is_user_file(str(mine)), mine
 
 
 @pytest.mark.parametrize("filename", ["??", "/pytorch/torch/csrc/autograd/engine.cpp", "<string>"])

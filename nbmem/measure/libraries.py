@@ -64,11 +64,17 @@ _INDUCTOR_PART = os.sep + "torchinductor_"
 
 
 def _generated(filename: str) -> bool:
-    """Code torch.compile wrote: its graphs' Python, one file per graph, named by a hash of its content."""
-    if _INDUCTOR_PART in filename:
+    """Code torch.compile wrote: its graphs' Python, one file per graph, named by a hash of its content and kept
+    in Inductor's cache as ``<cache>/<2 characters>/c<hash>.py``, the folder named by the hash's 2nd and 3rd
+    characters. Only that layout: a cache folder set to ``/tmp`` or ``.`` also holds the user's own files."""
+    folder, name = os.path.split(filename)
+    parent, sub = os.path.split(folder)
+    if not (name.startswith("c") and name.endswith(".py") and len(sub) == 2 and name[1:3] == sub):
+        return False
+    if _INDUCTOR_PART in parent + os.sep:
         return True
     cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    return cache is not None and cache != "" and filename.startswith(os.path.join(os.path.abspath(cache), ""))
+    return cache is not None and cache != "" and os.path.abspath(cache) == parent
 
 
 _verdicts: dict[str, bool] = {}
