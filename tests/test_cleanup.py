@@ -101,6 +101,14 @@ def test_the_collector_never_starts_on_its_own_inside_a_cleanup_step(ip):
     assert [s.action for s in rep.steps] == ["del"] and rep.freed_allocated_bytes == 16 * MiB
     assert inside == [], f"{len(inside)} collections started inside the step"
     assert gc.isenabled()
+    # A user who turned the collector off finds it off after a cleanup, and its gc step still collects.
+    ok(ip, "y = torch.empty(2**20)")
+    gc.disable()
+    try:
+        rep = nbmem.cleanup(names=["y"])
+        assert not gc.isenabled() and [s.action for s in rep.steps][:2] == ["del", "gc.collect()"]
+    finally:
+        gc.enable()
 
 
 @pytest.mark.parametrize("value", ["None", "0", "True", "'a'", "()"])

@@ -339,3 +339,28 @@ def test_an_answer_below_checks_that_all_ran_out_of_memory_says_it_was_not_run()
     assert body.asked == [1000, 950] and res.largest_value == 900
     assert sum(n.startswith("2 steps in a row at batch=") for n in body.notes) == 2
     assert body.notes[-1].startswith("the answer (batch=900) was not run: the 2 checks above it ran out of memory")
+
+
+def test_an_answer_at_or_below_a_value_that_ran_is_not_called_unrun() -> None:
+    from nbmem.fitting.analysis.prediction import FitResult
+
+    class Checked:
+        name, ran, progress, host = "batch", 0, None, None
+
+        def __init__(self) -> None:
+            self.notes: list[str] = []
+            self.durations = {100: 0.01}
+            self.rooms: dict[int, Room] = {}
+
+        def analyse(self, runs: list[RunSet], cell_files: frozenset[str], max_value: int | None = None) -> Any:
+            failed = [r.value for r in runs if r.oom]
+            return FitResult(name="batch", device="cuda:0", values=(100,), points=(), room=None,
+                             largest_value=(1000, 950, 80)[len(failed)])
+
+        def steps_at(self, value: int, steps: int) -> tuple[RunSet, str]:
+            return RunSet.single(RunTrace(value, [], False, 0, 0, oom=True)), "CUDA out of memory"
+
+    body = Checked()
+    res = nearby.confirm(body, [RunSet.single(RunTrace(100, [], True, 0, 0))], None, frozenset())  # type: ignore[arg-type]
+    assert res.largest_value == 80  # below the value 100 that ran: nothing unrun to warn about
+    assert not any("was not run" in n for n in body.notes), body.notes
