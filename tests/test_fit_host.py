@@ -310,57 +310,47 @@ def test_nbmem_fit_refuses_a_host_limit_that_is_no_size_before_anything_runs() -
     assert not ran
 
 
+class _EveryCheckFails:
+    """A fit's body (``nearby.BodyRuns``) that ran once at 100, whose every check at an answer runs out of
+    memory, and whose analysis answers ``answers[n]`` after ``n`` failed checks."""
+
+    name, ran, progress, host = "batch", 0, None, None
+
+    def __init__(self, answers: tuple[int, ...]) -> None:
+        self.answers = answers
+        self.notes: list[str] = []
+        self.durations = {100: 0.01}
+        self.rooms: dict[int, Room] = {}
+        self.asked: list[int] = []
+
+    def analyse(self, runs: list[RunSet], cell_files: frozenset[str], max_value: int | None = None) -> Any:
+        from nbmem.fitting.analysis.prediction import FitResult
+
+        failed = sum(1 for r in runs if r.oom)
+        return FitResult(name="batch", device="cuda:0", values=(100,), points=(), room=None,
+                         largest_value=self.answers[failed])
+
+    def steps_at(self, value: int, steps: int) -> tuple[RunSet, str]:
+        self.asked.append(value)
+        return RunSet.single(RunTrace(value, [], False, 0, 0, oom=True)), "CUDA out of memory"
+
+    def confirm(self) -> Any:
+        return nearby.confirm(self, [RunSet.single(RunTrace(100, [], True, 0, 0))], None,  # type: ignore[arg-type]
+                              frozenset())
+
+
 def test_an_answer_below_checks_that_all_ran_out_of_memory_says_it_was_not_run() -> None:
     """Where both checks at the model's answers run out of memory, the model under-counts the body near its limit
     (a compiled LM on an H200 did so); the lower answer it then gives is unrun, and the report says so."""
-    from nbmem.fitting.analysis.prediction import FitResult
-
-    class Checked:
-        name, ran, progress, host = "batch", 0, None, None
-
-        def __init__(self) -> None:
-            self.notes: list[str] = []
-            self.durations = {100: 0.01}
-            self.rooms: dict[int, Room] = {}
-            self.asked: list[int] = []
-
-        def analyse(self, runs: list[RunSet], cell_files: frozenset[str], max_value: int | None = None) -> Any:
-            failed = [r.value for r in runs if r.oom]
-            return FitResult(name="batch", device="cuda:0", values=(100,), points=(), room=None,
-                             largest_value=min([1000, *[v - 50 for v in failed]]))
-
-        def steps_at(self, value: int, steps: int) -> tuple[RunSet, str]:
-            self.asked.append(value)
-            return RunSet.single(RunTrace(value, [], False, 0, 0, oom=True)), "CUDA out of memory"
-
-    body = Checked()
-    runs = [RunSet.single(RunTrace(100, [], True, 0, 0))]
-    res = nearby.confirm(body, runs, None, frozenset())  # type: ignore[arg-type]
+    body = _EveryCheckFails((1000, 950, 900))
+    res = body.confirm()
     assert body.asked == [1000, 950] and res.largest_value == 900
     assert sum(n.startswith("2 steps in a row at batch=") for n in body.notes) == 2
     assert body.notes[-1].startswith("the answer (batch=900) was not run: the 2 checks above it ran out of memory")
 
 
 def test_an_answer_at_or_below_a_value_that_ran_is_not_called_unrun() -> None:
-    from nbmem.fitting.analysis.prediction import FitResult
-
-    class Checked:
-        name, ran, progress, host = "batch", 0, None, None
-
-        def __init__(self) -> None:
-            self.notes: list[str] = []
-            self.durations = {100: 0.01}
-            self.rooms: dict[int, Room] = {}
-
-        def analyse(self, runs: list[RunSet], cell_files: frozenset[str], max_value: int | None = None) -> Any:
-            failed = [r.value for r in runs if r.oom]
-            return FitResult(name="batch", device="cuda:0", values=(100,), points=(), room=None,
-                             largest_value=(1000, 950, 80)[len(failed)])
-
-        def steps_at(self, value: int, steps: int) -> tuple[RunSet, str]:
-            return RunSet.single(RunTrace(value, [], False, 0, 0, oom=True)), "CUDA out of memory"
-
-    body = Checked()
-    res = nearby.confirm(body, [RunSet.single(RunTrace(100, [], True, 0, 0))], None, frozenset())  # type: ignore[arg-type]
-    assert res.largest_value == 80  # below the value 100 that ran: nothing unrun to warn about
+    body = _EveryCheckFails((1000, 950, 80))
+    res = body.confirm()
+    assert body.asked == [1000, 950] and res.largest_value == 80  # below the value 100 that ran
     assert not any("was not run" in n for n in body.notes), body.notes

@@ -51,6 +51,15 @@ def test_the_prediction_is_never_above_the_real_boundary_and_within_10_percent_b
     assert res.curve and not quick.curve and not quick.lines
 
 
+def recorded(row: dict) -> tuple[list[RunTrace], tuple[SegmentState, ...]]:
+    """A recorded row's runs and the allocator's segments before them."""
+    segments = tuple(SegmentState(s["address"], s["total_bytes"], s["stream"], s["small"],
+                                  tuple(tuple(b) for b in s["blocks"]), s["usable"]) for s in row["segments"])
+    runs = [RunTrace(r["value"], r["entries"], r["counted"], r["allocated_before_bytes"], r["reserved_before_bytes"],
+                     r["oom"]) for r in row["runs"]]
+    return runs, segments
+
+
 # -- issue 47: the MLP on cuda:1 of two H200s, whose larger runs take another algorithm -------------------------
 #: bench_multi's ``mlp-cuda1`` (eight 4096-wide layers and AdamW on cuda:1; cuda:0 holding 30 GiB), recorded on two
 #: H200s: the warm-up, the runs at 512, 1,024 and 2,048, and the two the fit made near its answer (221,696 and
@@ -62,10 +71,7 @@ TWO_GPU = json.load(gzip.open(DATA / "fit_twogpu_h200.json.gz", "rt"))[0]
 
 
 def test_runs_near_the_answer_that_allocate_differently_leave_the_answer_below_the_boundary() -> None:
-    segments = tuple(SegmentState(s["address"], s["total_bytes"], s["stream"], s["small"],
-                                  tuple(tuple(b) for b in s["blocks"]), s["usable"]) for s in TWO_GPU["segments"])
-    runs = [RunTrace(r["value"], r["entries"], r["counted"], r["allocated_before_bytes"], r["reserved_before_bytes"],
-                     r["oom"]) for r in TWO_GPU["runs"]]
+    runs, segments = recorded(TWO_GPU)
     room, real = Room(**TWO_GPU["room"]), TWO_GPU["real"]
     every = analyse(runs, room, name="batch", segments=segments)  # 282 events against 150-218: no one structure
     assert every.method == "scaled peak" and every.largest_value is not None
@@ -84,10 +90,7 @@ COMPILED = json.load(gzip.open(DATA / "fit_compiled_h200.json.gz", "rt"))[0]
 
 
 def test_a_compiled_models_generated_code_is_not_where_its_allocations_are_paired() -> None:
-    segments = tuple(SegmentState(s["address"], s["total_bytes"], s["stream"], s["small"],
-                                  tuple(tuple(b) for b in s["blocks"]), s["usable"]) for s in COMPILED["segments"])
-    runs = [RunTrace(r["value"], r["entries"], r["counted"], r["allocated_before_bytes"], r["reserved_before_bytes"],
-                     r["oom"]) for r in COMPILED["runs"]]
+    runs, segments = recorded(COMPILED)
     real = COMPILED["real"]
     ran = [r for r in runs if not r.oom]  # the runs before the checks at the answer
     for some in (ran, runs):
