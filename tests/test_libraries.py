@@ -58,8 +58,10 @@ def test_the_code_torch_compile_writes_is_torchs(tmp_path, monkeypatch) -> None:
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(chosen))
     assert libraries.is_library_file(str(chosen / "dj" / name))
     assert libraries.is_user_file(str(tmp_path / "inductor-cache-notes.py")), "a folder that only starts the same"
+    assert libraries.is_library_file(str(tmp_path / "fresh" / "dj" / name)), "a temporary cache (fresh_cache())"
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path))  # a cache in the folder of the user's own files
-    for mine in (tmp_path / "ipykernel_4242" / "1234567890.py", tmp_path / "model.py", tmp_path / "cx" / "cx.py"):
+    for mine in (tmp_path / "ipykernel_4242" / "1234567890.py", tmp_path / "model.py", tmp_path / "lo" / "clock.py",
+                 tmp_path / "xy" / ("c" + "a" * 51 + ".py")):
         assert libraries.is_user_file(str(mine)), mine
 
 

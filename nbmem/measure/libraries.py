@@ -3,12 +3,11 @@
 A file is a library's when it lies in this interpreter's standard library or site-packages, in a
 folder on ``sys.path`` that packages were installed into (``pip install --target``, a ``PYTHONPATH``
 library folder: it holds ``*.dist-info``), under any ``site-packages`` or ``dist-packages``, in nbmem
-itself, or is frozen (``<frozen importlib._bootstrap>``), and so is the code torch.compile writes (Inductor's
-cache folder: ``torchinductor_<user>`` in the temporary folder, or ``TORCHINDUCTOR_CACHE_DIR``), whose file
-names change with every graph it compiles. Python code anywhere else is the user's: a
-notebook cell (``<ipython-input-3-…>``, ipykernel's ``/tmp/ipykernel_…/….py``), a script, a module
-beside the notebook. The line clock (measurement), the holder scan and the trace replay (analysis) and
-the IPython glue all ask here, so they agree at the edges.
+itself, or is frozen (``<frozen importlib._bootstrap>``); so is the code torch.compile writes (Inductor's
+``<cache>/dj/cdjuw….py``, named by the hash of each graph's code: its names change with every graph).
+Python code anywhere else is the user's: a notebook cell (``<ipython-input-3-…>``, ipykernel's
+``/tmp/ipykernel_…/….py``), a script, a module beside the notebook. The line clock (measurement), the
+holder scan and the trace replay (analysis) and the IPython glue all ask here, so they agree at the edges.
 
 Only the standard library, and no nbmem module: every layer may import it.
 """
@@ -17,6 +16,7 @@ from __future__ import annotations
 
 import functools
 import os
+import re
 import sys
 
 _NBMEM_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "")  # the package, not measure/
@@ -59,22 +59,16 @@ def install_dirs() -> tuple[str, ...]:
     return _install_dirs[1]
 
 
-#: A folder of this name is Inductor's default cache (``<tmp>/torchinductor_<user>``).
-_INDUCTOR_PART = os.sep + "torchinductor_"
+#: Inductor's name for the code it writes: "c" and the base32 digest of the code (51 characters of a-z, 2-7).
+_INDUCTOR_NAME = re.compile(r"c[a-z2-7]{51}\.py")
 
 
 def _generated(filename: str) -> bool:
-    """Code torch.compile wrote: its graphs' Python, one file per graph, named by a hash of its content and kept
-    in Inductor's cache as ``<cache>/<2 characters>/c<hash>.py``, the folder named by the hash's 2nd and 3rd
-    characters. Only that layout: a cache folder set to ``/tmp`` or ``.`` also holds the user's own files."""
+    """Code torch.compile wrote: each graph's Python, in a file named by the hash of its content, in a folder of
+    Inductor's cache named by the hash's 2nd and 3rd characters (``<cache>/dj/cdjuw….py``). Told by that name
+    alone: the cache may be any folder (``TORCHINDUCTOR_CACHE_DIR``, a temporary one), and no user names a file so."""
     folder, name = os.path.split(filename)
-    parent, sub = os.path.split(folder)
-    if not (name.startswith("c") and name.endswith(".py") and len(sub) == 2 and name[1:3] == sub):
-        return False
-    if _INDUCTOR_PART in parent + os.sep:
-        return True
-    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    return cache is not None and cache != "" and os.path.abspath(cache) == parent
+    return _INDUCTOR_NAME.fullmatch(name) is not None and os.path.basename(folder) == name[1:3]
 
 
 _verdicts: dict[str, bool] = {}
