@@ -32,12 +32,18 @@ FURTHER_BELOW = {"resnet/activation checkpointing": 0.75}
 ALL_ROWS = ROWS + REMEDY_ROWS + TRAINING_ROWS
 
 
-@pytest.mark.parametrize("row", ALL_ROWS, ids=[f"{r['family']}-{r['state']}" for r in ALL_ROWS])
-def test_the_prediction_is_never_above_the_real_boundary_and_within_10_percent_below(row):
+def recorded(row: dict) -> tuple[list[RunTrace], tuple[SegmentState, ...]]:
+    """A recorded row's runs and the allocator's segments before them."""
     segments = tuple(SegmentState(s["address"], s["total_bytes"], s["stream"], s["small"],
                                   tuple(tuple(b) for b in s["blocks"]), s["usable"]) for s in row["segments"])
     runs = [RunTrace(r["value"], r["entries"], r["counted"], r["allocated_before_bytes"], r["reserved_before_bytes"],
                      r["oom"]) for r in row["runs"]]
+    return runs, segments
+
+
+@pytest.mark.parametrize("row", ALL_ROWS, ids=[f"{r['family']}-{r['state']}" for r in ALL_ROWS])
+def test_the_prediction_is_never_above_the_real_boundary_and_within_10_percent_below(row):
+    runs, segments = recorded(row)
     res = analyse(runs, Room(**row["room"]), name=row["family"], segments=segments)
     real = row["real"]
     assert res.method == "timeline" and res.largest_value is not None, res.reason
@@ -49,15 +55,6 @@ def test_the_prediction_is_never_above_the_real_boundary_and_within_10_percent_b
     quick = analyse(runs, Room(**row["room"]), name=row["family"], segments=segments, largest_only=True)
     assert quick.largest_value == res.largest_value and quick.method == res.method
     assert res.curve and not quick.curve and not quick.lines
-
-
-def recorded(row: dict) -> tuple[list[RunTrace], tuple[SegmentState, ...]]:
-    """A recorded row's runs and the allocator's segments before them."""
-    segments = tuple(SegmentState(s["address"], s["total_bytes"], s["stream"], s["small"],
-                                  tuple(tuple(b) for b in s["blocks"]), s["usable"]) for s in row["segments"])
-    runs = [RunTrace(r["value"], r["entries"], r["counted"], r["allocated_before_bytes"], r["reserved_before_bytes"],
-                     r["oom"]) for r in row["runs"]]
-    return runs, segments
 
 
 # -- issue 47: the MLP on cuda:1 of two H200s, whose larger runs take another algorithm -------------------------
