@@ -326,7 +326,7 @@ STAGES = [
     ("nbmem.holders.scanner", "Scanner.update"), ("nbmem.holders.scanner", "Scanner.graphs"),
     ("nbmem.holders.owners", "cell_rows"), ("nbmem.holders.owners", "current_rows"),
     ("nbmem.measure.sources", "Probe.boundary"), ("nbmem.measure.sources", "Probe.allocator"),
-    ("nbmem.measure.host", "heap_bytes"),
+    ("nbmem.measure.host", "HeapWatch.bytes"),
 ]
 
 
@@ -362,8 +362,6 @@ def stages(shape: Shape, dev: str, quick: bool, reps: int) -> None:
     try:
         from nbmem.cells import watch
         watch.REPORT_STEPS = tuple(timed(f"step {f.__name__}", f) for f in watch.REPORT_STEPS)
-        from nbmem.holders import holdings
-        holdings.heap_bytes = timed("heap_bytes", holdings.heap_bytes)  # as holdings calls it
     except (ImportError, AttributeError):
         pass
     sh = new_shell()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import atexit
+import gc
 import os
 import tempfile
 import threading
@@ -56,13 +57,19 @@ def nbmem_callbacks(sh: InteractiveShell) -> list[object]:
     return out
 
 
+def nbmem_gc_callbacks() -> list[object]:
+    return [cb for cb in gc.callbacks if "nbmem" in (getattr(cb, "__module__", "") or "")]
+
+
 @pytest.fixture(autouse=True)
 def _nothing_left_behind():
-    """After every test: no nbmem thread runs (the sampler is joined on unload)."""
+    """After every test: no nbmem thread runs (the sampler is joined on unload), and no collector callback of
+    nbmem's stays with the interpreter."""
     yield
     for t in nbmem_threads():
         t.join(2)
     assert not nbmem_threads(), f"nbmem threads left running: {nbmem_threads()}"
+    assert not nbmem_gc_callbacks(), f"nbmem's gc callbacks left installed: {nbmem_gc_callbacks()}"
 
 
 def new_shell(gauge: str | None = "none") -> InteractiveShell:

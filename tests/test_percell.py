@@ -260,6 +260,17 @@ def test_heap_a_silent_run_frees_between_cells_does_not_hide_what_the_next_cell_
     assert rep is not None and any(f.name.startswith("holder") for f in rep.holders.findings), rep
 
 
+def test_heap_a_collection_inside_the_cell_frees_does_not_hide_what_the_cell_keeps(ip):
+    """A collection during the cell that frees old garbage (here 16 MiB in a cycle made before it; in a test run, the
+    previous test's shell) must not cancel the growth that tells the scan to look past the roots the cell names."""
+    ok(ip, MODEL)
+    ok(ip, "holder = [torch.zeros(1)]\ndef stash():\n    holder[0] = torch.ones(2**22)")
+    ip.run_cell("junk = [bytearray(2**24)]; junk.append(junk); del junk", store_history=False)
+    ok(ip, "stash(); __import__('gc').collect()")  # 16 MiB kept by `holder`, 16 MiB of the cycle freed
+    rep = session_of(ip).last_report
+    assert rep is not None and any(f.name.startswith("holder") for f in rep.holders.findings), rep
+
+
 def test_graph_sharers_are_named_in_the_order_a_fresh_judgement_names_them(ip):
     """The kept sharing is reused only while each owner's graph storages are the same in the same order: an owner
     whose oldest storage went moves in the rows, and the names under the others follow."""

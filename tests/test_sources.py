@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from types import SimpleNamespace
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from nbmem.clean.release import TorchRelease
-from nbmem.measure.host import HostSource, heap_bytes
+from nbmem.measure.host import HeapWatch, HostSource, heap_bytes
 from nbmem.measure.sources import NvmlSource, Probe, TorchSource, parse_visible_devices
 
 UUIDS = ["GPU-aaaa-1111", "GPU-bbbb-2222", "GPU-cccc-3333"]
@@ -208,6 +209,36 @@ def test_host_numbers():
         x = torch.empty(4 * 2**20)
         assert heap_bytes() - before >= 16 * 2**20
         del x
+
+
+@pytest.mark.skipif(heap_bytes is None, reason="the C heap is read with glibc's mallinfo2")
+def test_the_heap_watch_adds_back_what_a_collection_freed_and_only_that():
+    w = HeapWatch()
+    w.install()
+    try:
+        junk: list[object] = [bytearray(2**24)]
+        junk.append(junk)  # 16 MiB that only a collection frees
+        del junk
+        before, plain = w.bytes(), heap_bytes()
+        gc.collect()
+        assert heap_bytes() - plain <= -16 * 2**20, "the collection freed the cycle"
+        assert w.collected_bytes >= 16 * 2**20 and abs(w.bytes() - before) < 2**20, (w.collected_bytes, before)
+        kept = bytearray(2**24)  # freed by no collection: the figure follows it
+        assert w.bytes() - before >= 16 * 2**20
+        del kept
+    finally:
+        w.remove()
+    assert w._on_collection not in gc.callbacks
+
+
+def test_the_heap_watch_never_raises_inside_the_collector():
+    def broken() -> int:
+        raise OSError("mallinfo2 went away")
+
+    w = HeapWatch(broken)
+    w._on_collection("start", {"generation": 2})
+    w._on_collection("stop", {"generation": 2})
+    assert w.collected_bytes == 0 and HeapWatch(None).bytes() is None
 
 
 def test_a_list_cached_before_our_context_existed_is_refreshed_once():

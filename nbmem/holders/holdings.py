@@ -23,7 +23,6 @@ from nbmem.holders.graphs import Graph, GraphState
 from nbmem.holders.grouping import Grouping
 from nbmem.holders.held import Held
 from nbmem.holders.scanner import Scan, Scanner
-from nbmem.measure.host import heap_bytes
 from nbmem.measure.sources import Probe
 from nbmem.options import Settings
 from nbmem.records import PAGED, Boundary, CellRecord, CleanupOf, StillHeld
@@ -38,7 +37,8 @@ REFRESH_BUDGET_S = 0.05
 
 class Mark(NamedTuple):
     """What a scan is compared with to tell whether another could find more: CUDA allocated per device, the C
-    heap's bytes in use (None: unknown) and the namespace's fingerprint."""
+    heap's bytes in use with what collections freed added back (``HeapWatch``; None: unknown) and the namespace's
+    fingerprint."""
 
     allocated: tuple[tuple[str, int | None], ...]
     heap: int | None
@@ -53,9 +53,9 @@ class Baseline:
     tensor_bytes: dict[str, int] | None  # per device, taken while its storages' graphs were alive
     mentioned: frozenset[str]
     gen_collections: int
-    # The C heap in use when the cell opened, None: unknown. Read here, not taken from the previous cell's closing:
-    # what ran in between (a front end's silent run, another extension, a thread) may have freed heap, which would
-    # then hide the growth of this cell that tells the scan to look further.
+    # The C heap in use when the cell opened (what collections freed added back), None: unknown. Read here, not
+    # taken from the previous cell's closing: what ran in between (a front end's silent run, another extension, a
+    # thread) may have freed heap, which would then hide the growth of this cell that tells the scan to look further.
     heap_bytes: int | None
 
 
@@ -137,7 +137,7 @@ class Holdings:
     def mark(self, allocator: Any = None) -> Mark:
         readings = self.probe.allocator() if allocator is None else allocator
         alloc = tuple(sorted((d, r.allocated_bytes if r else None) for d, r in readings.items()))
-        return Mark(alloc, heap_bytes() if heap_bytes else None, self.adapter.fingerprint())
+        return Mark(alloc, self.probe.heap.bytes(), self.adapter.fingerprint())
 
     def _changed_since_scan(self, mark: Mark) -> bool:
         """Whether a new scan could find something new: memory moved (CUDA allocated by any amount,
@@ -164,7 +164,7 @@ class Holdings:
         mentioned = frozenset(self.adapter.mentioned(source)) if scan and source else frozenset()
         base = self.last_scan
         base_bytes = self.tensor_bytes(base) if scan and base is not None else None
-        return Baseline(base, base_bytes, mentioned, collections(), heap_bytes() if heap_bytes else None)
+        return Baseline(base, base_bytes, mentioned, collections(), self.probe.heap.bytes())
 
     def tensor_bytes(self, scan: Scan) -> dict[str, int]:
         """Bytes per device of the storages a scan found, and of the walked graphs they keep.

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from nbmem.measure import processes as lineage
-from nbmem.measure.host import HostSource
+from nbmem.measure.host import HeapWatch, HostSource
 from nbmem.measure.notebooks import notebook_of_pids
 from nbmem.records import AllocatorReading, Boundary, GpuDevice, GpuProcess, GpuReading, Sample
 
@@ -424,13 +424,16 @@ class Probe:
         self.nvml = nvml or NvmlSource()
         self.torch = torch or TorchSource()
         self.host = host or HostSource()
+        self.heap = HeapWatch()
         self._wall = wall
         self._mono = monotonic
 
     def start(self) -> None:
         self.nvml.start()
+        self.heap.install()
 
     def close(self) -> None:
+        self.heap.remove()
         self.nvml.close()
 
     def gpu_names(self) -> list[str]:
