@@ -4,6 +4,7 @@ answer is capped with the prediction's margin below the value that failed, and t
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from typing import Any
 
@@ -114,3 +115,105 @@ def test_another_gpus_answer_is_not_run_here(stand_in: dict[str, Any]) -> None:
     res, _ = fit(stand_in, 0, on="24GiB", own_used=lambda d: 500 * MiB)
     assert res.largest_value is not None
     assert all(n == 1 for _, n in stand_in["runs"]), "the answer for another GPU is not run on this one"
+
+
+@pytest.fixture
+def saturating(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Each run's trace: an input of 1 MiB per sample, kept to the end, and a workspace of 8 MiB per sample up to
+    512 MiB (a library buffer that stops growing at 64 samples), freed at once. In 1 GiB the true limit is 512
+    samples; a model that keeps the workspace growing stops near 120. A run under a cap (``FakeSource.capped``)
+    whose blocks need more than it runs out of memory, as the allocator held there does."""
+    seen: dict[str, Any] = {"runs": [], "book": None, "src": FakeSource()}
+    addrs = itertools.count(1)
+
+    def one_run(run: Any, value: int, counted: bool, src: Any, devs: list[int], stacks: bool,
+                max_entries: int) -> Any:
+        book = seen["book"]
+        before = len(book.steps)
+        run(value)
+        steps = len(book.steps) - before
+        cap = (src.caps or {}).get(0)
+        seen["runs"].append((value, steps, cap))
+        x, ws = next(addrs) << 32, next(addrs) << 32
+        work = min(value, 64) * 8 * MiB
+        entries = [{"action": "alloc", "addr": x, "size": value * MiB},
+                   {"action": "alloc", "addr": ws, "size": work},
+                   {"action": "free_requested", "addr": ws, "size": work},
+                   {"action": "free_requested", "addr": x, "size": value * MiB}]
+        if cap is not None and value * MiB + work > cap:
+            return RunSet.single(RunTrace(value, entries[:1], counted, 0, 0, oom=True)), "CUDA out of memory."
+        return RunSet.single(RunTrace(value, entries, counted, 0, 0)), ""
+
+    test_fit_remedies.stand_in.__wrapped__(monkeypatch)  # type: ignore[attr-defined]  # CUDA stood in for
+    monkeypatch.setattr(runner, "_one_run", one_run)
+    return seen
+
+
+def fit_saturating(seen: dict[str, Any], **kw: Any) -> Any:
+    book = seen["book"] = Notebook()
+    return runner.fit(book.step, [8, 16, 32], source=seen["src"], name="batch", clean=book.clean,  # type: ignore[arg-type]
+                      margin_bytes=0, restore=False, **kw)
+
+
+def test_past_a_checked_answer_values_run_with_the_allocator_held_to_the_room_raise_the_answer(
+        saturating: dict[str, Any]) -> None:
+    res = fit_saturating(saturating)
+    runs = saturating["runs"]
+    model = next(v for v, n, cap in runs if n == 2 and cap is None)  # the model's answer, checked as before
+    past = [(v, cap) for v, n, cap in runs if cap is not None]
+    assert model < 200 and past, runs  # the model keeps the workspace growing: 142 here
+    assert all(n == 2 for v, n, cap in runs if cap is not None), "each check past the answer is two steps in a row"
+    assert {cap for _, cap in past} == {1 << 30}, "every one held to the room less the margin (1 GiB, no margin)"
+    ran = [v for v, _ in past if v * MiB + min(v, 64) * 8 * MiB <= 1 << 30]
+    assert res.largest_value == max(ran) and res.largest_value > 1.5 * model, (res.largest_value, runs)
+    assert res.largest_value <= 512, "never above the true limit"
+    assert any(n.startswith(f"checked past the model: 2 steps in a row at batch={res.largest_value:,} ran with the "
+                            "allocator held to 1.00 GiB") for n in res.notes), res.notes
+    # The report's peak is the checked run's (the input and the workspace), not the model's replay there.
+    assert res.peak_allocated_at_largest_bytes == res.largest_value * MiB + 512 * MiB
+    assert saturating["src"].caps is None, "the cap is lifted after the checks"
+
+
+def test_a_check_past_the_answer_that_runs_out_of_memory_leaves_the_last_that_ran(
+        saturating: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    # The room as the checks see it is smaller than the model's: every value past the answer fails under the cap.
+    real = FakeSource.capped
+
+    @contextlib.contextmanager
+    def tight(self: Any, caps: dict[int, int]) -> Any:
+        with real(self, {d: 0 for d in caps}) as held:
+            yield held
+
+    monkeypatch.setattr(FakeSource, "capped", tight)
+    res = fit_saturating(saturating)
+    runs = saturating["runs"]
+    model = next(v for v, n, cap in runs if n == 2 and cap is None)
+    tried = [v for v, n, cap in runs if cap is not None]
+    assert res.largest_value == model and len(tried) >= 1, (res.largest_value, runs)
+    assert any(n.startswith("past the model's answer, 2 steps in a row at batch=") and "ran out of memory" in n
+               for n in res.notes), res.notes
+    assert not any(n.startswith("checked past the model") for n in res.notes)
+
+
+def test_where_torch_cannot_hold_the_allocator_to_the_room_nothing_is_run_past_the_answer(
+        saturating: dict[str, Any]) -> None:
+    saturating["src"].can_cap = False
+    res = fit_saturating(saturating)
+    assert [n for _, n, _ in saturating["runs"]].count(2) == 1, "the check at the answer only"
+    assert res.largest_value == max(v for v, n, _ in saturating["runs"] if n == 2), "the model's checked answer"
+
+
+def test_a_fit_already_near_its_limit_runs_nothing_past_its_answer(stand_in: dict[str, Any]) -> None:
+    """The model is exact here: what the allocated memory leaves is less than a few per cent of the answer."""
+    fit(stand_in, 0)
+    assert [n for _, n in stand_in["runs"]].count(2) == 1, stand_in["runs"]
+
+
+def test_a_memory_fraction_the_user_set_is_the_room(stand_in: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """``torch.cuda.set_per_process_memory_fraction(0.25)`` on a device of 2 GiB with 1 GiB free: the allocator may
+    hold 512 MiB, and the fit answers for that, not for the free memory."""
+    monkeypatch.setattr(FakeSource, "fraction", 0.25)
+    res, _ = fit(stand_in, 0)
+    assert res.room is not None and res.room.capacity_bytes == 512 * MiB
+    v = res.largest_value
+    assert v is not None and v * 9 * MiB <= 512 * MiB < (v + 2) * 9 * MiB

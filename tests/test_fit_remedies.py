@@ -4,8 +4,10 @@ traces follow what the real body did (checkpointed blocks keep less per sample).
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections import OrderedDict
+from collections.abc import Iterator
 from typing import Any, ClassVar
 
 import pytest
@@ -271,6 +273,28 @@ class FakeSource:
 
     def context_devices(self) -> list[int]:
         return [0]
+
+    #: The share of the device the user let this process's allocator hold (None: a torch that cannot say).
+    fraction: float | None = None
+
+    def memory_fraction(self, device: int) -> float | None:
+        return self.fraction
+
+    #: Each device's cap while a check past the model's answer runs (``TorchRelease.capped``); None outside one.
+    caps: dict[int, int] | None = None
+    #: Whether this torch can hold the allocator to a cap (``get_per_process_memory_fraction``, torch 2.9 on).
+    can_cap = True
+
+    @contextlib.contextmanager
+    def capped(self, caps: dict[int, int]) -> Iterator[bool]:
+        if not self.can_cap:
+            yield False
+            return
+        self.caps = dict(caps)
+        try:
+            yield True
+        finally:
+            self.caps = None
 
 
 class Bf16Cuda(FakeCuda):

@@ -273,3 +273,15 @@ def test_other_processes_are_named_by_notebook_where_the_jupyter_server_knows(mo
     src.start()
     names = {p.pid: p.name for p in src.processes("cuda:0")}
     assert names[4242] == "notebook team/train.ipynb" and not names[5151].startswith("notebook")
+
+
+def test_the_allocator_is_held_to_a_cap_only_where_cuda_is_up() -> None:
+    """No CUDA context is made to cap it: without one, nothing is set and the caller is told (tests/gpu has the
+    cap itself)."""
+    if torch.cuda.is_initialized():
+        pytest.skip("CUDA is up in this process: tests/gpu/test_fit_beyond_gpu.py checks the cap")
+    src = TorchRelease()
+    assert src.memory_fraction(0) is None
+    with src.capped({0: 1 << 30}) as held:
+        assert held is False
+    assert not torch.cuda.is_initialized()

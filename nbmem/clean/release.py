@@ -9,7 +9,9 @@ here ever creates a CUDA context.
 
 from __future__ import annotations
 
+import contextlib
 import sys
+from collections.abc import Iterator, Mapping
 
 from nbmem.measure.sources import TorchSource
 
@@ -40,6 +42,26 @@ class TorchRelease(TorchSource):
         dynamo.reset()
         return ("compiled code and CUDA graphs dropped (torch._dynamo.reset()); a compiled module compiles again "
                 "when it is next called")
+
+    @contextlib.contextmanager
+    def capped(self, caps: Mapping[int, int]) -> Iterator[bool]:
+        """Each device's allocator held to ``caps[device]`` bytes of segments while inside (``torch.cuda.
+        set_per_process_memory_fraction``, as a fit's check past its model's answer asks), the fraction it had put
+        back after, whatever happened. Yields False, and holds nothing, where torch cannot say what the fraction
+        was (before 2.9) or a device's total is unknown."""
+        t = self.cuda()
+        before = {d: self.memory_fraction(d) for d in caps}
+        totals = {d: (self.device_free(d) or (0, 0))[1] for d in caps}  # the total torch's fraction is of
+        if t is None or any(f is None for f in before.values()) or not all(totals.values()):
+            yield False
+            return
+        try:
+            for d, cap in caps.items():
+                t.cuda.set_per_process_memory_fraction(min(1.0, max(0.0, cap / totals[d])), d)
+            yield True
+        finally:
+            for d, fraction in before.items():
+                t.cuda.set_per_process_memory_fraction(fraction or 1.0, d)
 
     def clear_cublas_workspaces(self) -> bool:
         """Drop cuBLAS's per-handle workspaces (a fit that made them takes them back); False where torch cannot."""

@@ -372,6 +372,18 @@ class TorchSource:
         except Exception:
             return None
 
+    def memory_fraction(self, index: int) -> float | None:
+        """The share of the device's memory this process's allocator may hold (``set_per_process_memory_fraction``;
+        1.0 when nobody set one), CUDA being up; None where torch cannot say (before 2.9)."""
+        t = self.cuda()
+        get = getattr(getattr(getattr(t, "cuda", None), "memory", None), "get_per_process_memory_fraction", None)
+        if get is None:
+            return None
+        try:
+            return float(get(index))
+        except Exception:
+            return None
+
     def device_free(self, index: int) -> tuple[int, int] | None:
         """(free, total) bytes of the device as the driver sees them (``cudaMemGetInfo``), CUDA being up."""
         t = self.cuda()

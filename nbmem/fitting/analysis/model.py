@@ -13,6 +13,7 @@ from difflib import SequenceMatcher
 from typing import Any
 
 from nbmem.fitting.analysis.sizes import GROWTH_SLACK_BYTES
+from nbmem.formatting import fmt_bytes
 from nbmem.records import block_bytes
 
 #: The margin kept below the room: kernels CUDA loads for sizes not run yet, cuDNN/cuBLAS handles and other
@@ -44,6 +45,23 @@ class RunTrace:
     allocated_before_bytes: int | None = None
     reserved_before_bytes: int | None = None
     oom: bool = False  # the run stopped with CUDA out of memory; its trace ends there
+
+
+@dataclass(frozen=True, slots=True)
+class Checked:
+    """A value run past the model's answer on one device (``nearby.beyond``): ``steps`` steps in a row with the
+    allocator held to the room less the margin, which ran; its peaks there. The answer is at least its value."""
+
+    value: int
+    steps: int
+    peak_allocated_bytes: int | None
+    peak_reserved_bytes: int | None
+
+    def note(self, name: str, model_value: int, capacity_bytes: int) -> str:
+        return (f"checked past the model: {self.steps} steps in a row at {name}={self.value:,} ran with the allocator "
+                f"held to {fmt_bytes(capacity_bytes)} (the room less the margin), so the answer is {self.value:,}, "
+                f"above the model's {model_value:,} (near the limit these runs took less than the model keeps: a "
+                "buffer that stops growing, a workspace given up for another algorithm)")
 
 
 @dataclass(frozen=True, slots=True)

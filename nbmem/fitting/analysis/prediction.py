@@ -46,7 +46,7 @@ from typing import TYPE_CHECKING, Any
 
 from nbmem.fitting.analysis.allocator import CachingAllocatorModel, SegmentState, segment_bytes
 from nbmem.fitting.analysis.devices import DeviceFit
-from nbmem.fitting.analysis.model import ALLOC, FREE, MARGIN_FRACTION, Room, Run, RunTrace, Site
+from nbmem.fitting.analysis.model import ALLOC, FREE, MARGIN_FRACTION, Checked, Room, Run, RunTrace, Site
 from nbmem.fitting.analysis.modelled import Remedy, accumulation
 from nbmem.fitting.analysis.modelled import expandable as expandable_segments
 from nbmem.fitting.analysis.search import SEARCH_CAP, below_failure, largest_fitting
@@ -324,7 +324,8 @@ def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segmen
             cell_files: frozenset[str] = frozenset(), sources: Mapping[int, str] | None = None,
             max_value: int | None = None, notes: Sequence[str] = (), skipped: Sequence[int] = (),
             want: int | None = None, expandable: bool = False, measured: Sequence[Remedy] = (),
-            remedy_notes: Sequence[str] = (), largest_only: bool = False, memo: Built | None = None) -> FitResult:
+            remedy_notes: Sequence[str] = (), largest_only: bool = False, memo: Built | None = None,
+            checked: Checked | None = None) -> FitResult:
     """The largest value that fits into ``room``, from the runs' traces in the order they ran.
 
     ``segments`` is the allocator's state before the first run (``segments_from_snapshot``); without it
@@ -335,7 +336,8 @@ def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segmen
     remedies the runner measured with runs of their own, and ``remedy_notes`` says which it left out and why.
     ``largest_only``: the largest value (and the method, or why there is none) without what the report draws
     from it (lines, the curve, remedies): what the runner asks between runs. ``memo``: the runs as the fit's
-    last analysis left them (``Built``).
+    last analysis left them (``Built``). ``checked``: a value run past the model's answer with the allocator held to
+    ``room`` (``nearby.beyond``), which the answer is then, with that run's peaks.
     """
     sources = sources or {}
     parsed, built = (memo or Built()).get(runs, segments, cell_files, _site_of(cell_files))
@@ -398,13 +400,20 @@ def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segmen
     if max_value is not None and largest >= max_value:
         all_notes.append(f"{name}={max_value:,}, the largest value asked about, fits: larger ones were not searched")
     capped = capped if largest >= below else ""
+    past = checked if checked is not None and largest < checked.value <= cap else None
+    if past is not None:
+        all_notes.append(past.note(name, largest, capacity))
+        largest = past.value
     if largest_only:
         return replace(timeline, largest_value=largest, notes=tuple(all_notes), capped=capped)
-    at = tl.simulate(largest, capacity)
-    if at.ties:  # the report's reserved peak is the larger of the two orders'
+    # Past the model's answer its replay in the room fails: the report's peaks are the checked run's.
+    at = tl.simulate(largest, capacity if past is None else math.inf)
+    peaks = ((at.peak_allocated_bytes, at.peak_reserved_bytes) if past is None else
+             (past.peak_allocated_bytes, past.peak_reserved_bytes))
+    if at.ties and past is None:  # the report's reserved peak is the larger of the two orders'
         at = max(at, tl.simulate(largest, capacity, descending=True), key=lambda s: s.peak_reserved_bytes)
     small = tl.simulate(values[0], math.inf)
-    failure = _failure(tl, largest + 1, capacity, sources) if largest < cap else ""
+    failure = _failure(tl, largest + 1, capacity, sources) if largest < cap and past is None else ""
     live = tl.simulate(largest, math.inf, stop_at=_after(at.peak_at, tl)).live or {}
     fixed, per, sq, by_line = tl.decompose(live)
     lines = []
@@ -427,8 +436,7 @@ def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segmen
     return replace(timeline, remedies=tuple(remedies), largest_value=largest, power_of_two=power_of_two_below(largest),
                    capped=capped,
                    fixed_bytes=fixed, bytes_per_unit=per, bytes_per_unit_sq=sq,
-                   peak_allocated_at_largest_bytes=at.peak_allocated_bytes,
-                   peak_reserved_at_largest_bytes=at.peak_reserved_bytes,
+                   peak_allocated_at_largest_bytes=peaks[0], peak_reserved_at_largest_bytes=peaks[1],
                    peak_where=(_phase_place(tl, small.peak_at, sources), _phase_place(tl, at.peak_at, sources)),
                    failure=failure,
                    lines=tuple(lines[:8]), curve=curve, notes=(*all_notes, *ASSUMPTIONS))

@@ -18,7 +18,7 @@ from typing import Any
 from nbmem.clean.release import TorchRelease
 from nbmem.fitting.analysis.allocator import SegmentState, segments_from_snapshot
 from nbmem.fitting.analysis.devices import DeviceFit, Target, target_notes, target_room
-from nbmem.fitting.analysis.model import Room, RunTrace, margin_bytes_for
+from nbmem.fitting.analysis.model import Checked, Room, RunTrace, margin_bytes_for
 from nbmem.fitting.analysis.prediction import FitResult, analyse
 from nbmem.fitting.analysis.timeline import Built
 from nbmem.fitting.runs.state import FitRefused
@@ -84,6 +84,9 @@ def read_room(src: TorchSource, device: int, margin_bytes: int | None, outside: 
     if got is None:
         raise FitRefused("fitting needs the device's free memory, and CUDA could not say (cudaMemGetInfo)")
     free, total = got
+    fraction = src.memory_fraction(device)
+    if fraction is not None and fraction < 1.0:  # the user's own cap on this process's allocator
+        free = min(free, int(fraction * total) - reserved)
     free -= max(outside or 0, 0)
     segments: tuple[SegmentState, ...] = ()
     if new:
@@ -142,10 +145,11 @@ def gpu_name(t: Any, device: int) -> str:
 
 def analyse_devices(runs: Sequence[RunSet], rooms: Mapping[int, Room], segments: Mapping[int, Sequence[SegmentState]],
                     *, gpus: Mapping[int, str] | None = None, memos: dict[int, Built] | None = None,
-                    **kw: Any) -> FitResult:
+                    checked: Mapping[int, Checked] | None = None, **kw: Any) -> FitResult:
     """``analyse`` on each device the runs allocated on, each against its own room; the answer is the smallest
     device's answer (a device whose memory does not grow with the value limits nothing), and names it. ``memos``:
-    each device's runs as the fit's last analysis left them (``timeline.Built``), kept there for the next."""
+    each device's runs as the fit's last analysis left them (``timeline.Built``), kept there for the next.
+    ``checked``: a value run past the model's answer, each device's peaks in it (``nearby.beyond``)."""
     gpus = gpus or {}
     devs = [d for d in used_devices(runs) if d in rooms]
     name = kw.get("name", "value")
@@ -155,7 +159,7 @@ def analyse_devices(runs: Sequence[RunSet], rooms: Mapping[int, Room], segments:
                          reason=NOTHING_ON_CUDA, notes=tuple(kw.get("notes", ())))
     memos = {} if memos is None else memos
     results = {d: analyse([r.traces[d] for r in runs if d in r.traces], rooms[d], segments=segments.get(d, ()),
-                          memo=memos.setdefault(d, Built()), **kw) for d in devs}
+                          memo=memos.setdefault(d, Built()), checked=(checked or {}).get(d), **kw) for d in devs}
     if len(devs) == 1:
         (d, res), = results.items()
         return replace(res, devices=(DeviceFit(rooms[d].device, gpus.get(d, ""), res.largest_value, res.reason,

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from nbmem.fitting.analysis.model import Room
+from nbmem.fitting.analysis.model import Checked, Room, Run
 from nbmem.fitting.analysis.prediction import FitResult, proportional_bound
 from nbmem.fitting.analysis.search import halfway_within
 from nbmem.fitting.runs.hostwatch import HostWatch
@@ -33,9 +33,10 @@ class BodyRuns(Protocol):
 
     def once(self, value: int, counted: bool) -> tuple[RunSet, str]: ...
 
-    def steps_at(self, value: int, steps: int) -> tuple[RunSet, str]: ...
+    def steps_at(self, value: int, steps: int, capped: bool = False) -> tuple[RunSet, str] | None: ...
 
     rooms: dict[int, Room]
+    checked: dict[int, Checked]
 
     def analyse(self, runs: list[RunSet], cell_files: frozenset[str], max_value: int | None = None) -> FitResult: ...
 
@@ -49,8 +50,15 @@ REFINE_SECONDS = 30.0
 CONFIRM_STEPS = 2
 #: At most this many such checks (one more at the lower answer a failed one leaves).
 CONFIRM_TRIES = 2
+#: Past a checked answer (``beyond``), the first value is run only where it adds at least this much to it (a fit
+#: already within a few per cent of the limit spends no time there) ...
+BEYOND_GAIN = 0.03
+#: ... each later one where it adds this much to the largest that ran ...
+BEYOND_STEP = 0.01
+#: ... at most this many times, each halving the stretch still unknown.
+BEYOND_TRIES = 3
 #: The runs a fit's plan counts for them (``progress.planned_runs``): each step is a run of the body.
-CONFIRM_RUNS = CONFIRM_STEPS * CONFIRM_TRIES
+CONFIRM_RUNS = CONFIRM_STEPS * (CONFIRM_TRIES + BEYOND_TRIES)
 
 
 def refine(body: BodyRuns, runs: list[RunSet], cell_files: frozenset[str]) -> FitResult | None:
@@ -138,25 +146,93 @@ def confirm(body: BodyRuns, runs: list[RunSet], res: FitResult | None, cell_file
             return res
         if body.progress is not None:
             body.progress.ahead([value] * CONFIRM_STEPS, "the check at the answer")
-        got, oom = body.steps_at(value, CONFIRM_STEPS)
+        ran = body.steps_at(value, CONFIRM_STEPS)
         if body.progress is not None:
             body.progress.ahead([], "")
+        if ran is None:
+            return res
+        got, oom = ran
         if not oom:
             notes.append(f"checked: {CONFIRM_STEPS} steps in a row at {name}={value:,}, the answer, ran (the second "
                          "with the first one's results still bound, as when the cell runs again)")
-            return res
+            if (max_value is None or value < max_value) and not any(r.oom for r in runs):
+                beyond(body, runs, value, got, max_value)  # not past a check that failed: the model is short there
+            return body.analyse(runs, cell_files) if body.checked else res
         runs.append(got)
         notes.append(f"{CONFIRM_STEPS} steps in a row at {name}={value:,}, the model's answer, ran out of memory "
                      f"({oom}): the answer keeps the margin below what the model gives that value")
         res = None
     res = body.analyse(runs, cell_files)
-    ran = [r.value for r in runs if not r.oom]
-    if res.largest_value is not None and res.largest_value > max(ran, default=0):
+    values = [r.value for r in runs if not r.oom]
+    if res.largest_value is not None and res.largest_value > max(values, default=0):
         # Every check failed: near its limit the body takes more than its runs showed, and this answer is unrun.
         notes.append(f"the answer ({name}={res.largest_value:,}) was not run: the {CONFIRM_TRIES} checks above it ran "
                      "out of memory, so near its limit this cell takes more than the fit's runs showed; run it once "
                      "at the answer before relying on it")
     return res
+
+
+def beyond(body: BodyRuns, runs: list[RunSet], answer: int, check: RunSet, max_value: int | None) -> None:
+    """Past the checked ``answer``, where the model may keep more than the body takes near its limit (a buffer that
+    stops growing, a workspace a library gives up for another algorithm when it does not fit): values between the
+    answer and where the allocated memory of the runs alone would fill a device's room, halving the stretch, each
+    run ``CONFIRM_STEPS`` steps in a row with every allocator held to its room less the margin. The largest that
+    ran goes to ``body.checked``, where the analyses take it as the answer; a fit that is short of time, or a value
+    that the host has no room for, is not run."""
+    ok = [r for r in runs if r.counted and not r.oom]
+    top = max(ok, key=lambda r: r.value, default=None)
+    bound = None if top is None or top.value >= answer else _allocated_bound(body.rooms, top, check, answer)
+    if top is None or bound is None:
+        return
+    lo, hi = answer, bound + 1 if max_value is None else min(bound, max_value) + 1  # hi: the least not known to run
+    failed: list[int] = []
+    for k in range(BEYOND_TRIES):
+        value = (lo + hi) // 2
+        took = CONFIRM_STEPS * body.durations.get(top.value, 0.0) * value / top.value
+        if (value < lo * (1 + (BEYOND_GAIN if k == 0 else BEYOND_STEP)) or took > REFINE_SECONDS
+                or (body.host is not None and body.host.over(value, body.name))):
+            break
+        if body.progress is not None:
+            body.progress.ahead([value] * CONFIRM_STEPS, "a check past the model's answer")
+        ran = body.steps_at(value, CONFIRM_STEPS, capped=True)
+        if body.progress is not None:
+            body.progress.ahead([], "")
+        if ran is None:  # torch cannot hold the allocator to the room (before 2.9)
+            return
+        got, oom = ran
+        if oom:
+            hi = value
+            failed.append(value)
+            continue
+        lo = value
+        body.checked = {d: Checked(value, CONFIRM_STEPS, p.peak_allocated_bytes, p.peak_reserved_bytes)
+                        for d, p in ((d, Run(tr, _no_site)) for d, tr in got.traces.items())}
+    if failed:
+        at = ", ".join(f"{body.name}={v:,}" for v in failed)
+        body.notes.append(f"past the model's answer, {CONFIRM_STEPS} steps in a row at {at} ran out of memory with "
+                          "the allocator held to the room less the margin")
+
+
+def _no_site(frames: object) -> None:
+    return None
+
+
+def _allocated_bound(rooms: dict[int, Room], top: RunSet, check: RunSet, answer: int) -> int | None:
+    """The value at which the peak allocated memory would fill the first device's room, going on from the largest
+    counted run (``top``) to the check at the answer as it grew between them; None where no device's grows or a
+    peak is unknown. Allocated is never more than reserved: the bound is one no value above can fit under."""
+    bound = None
+    for d, tr in check.traces.items():
+        if d not in rooms or d not in top.traces:
+            continue
+        p_top, p_answer = Run(top.traces[d], _no_site).peak_allocated_bytes, Run(tr, _no_site).peak_allocated_bytes
+        if p_top is None or p_answer is None:
+            return None
+        slope = (p_answer - p_top) / (answer - top.value)
+        if slope > 0:
+            at = answer + max(0, int((rooms[d].capacity_bytes - p_answer) / slope))
+            bound = at if bound is None else min(bound, at)
+    return bound
 
 
 def predicted_not_to_fit(body: BodyRuns, runs: list[RunSet], value: int, cell_files: frozenset[str]) -> bool:
@@ -185,5 +261,5 @@ def near_answer(body: BodyRuns, runs: list[RunSet], stopped: bool, cell_files: f
     return confirm(body, runs, res, cell_files, max_value) if here else res
 
 
-__all__ = ["CONFIRM_RUNS", "REFINE_FACTOR", "REFINE_RUNS", "REFINE_SECONDS", "confirm", "near_answer",
-           "predicted_not_to_fit", "refine"]
+__all__ = ["BEYOND_GAIN", "BEYOND_STEP", "BEYOND_TRIES", "CONFIRM_RUNS", "REFINE_FACTOR", "REFINE_RUNS",
+           "REFINE_SECONDS", "beyond", "confirm", "near_answer", "predicted_not_to_fit", "refine"]

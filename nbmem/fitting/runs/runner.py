@@ -31,7 +31,7 @@ from nbmem.clean.release import TorchRelease
 from nbmem.fitting.analysis.allocator import SegmentState
 from nbmem.fitting.analysis.devices import Target, parse_on
 from nbmem.fitting.analysis.hostroom import with_host
-from nbmem.fitting.analysis.model import Room, RunTrace
+from nbmem.fitting.analysis.model import Checked, Room, RunTrace
 from nbmem.fitting.analysis.modelled import Remedy
 from nbmem.fitting.analysis.prediction import FitResult
 from nbmem.fitting.analysis.timeline import Built
@@ -193,9 +193,9 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchRel
                                                                            body.outside)
     notes += said
     result = analyse_devices(runs, rooms, body.segments, gpus={d: gpu_name(t, d) for d in rooms}, memos=body.memos,
-                             name=name, cell_files=cell_files, sources=sources, max_value=max_value, notes=notes,
-                             skipped=skipped, want=want, expandable=expandable_on(), measured=measured,
-                             remedy_notes=remedy_notes)
+                             checked=body.checked, name=name, cell_files=cell_files, sources=sources,
+                             max_value=max_value, notes=notes, skipped=skipped, want=want, expandable=expandable_on(),
+                             measured=measured, remedy_notes=remedy_notes)
     result = body.host_bound(result, target)
     if target is not None:
         here = ", ".join(body.rooms[d].device for d in used_devices(runs) if d in body.rooms)
@@ -392,6 +392,7 @@ class FitBody:
     outside: dict[int, int] = field(default_factory=dict)  # device -> managed memory counted as taken (``fit``)
     target: tuple[Target, Callable[[int], int | None] | None] | None = None  # another GPU's answer (``fit``'s ``on``)
     memos: dict[int, Built] = field(default_factory=dict)  # each device's runs as the last analysis left them
+    checked: dict[int, Checked] = field(default_factory=dict)  # a value run past the model's answer (``beyond``)
 
     def measure(self) -> dict[int, int]:
         """Each device's room, read after the cache is given back; what is allocated on each before the runs."""
@@ -426,17 +427,24 @@ class FitBody:
         between them."""
         rooms = self.rooms if self.target is None else self.answer_rooms(*self.target)
         res = analyse_devices(runs, rooms, self.segments, name=self.name, cell_files=cell_files, largest_only=True,
-                              max_value=max_value, memos=self.memos)
+                              max_value=max_value, memos=self.memos, checked=self.checked)
         return self.host_bound(res, None if self.target is None else self.target[0])
 
     def host_bound(self, res: FitResult, target: Target | None = None) -> FitResult:
         """``res`` bound by host memory too, where the runs keep memory there (not another GPU's: another host's)."""
         return res if self.host is None or target is not None else with_host(res, self.host.fit(), self.name)
 
-    def steps_at(self, value: int, steps: int) -> tuple[RunSet, str]:
+    def steps_at(self, value: int, steps: int, capped: bool = False) -> tuple[RunSet, str] | None:
         """``steps`` runs of the body at ``value`` under one trace, the namespace put back only after the last (the
         second meets what the first left bound, as a cell run again does). Not a point of the host model, whose
-        points are single runs."""
+        points are single runs. ``capped``: each device's allocator held to its room less the margin meanwhile;
+        None (nothing run) where torch cannot hold it there."""
+        if not capped:
+            return self._steps(value, steps)
+        with self.src.capped({d: room.capacity_bytes for d, room in self.rooms.items()}) as held:
+            return self._steps(value, steps) if held else None
+
+    def _steps(self, value: int, steps: int) -> tuple[RunSet, str]:
         one = self.run
 
         def repeated(v: int) -> None:
