@@ -90,8 +90,9 @@ def test_each_run_of_a_fit_is_a_step_of_the_line_and_the_line_goes_when_the_fit_
     lines = [t for t, final in shown.calls if not final and " · batch=" in t]  # a line per run (not the totals)
     # the last trace is the two steps at the answer (``nearby.confirm``): a line for each
     assert len(lines) == len(ran) - 1 and shown.calls[-1] == ("", True), "quiet for the first second; gone at the end"
-    assert lines[0] == "nbmem fit: run 3 of 4–11 · batch=16 · 1.60 s so far"
-    assert lines[1].startswith("nbmem fit: run 4 of 4–11 · batch=32 · 3.20 s so far")
+    # at most: the warm-up and 3 values, 3 runs near the answer, 2 × 2 steps at it, 3 × 3 steps past it
+    assert lines[0] == "nbmem fit: run 3 of 4–20 · batch=16 · 1.60 s so far"
+    assert lines[1].startswith("nbmem fit: run 4 of 4–20 · batch=32 · 3.20 s so far")
     assert [t.split(" · ")[1] for t in lines] == [f"batch={v:,}" for v in [*ran[2:], ran[-1]]]
 
 
@@ -270,7 +271,7 @@ def test_the_runner_tells_the_line_when_a_module_is_torch_compiled(stand_in: dic
                    show=shown)
         said = [t for t, _ in shown.calls if "torch.compile'd" in t]
         assert said == ([shown.calls[0][0]] if first else []), shown.calls[:2]
-        assert not first or said[0].startswith("nbmem fit: run 1 of 4–11 · batch=8 · ")
+        assert not first or said[0].startswith("nbmem fit: run 1 of 4–20 · batch=8 · ")
 
 
 def test_a_runs_expected_time_is_scaled_from_the_runs_own_time_not_the_analysis_between_runs() -> None:

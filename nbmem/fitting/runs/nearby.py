@@ -55,10 +55,13 @@ CONFIRM_TRIES = 2
 BEYOND_GAIN = 0.03
 #: ... each later one where it adds this much to the largest that ran ...
 BEYOND_STEP = 0.01
-#: ... at most this many times, each halving the stretch still unknown.
+#: ... at most this many times, each halving the stretch still unknown ...
 BEYOND_TRIES = 3
+#: ... each this many steps in a row: no model stands behind these values, so they run the three steps the model
+#: replays (two ran on the H200 where three failed: a Llama's 524 against its 520).
+BEYOND_STEPS = 3
 #: The runs a fit's plan counts for them (``progress.planned_runs``): each step is a run of the body.
-CONFIRM_RUNS = CONFIRM_STEPS * (CONFIRM_TRIES + BEYOND_TRIES)
+CONFIRM_RUNS = CONFIRM_STEPS * CONFIRM_TRIES + BEYOND_STEPS * BEYOND_TRIES
 
 
 def refine(body: BodyRuns, runs: list[RunSet], cell_files: frozenset[str]) -> FitResult | None:
@@ -176,7 +179,7 @@ def beyond(body: BodyRuns, runs: list[RunSet], answer: int, check: RunSet, max_v
     """Past the checked ``answer``, where the model may keep more than the body takes near its limit (a buffer that
     stops growing, a workspace a library gives up for another algorithm when it does not fit): values between the
     answer and where the allocated memory of the runs alone would fill a device's room, halving the stretch, each
-    run ``CONFIRM_STEPS`` steps in a row with every allocator held to its room less the margin. The largest that
+    run ``BEYOND_STEPS`` steps in a row with every allocator held to its room less the margin. The largest that
     ran goes to ``body.checked``, where the analyses take it as the answer; a fit that is short of time, or a value
     that the host has no room for, is not run."""
     ok = [r for r in runs if r.counted and not r.oom]
@@ -188,13 +191,13 @@ def beyond(body: BodyRuns, runs: list[RunSet], answer: int, check: RunSet, max_v
     failed: list[int] = []
     for k in range(BEYOND_TRIES):
         value = (lo + hi) // 2
-        took = CONFIRM_STEPS * body.durations.get(top.value, 0.0) * value / top.value
+        took = BEYOND_STEPS * body.durations.get(top.value, 0.0) * value / top.value
         if (value < lo * (1 + (BEYOND_GAIN if k == 0 else BEYOND_STEP)) or took > REFINE_SECONDS
                 or (body.host is not None and body.host.over(value, body.name))):
             break
         if body.progress is not None:
-            body.progress.ahead([value] * CONFIRM_STEPS, "a check past the model's answer")
-        ran = body.steps_at(value, CONFIRM_STEPS, capped=True)
+            body.progress.ahead([value] * BEYOND_STEPS, "a check past the model's answer")
+        ran = body.steps_at(value, BEYOND_STEPS, capped=True)
         if body.progress is not None:
             body.progress.ahead([], "")
         if ran is None:  # torch cannot hold the allocator to the room (before 2.9)
@@ -205,11 +208,11 @@ def beyond(body: BodyRuns, runs: list[RunSet], answer: int, check: RunSet, max_v
             failed.append(value)
             continue
         lo = value
-        body.checked = {d: Checked(value, CONFIRM_STEPS, p.peak_allocated_bytes, p.peak_reserved_bytes)
+        body.checked = {d: Checked(value, BEYOND_STEPS, p.peak_allocated_bytes, p.peak_reserved_bytes)
                         for d, p in ((d, Run(tr, _no_site)) for d, tr in got.traces.items())}
     if failed:
         at = ", ".join(f"{body.name}={v:,}" for v in failed)
-        body.notes.append(f"past the model's answer, {CONFIRM_STEPS} steps in a row at {at} ran out of memory with "
+        body.notes.append(f"past the model's answer, {BEYOND_STEPS} steps in a row at {at} ran out of memory with "
                           "the allocator held to the room less the margin")
 
 
@@ -261,5 +264,5 @@ def near_answer(body: BodyRuns, runs: list[RunSet], stopped: bool, cell_files: f
     return confirm(body, runs, res, cell_files, max_value) if here else res
 
 
-__all__ = ["BEYOND_GAIN", "BEYOND_STEP", "BEYOND_TRIES", "CONFIRM_RUNS", "REFINE_FACTOR", "REFINE_RUNS",
+__all__ = ["BEYOND_GAIN", "BEYOND_STEP", "BEYOND_STEPS", "BEYOND_TRIES", "CONFIRM_RUNS", "REFINE_FACTOR", "REFINE_RUNS",
            "REFINE_SECONDS", "beyond", "confirm", "near_answer", "predicted_not_to_fit", "refine"]
