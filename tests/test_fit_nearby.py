@@ -189,7 +189,9 @@ def test_a_check_past_the_answer_that_runs_out_of_memory_leaves_the_last_that_ra
     runs = saturating["runs"]
     model = next(v for v, n, cap in runs if n == 2 and cap is None)
     tried = [v for v, n, cap in runs if cap is not None]
-    assert res.largest_value == model and len(tried) >= 1, (res.largest_value, runs)
+    assert res.largest_value == model and len(tried) >= 2, (res.largest_value, runs)
+    # never within 3 % of the answer, where the real boundary itself wavers; halving stops there
+    assert all(v >= 1.03 * model for v in tried), (model, tried)
     assert any(n.startswith("past the model's answer, 3 steps in a row at batch=") and "ran out of memory" in n
                for n in res.notes), res.notes
     assert not any(n.startswith("checked past the model") for n in res.notes)

@@ -116,7 +116,7 @@ def test_a_run_that_will_take_long_is_said_before_it_starts_with_its_time(
     assert on_screen[72].endswith("batch=72 · 16.00 s so far · this run will take about 18 s"), (
         "said before the long run starts, with how long it will take")
     said = [t for t, _ in shown.calls if "this run will take" in t]
-    assert said and said[0].startswith("nbmem fit: run 5 of 5–11 · batch=72 · 16.00 s so far")
+    assert said and said[0].startswith("nbmem fit: run 5 of 5–20 · batch=72 · 16.00 s so far")
     assert said[0].endswith(" · this run will take about 18 s")
     assert not any("will take" in t for t, _ in shown.calls[:3]), "runs estimated shorter are not"
 

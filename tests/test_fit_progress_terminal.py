@@ -122,7 +122,7 @@ def test_a_fits_line_is_written_over_itself_on_a_terminal_and_gone_when_the_fit_
     parts = drawn.split("\r")
     assert parts[0] == "" and parts[-1] == "", "each update starts at the line's start; the report after them too"
     updates, blank = parts[1:-2], parts[-2]
-    said = [re.fullmatch(r"nbmem fit: run (\d+) of (\d+)–11 · batch=(\d+) · ([\d.]+) s so far", u) for u in updates]
+    said = [re.fullmatch(r"nbmem fit: run (\d+) of (\d+)–20 · batch=(\d+) · ([\d.]+) s so far", u) for u in updates]
     assert len(said) >= 2 and all(said), updates
     runs = [int(m[1]) for m in said if m]
     assert runs == list(range(runs[0], len(RUNS) + 1)), "every run from the first second on, to the last one"

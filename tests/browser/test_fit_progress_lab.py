@@ -34,7 +34,7 @@ STAND_IN, LOAD, MODEL, FIT = range(len(CELLS))
 #: The values the fit runs the body at, in order: the warm-up, the three asked for, two nearer the answer, and two
 #: steps in a row at the answer (12).
 RUNS = [1, 1, 2, 4, 8, 10, 12, 12]
-LINE = re.compile(r"nbmem fit: run (\d+) of (\d+)–11 · batch=(\d+) · ([\d.]+) s so far")
+LINE = re.compile(r"nbmem fit: run (\d+) of (\d+)–20 · batch=(\d+) · ([\d.]+) s so far")
 
 
 def _notebook(path: Path) -> None:
