@@ -405,6 +405,34 @@ def families(torch: Any, dev: str = "cuda") -> dict[str, Family]:
         model.gradient_checkpointing_enable()
         return model
 
+    class UNet(nn.Module):
+        """A denoising UNet as a diffusion notebook trains one: 128 × 128 RGB, three levels (64, 128, 256 channels)
+        with GroupNorm and SiLU, skips joined by concatenation."""
+
+        def __init__(self) -> None:
+            super().__init__()
+
+            def conv(i: int, o: int) -> Any:
+                return nn.Sequential(nn.Conv2d(i, o, 3, padding=1), nn.GroupNorm(8, o), nn.SiLU(),
+                                     nn.Conv2d(o, o, 3, padding=1), nn.GroupNorm(8, o), nn.SiLU())
+
+            self.down1, self.down2, self.mid = conv(3, 64), conv(64, 128), conv(128, 256)
+            self.up2, self.up1 = conv(256 + 128, 128), conv(128 + 64, 64)
+            self.out = nn.Conv2d(64, 3, 1)
+
+        def forward(self, x: Any) -> Any:
+            d1 = self.down1(x)
+            d2 = self.down2(F.max_pool2d(d1, 2))
+            m = self.mid(F.max_pool2d(d2, 2))
+            u2 = self.up2(torch.cat([F.interpolate(m, scale_factor=2.0), d2], 1))
+            return self.out(self.up1(torch.cat([F.interpolate(u2, scale_factor=2.0), d1], 1)))
+
+    def unet_body(model: Any, opt: Any, ns: dict[str, Any], b: int) -> None:
+        ns["x"] = torch.randn(b, 3, 128, 128, device=dev)
+        ns["noise"] = torch.randn_like(ns["x"])
+        ns["loss"] = F.mse_loss(model(ns["x"] + ns["noise"]), ns["noise"])
+        learn(opt, ns)
+
     def compiled_lm(device: Any) -> Any:
         """The bf16 LM under ``torch.compile`` (default mode), as a notebook compiles it."""
         return torch.compile(LM().to(device))
@@ -440,6 +468,8 @@ def families(torch: Any, dev: str = "cuda") -> dict[str, Family]:
         "lm-compiled": Family("lm-compiled", "batch", (8, 16, 32), compiled_lm, lm_body, adamw),
         # issue 47's row: sequences of 512 under bf16 autocast
         "llama-gc-bf16": Family("llama-gc-bf16", "batch", (2, 4, 8), llama, hf(4 * T, bf16=True), adamw),
+        # issue 47's UNet row
+        "unet": Family("unet", "batch", (4, 8, 16), lambda d: UNet().to(d), unet_body, adamw, (3, 128, 128)),
     }
 
 #: Issue 27's training setups, run with ``--only`` (``--only training`` runs them all).

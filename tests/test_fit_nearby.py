@@ -41,7 +41,7 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """Each run's trace: an input of 1 MiB and activations of 8 MiB per sample. Two steps in a row at
     ``oom_from`` or more run out of memory (what the allocator model does not see: the second step's block finds
     no free stretch), one step never does."""
-    seen: dict[str, Any] = {"runs": [], "oom_from": None, "book": None}
+    seen: dict[str, Any] = {"runs": [], "oom_from": None, "book": None, "caps": []}
     addrs = itertools.count(1)
 
     def one_run(run: Any, value: int, counted: bool, src: Any, devs: list[int], stacks: bool,
@@ -51,6 +51,7 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
         run(value)
         steps = len(book.steps) - before
         seen["runs"].append((value, steps))
+        seen["caps"].append((value, steps, (src.caps or {}).get(0)))
         x, act = next(addrs) << 32, next(addrs) << 32
         entries = [{"action": "alloc", "addr": x, "size": value * MiB},
                    {"action": "alloc", "addr": act, "size": value * 8 * MiB},
@@ -111,10 +112,30 @@ def test_the_answer_is_not_run_where_two_steps_would_take_too_long(
     assert any(n.startswith("the answer was not run: 2 steps at batch=") for n in res.notes)
 
 
-def test_another_gpus_answer_is_not_run_here(stand_in: dict[str, Any]) -> None:
+def test_another_gpus_answer_is_not_run_here_where_this_one_has_less_room(stand_in: dict[str, Any]) -> None:
     res, _ = fit(stand_in, 0, on="24GiB", own_used=lambda d: 500 * MiB)
     assert res.largest_value is not None
-    assert all(n == 1 for _, n in stand_in["runs"]), "the answer for another GPU is not run on this one"
+    assert all(n == 1 for _, n in stand_in["runs"]), "a 24 GiB GPU's answer is not run on one with 1 GiB free"
+    assert "the answer was not run: this GPU cannot be held to the other GPU's room" in "\n".join(res.notes)
+
+
+def test_a_smaller_gpus_answer_is_run_here_with_the_allocator_held_to_its_room(stand_in: dict[str, Any]) -> None:
+    """768 MiB, no context beyond the allocator: this GPU (1 GiB free) stands for it, its allocator held there."""
+    res, _ = fit(stand_in, 0, on="768MiB", own_used=lambda d: 0)
+    assert res.largest_value == 768 // 9 - 1 or res.largest_value == 768 // 9, res.largest_value
+    two = [(v, cap) for v, n, cap in stand_in["caps"] if n >= 2]
+    assert two == [(res.largest_value, 768 * MiB)], stand_in["caps"]
+    assert all(cap is None for v, n, cap in stand_in["caps"] if n == 1), "the fit's own runs are not held"
+    assert any(n.startswith(f"checked: 2 steps in a row at batch={res.largest_value:,}, the answer, ran with the "
+                            "allocator held to that GPU's room") for n in res.notes), res.notes
+
+
+def test_past_a_smaller_gpus_checked_answer_the_checks_are_held_to_its_room(saturating: dict[str, Any]) -> None:
+    res = fit_saturating(saturating, on="768MiB", own_used=lambda d: 0)
+    past = [(v, cap) for v, n, cap in saturating["runs"] if n == 3]
+    assert past and {cap for _, cap in past} == {768 * MiB}, saturating["runs"]
+    assert res.largest_value is not None and res.largest_value * MiB + 512 * MiB <= 768 * MiB, res.largest_value
+    assert any(n.startswith("checked past the model") for n in res.notes), res.notes
 
 
 @pytest.fixture

@@ -38,6 +38,11 @@ class BodyRuns(Protocol):
     rooms: dict[int, Room]
     checked: dict[int, Checked]
 
+    @property
+    def target(self) -> object: ...  # another GPU the answer is for (``fit``'s ``on``), or None
+
+    def check_rooms(self) -> dict[int, Room]: ...
+
     def analyse(self, runs: list[RunSet], cell_files: frozenset[str], max_value: int | None = None) -> FitResult: ...
 
 #: A prediction this far beyond the largest value run is checked by another run, halfway to it ...
@@ -126,13 +131,14 @@ def refine(body: BodyRuns, runs: list[RunSet], cell_files: frozenset[str]) -> Fi
 
 
 def confirm(body: BodyRuns, runs: list[RunSet], res: FitResult | None, cell_files: frozenset[str],
-            max_value: int | None = None) -> FitResult | None:
+            max_value: int | None = None, capped: bool = False) -> FitResult | None:
     """The answer (``res``, of ``runs``; None: analyse them) run: ``CONFIRM_STEPS`` steps in a row at it, traced,
     not counted. Where they run out of memory, their run joins ``runs`` as a failed one, which caps the answer
     with the prediction's margin below what the model gives that value, and the lower answer is run in turn
     (``CONFIRM_TRIES`` in all). Not where a run has already failed, where the answer is no larger than a value
-    run, or where the steps would take longer than ``REFINE_SECONDS`` (the note says so). The analysis of
-    ``runs`` as they stand at the end (largest value only)."""
+    run, or where the steps would take longer than ``REFINE_SECONDS`` (the note says so). ``capped``: the answer is
+    another GPU's, and the steps run with each allocator held to that GPU's room (``check_rooms``), or not at all
+    where this one cannot stand for it. The analysis of ``runs`` as they stand at the end (largest value only)."""
     if any(r.oom for r in runs):
         return res
     name, notes = body.name, body.notes
@@ -151,15 +157,18 @@ def confirm(body: BodyRuns, runs: list[RunSet], res: FitResult | None, cell_file
             return res
         if body.progress is not None:
             body.progress.ahead([value] * CONFIRM_STEPS, "the check at the answer")
-        ran = body.steps_at(value, CONFIRM_STEPS)
+        ran = body.steps_at(value, CONFIRM_STEPS, capped=capped)
         if body.progress is not None:
             body.progress.ahead([], "")
         if ran is None:
+            notes.append("the answer was not run: this GPU cannot be held to the other GPU's room (it has less free "
+                         "memory, or this torch cannot cap its allocator)")
             return res
         got, oom = ran
         if not oom:
-            notes.append(f"checked: {CONFIRM_STEPS} steps in a row at {name}={value:,}, the answer, ran (the second "
-                         "with the first one's results still bound, as when the cell runs again)")
+            held = " with the allocator held to that GPU's room" if capped else ""
+            notes.append(f"checked: {CONFIRM_STEPS} steps in a row at {name}={value:,}, the answer, ran{held} (the "
+                         "second with the first one's results still bound, as when the cell runs again)")
             if (max_value is None or value < max_value) and not any(r.oom for r in runs):
                 beyond(body, runs, value, got, max_value)  # not past a check that failed: the model is short there
             return body.analyse(runs, cell_files) if body.checked else res
@@ -186,7 +195,7 @@ def beyond(body: BodyRuns, runs: list[RunSet], answer: int, check: RunSet, max_v
     that the host has no room for, is not run."""
     ok = [r for r in runs if r.counted and not r.oom]
     top = max(ok, key=lambda r: r.value, default=None)
-    bound = None if top is None or top.value >= answer else _allocated_bound(body.rooms, top, check, answer)
+    bound = None if top is None or top.value >= answer else _allocated_bound(body.check_rooms(), top, check, answer)
     if top is None or bound is None:
         return
     lo, hi = answer, bound + 1 if max_value is None else min(bound, max_value) + 1  # hi: the least not known to run
@@ -260,10 +269,13 @@ def predicted_not_to_fit(body: BodyRuns, runs: list[RunSet], value: int, cell_fi
 def near_answer(body: BodyRuns, runs: list[RunSet], stopped: bool, cell_files: frozenset[str], max_value: int | None,
                 here: bool) -> FitResult | None:
     """The runs after the fit's schedule: ``refine`` unless the schedule ``stopped`` early (a value skipped, or an
-    out-of-memory), then ``confirm`` where the answer is for this machine's GPUs (``here``; not another GPU's).
-    The analysis of ``runs`` as they stand at the end (largest value only), or None where none was made."""
+    out-of-memory), then ``confirm`` where the answer is for this machine's GPUs (``here``), or for another GPU
+    that this one can stand for (the body's ``target``: the checks held to its room). The analysis of ``runs`` as
+    they stand at the end (largest value only), or None where none was made."""
     res = None if stopped else refine(body, runs, cell_files)
-    return confirm(body, runs, res, cell_files, max_value) if here else res
+    if here or body.target is not None:
+        return confirm(body, runs, res, cell_files, max_value, capped=not here)
+    return res
 
 
 __all__ = ["BEYOND_GAIN", "BEYOND_STEP", "BEYOND_STEPS", "BEYOND_TRIES", "CONFIRM_RUNS", "REFINE_FACTOR", "REFINE_RUNS",

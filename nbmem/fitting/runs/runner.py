@@ -317,34 +317,27 @@ def _measure_remedies(body: FitBody, candidates: Sequence[remedies.Candidate], v
 def _timed_step(body: FitBody, value: int, repeats: int = 2) -> float | None:
     """The shortest of ``repeats`` untraced runs' times (synchronized), for a remedy's cost; None where one ran out
     of memory. The runs are counted in the body's steps and cleaned up as any other."""
+    t = _torch()
     times = []
     for _ in range(repeats):
-        took = _timed_once(body, value)
-        if took is None:
+        body.ran += 1
+        start = body.allocated()
+        try:
+            synchronize(t, body.devs)
+            started = time.perf_counter()
+            body.run(value)
+            synchronize(t, body.devs)
+            times.append(time.perf_counter() - started)
+        except BaseException as e:
+            if not is_out_of_memory(e):
+                raise
+            _let_go_of_frames(e)
             return None
-        times.append(took)
+        finally:
+            if body.clean is not None:
+                body.clean()
+            free_cached(body.src, body.devs, unless_back_to=start)
     return min(times)
-
-
-def _timed_once(body: FitBody, value: int) -> float | None:
-    t = _torch()
-    body.ran += 1
-    start = body.allocated()
-    try:
-        synchronize(t, body.devs)
-        started = time.perf_counter()
-        body.run(value)
-        synchronize(t, body.devs)
-        return time.perf_counter() - started
-    except BaseException as e:
-        if not is_out_of_memory(e):
-            raise
-        _let_go_of_frames(e)
-        return None
-    finally:
-        if body.clean is not None:
-            body.clean()
-        free_cached(body.src, body.devs, unless_back_to=start)
 
 
 def _say_what_was_put_back(e: BaseException, src: TorchRelease, devices: Sequence[int], before: Mapping[int, int],
@@ -437,12 +430,19 @@ class FitBody:
     def steps_at(self, value: int, steps: int, capped: bool = False) -> tuple[RunSet, str] | None:
         """``steps`` runs of the body at ``value`` under one trace, the namespace put back only after the last (the
         second meets what the first left bound, as a cell run again does). Not a point of the host model, whose
-        points are single runs. ``capped``: each device's allocator held to its room less the margin meanwhile;
-        None (nothing run) where torch cannot hold it there."""
+        points are single runs. ``capped``: each device's allocator held to its room less the margin meanwhile
+        (``check_rooms``); None (nothing run) where torch cannot hold it there."""
         if not capped:
             return self._steps(value, steps)
-        with self.src.capped({d: room.capacity_bytes for d, room in self.rooms.items()}) as held:
+        caps = {d: room.capacity_bytes for d, room in self.check_rooms().items()}
+        if any(cap > self.rooms[d].capacity_bytes for d, cap in caps.items() if d in self.rooms):
+            return None  # another GPU's room larger than this one's: it cannot be stood for here
+        with self.src.capped(caps) as held:
             return self._steps(value, steps) if held else None
+
+    def check_rooms(self) -> dict[int, Room]:
+        """The rooms a check holds each allocator to: this GPU's, or where the answer is for another, that one's."""
+        return self.rooms if self.target is None else self.answer_rooms(*self.target)
 
     def _steps(self, value: int, steps: int) -> tuple[RunSet, str]:
         one = self.run
