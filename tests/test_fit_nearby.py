@@ -172,8 +172,9 @@ def saturating(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 
 def fit_saturating(seen: dict[str, Any], **kw: Any) -> Any:
     book = seen["book"] = Notebook()
+    kw.setdefault("restore", False)
     return runner.fit(book.step, [8, 16, 32], source=seen["src"], name="batch", clean=book.clean,  # type: ignore[arg-type]
-                      margin_bytes=0, restore=False, **kw)
+                      margin_bytes=0, **kw)
 
 
 def test_past_a_checked_answer_values_run_with_the_allocator_held_to_the_room_raise_the_answer(
@@ -240,3 +241,20 @@ def test_a_memory_fraction_the_user_set_is_the_room(stand_in: dict[str, Any], mo
     assert res.room is not None and res.room.capacity_bytes == 512 * MiB
     v = res.largest_value
     assert v is not None and v * 9 * MiB <= 512 * MiB < (v + 2) * 9 * MiB
+
+
+def test_each_check_past_the_answer_starts_from_the_state_the_user_has(saturating: dict[str, Any],
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """No model stands behind those values: the optimizer's state the fit's runs made, and their cuBLAS workspaces,
+    are not there when the user's next cell runs, so they are not there when a check past the answer runs."""
+    real = runner._as_the_user_has_it
+    put_back: list[int] = []
+
+    def counted(body: Any, *a: Any) -> None:
+        put_back.append(len(saturating["runs"]))
+        real(body, *a)
+
+    monkeypatch.setattr(runner, "_as_the_user_has_it", counted)
+    fit_saturating(saturating, restore=True)
+    past = [k for k, (_, n, cap) in enumerate(saturating["runs"]) if cap is not None]
+    assert past and put_back == past, (put_back, saturating["runs"])  # just before each, and only those

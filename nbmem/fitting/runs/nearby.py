@@ -11,6 +11,7 @@ meets; where it runs out of memory, the answer is capped with the margin a predi
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Protocol
 
 from nbmem.fitting.analysis.model import Checked, Room, Run
@@ -37,6 +38,7 @@ class BodyRuns(Protocol):
 
     rooms: dict[int, Room]
     checked: dict[int, Checked]
+    as_the_user: Callable[[], None] | None
 
     @property
     def target(self) -> object: ...  # another GPU the answer is for (``fit``'s ``on``), or None
@@ -206,6 +208,10 @@ def beyond(body: BodyRuns, runs: list[RunSet], answer: int, check: RunSet, max_v
         if (value < max(answer * (1 + BEYOND_GAIN), lo * (1 + BEYOND_STEP)) or took > REFINE_SECONDS
                 or (body.host is not None and body.host.over(value, body.name))):
             break
+        if body.as_the_user is not None:
+            # No model stands behind these values: they start where the user's next cell would, the optimizer's
+            # state not yet made where it was not, no workspace of cuBLAS's that the fit's runs made.
+            body.as_the_user()
         if body.progress is not None:
             body.progress.ahead([value] * BEYOND_STEPS, "a check past the model's answer")
         ran = body.steps_at(value, BEYOND_STEPS, capped=True)

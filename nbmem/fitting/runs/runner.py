@@ -129,7 +129,8 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchRel
     reset_said: list[str] = []  # what giving back the workspaces before a remedy's runs said
     try:
         before = body.measure()
-        # another GPU's answer (``target``) is not this one's to run
+        body.as_the_user = None if saved is None else functools.partial(_as_the_user_has_it, body, saved, before,
+                                                                         reset_said)
         refined = near_answer(body, runs, _runs(body, vals, warmup, runs, skipped, cell_files), cell_files,
                               max_value, target is None)
         if want is not None and (candidates or left_out):
@@ -386,6 +387,7 @@ class FitBody:
     target: tuple[Target, Callable[[int], int | None] | None] | None = None  # another GPU's answer (``fit``'s ``on``)
     memos: dict[int, Built] = field(default_factory=dict)  # each device's runs as the last analysis left them
     checked: dict[int, Checked] = field(default_factory=dict)  # a value run past the model's answer (``beyond``)
+    as_the_user: Callable[[], None] | None = None  # the training state put back, as before a check past the model
 
     def measure(self) -> dict[int, int]:
         """Each device's room, read after the cache is given back; what is allocated on each before the runs."""
