@@ -280,6 +280,9 @@ class FakeSource:
     def memory_fraction(self, device: int) -> float | None:
         return self.fraction
 
+    def allocator_total(self, device: int) -> int:
+        return 2 << 30
+
     #: Each device's cap while a check past the model's answer runs (``TorchRelease.capped``); None outside one.
     caps: dict[int, int] | None = None
     #: Whether this torch can hold the allocator to a cap (``get_per_process_memory_fraction``, torch 2.9 on).
@@ -615,3 +618,80 @@ def test_a_fit_never_analyses_the_same_runs_twice_and_only_the_last_analysis_is_
     assert all(quick for _, quick in between) and not last[1], calls
     assert len({ids for ids, _ in between}) == len(between), "a list of runs analysed twice"
     assert len(between) >= 6, "the plain runs and the remedy's, each analysed as they grew"
+
+
+def test_a_fit_whose_body_fails_keeps_no_copy_of_the_state_alive_while_its_error_is_kept(
+        stand_in: dict[str, list[Any]]) -> None:
+    """The notebook keeps the last error (``sys.last_value``, ``%debug``), and so its frames: they must not keep the
+    fit's copy of the training state (the host copy of every weight, and the user's modules)."""
+    import gc
+
+    from nbmem.fitting.runs.state import StateCopy
+
+    net, opt, *_ = seeded_net(stand_in)
+    calls: list[int] = []
+
+    def step(b: int) -> None:
+        calls.append(b)
+        if len(calls) == 3:
+            raise ValueError("a bug in the cell")
+        net(torch.randn(b, 8)).sum().backward()
+        opt.step()
+
+    with pytest.raises(ValueError) as info:
+        runner.fit(step, [2, 4, 8], source=FakeSource(), name="b", modules=[net], optimizers=[opt])  # type: ignore[arg-type]
+    kept = info.value  # as the notebook keeps it
+    gc.collect()
+    assert kept is not None and not [o for o in gc.get_objects() if type(o) is StateCopy]
+
+
+class _Cuda:
+    """What of ``torch.cuda`` ``TorchRelease.capped`` calls, for its own logic; tests/gpu has the real one."""
+
+    def __init__(self, fractions: dict[int, float], fail_on: int | None = None) -> None:
+        self.fractions, self.fail_on, self.device, self.set_calls = dict(fractions), fail_on, 1, 0
+        self.memory = type("Memory", (), {"get_per_process_memory_fraction": lambda _, d: self.fractions[d]})()
+
+    def get_device_properties(self, d: int) -> Any:
+        return type("Props", (), {"total_memory": 100 << 30})()
+
+    def set_per_process_memory_fraction(self, f: float, d: int) -> None:
+        self.set_calls += 1
+        self.device = d  # as older torch left cudaSetDevice behind
+        if d == self.fail_on and self.set_calls > len(self.fractions):
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        self.fractions[d] = f
+
+    def current_device(self) -> int:
+        return self.device
+
+    def set_device(self, d: int) -> None:
+        self.device = d
+
+
+def _release_with(cuda: _Cuda) -> Any:
+    from nbmem.clean.release import TorchRelease
+
+    class Release(TorchRelease):
+        def cuda(self) -> Any:  # type: ignore[override]
+            return type("Torch", (), {"cuda": cuda})()
+
+    return Release()
+
+
+def test_the_cap_is_set_per_device_and_each_users_fraction_and_the_current_device_come_back_on_an_error() -> None:
+    cuda = _Cuda({0: 0.0, 1: 0.5})
+    src = _release_with(cuda)
+    with pytest.raises(KeyError), src.capped({0: 10 << 30, 1: 25 << 30}) as held:
+        assert held and cuda.fractions == {0: 0.1, 1: 0.25}
+        raise KeyError("the body's own error")
+    assert cuda.fractions == {0: 0.0, 1: 0.5} and cuda.device == 1, "a fraction of 0 stays 0; the device is back"
+
+
+def test_a_device_that_cannot_take_its_fraction_back_does_not_keep_the_others_capped() -> None:
+    cuda = _Cuda({0: 1.0, 1: 1.0}, fail_on=0)
+    src = _release_with(cuda)
+    with pytest.raises(RuntimeError, match="could not give the allocator its memory fraction back"):
+        with src.capped({0: 10 << 30, 1: 10 << 30}):
+            pass
+    assert cuda.fractions[1] == 1.0

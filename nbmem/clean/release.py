@@ -46,22 +46,31 @@ class TorchRelease(TorchSource):
     @contextlib.contextmanager
     def capped(self, caps: Mapping[int, int]) -> Iterator[bool]:
         """Each device's allocator held to ``caps[device]`` bytes of segments while inside (``torch.cuda.
-        set_per_process_memory_fraction``, as a fit's check past its model's answer asks), the fraction it had put
-        back after, whatever happened. Yields False, and holds nothing, where torch cannot say what the fraction
-        was (before 2.9) or a device's total is unknown."""
+        set_per_process_memory_fraction``, as a fit's checks past its model's answer ask), the fraction it had and
+        the current device put back after, whatever happened. Yields False, and holds nothing, where torch cannot
+        say what the fraction was or a device's total is unknown."""
         t = self.cuda()
         before = {d: self.memory_fraction(d) for d in caps}
-        totals = {d: (self.device_free(d) or (0, 0))[1] for d in caps}  # the total torch's fraction is of
+        totals = {d: self.allocator_total(d) for d in caps}  # what torch's fraction is a share of
         if t is None or any(f is None for f in before.values()) or not all(totals.values()):
             yield False
             return
+        current = t.cuda.current_device()
         try:
             for d, cap in caps.items():
-                t.cuda.set_per_process_memory_fraction(min(1.0, max(0.0, cap / totals[d])), d)
+                t.cuda.set_per_process_memory_fraction(min(1.0, max(0.0, cap / (totals[d] or 1))), d)
             yield True
         finally:
-            for d, fraction in before.items():
-                t.cuda.set_per_process_memory_fraction(fraction or 1.0, d)
+            failed: list[BaseException] = []
+            for d, fraction in before.items():  # every device, whatever one of them says
+                try:
+                    t.cuda.set_per_process_memory_fraction(1.0 if fraction is None else fraction, d)
+                except Exception as e:
+                    failed.append(e)
+            t.cuda.set_device(current)
+            if failed:
+                raise RuntimeError("nbmem could not give the allocator its memory fraction back on every device: "
+                                   f"{failed[0]}; torch.cuda.set_per_process_memory_fraction(1.0, device) lifts it")
 
     def clear_cublas_workspaces(self) -> bool:
         """Drop cuBLAS's per-handle workspaces (a fit that made them takes them back); False where torch cannot."""

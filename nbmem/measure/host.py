@@ -80,18 +80,21 @@ def _mallinfo2() -> Callable[[], int] | None:
     return heap_bytes
 
 
-#: Bytes the C heap has handed out (glibc's mallinfo2: ~0.4 µs), or None off glibc. CPU tensors come
-#: from malloc, and torch.empty pages are untouched, so RSS would not see them: this does.
+#: Bytes the C heap has handed out (glibc's mallinfo2: 1-2 µs in a fresh process, milliseconds where the heap has
+#: 100,000 free chunks), or None off glibc. CPU tensors come from malloc, and torch.empty pages are untouched, so
+#: RSS would not see them: this does.
 heap_bytes = _mallinfo2()
 
 
 class HeapWatch:
-    """The C heap in use, plus what garbage collections of the older generations gave back while installed.
+    """The C heap in use, plus what full garbage collections gave back while installed.
 
-    A collection frees garbage made long before (a cycle made cells ago, a closed shell's namespace), and in the
-    heap's plain reading that can cancel what a cell kept in the same moment. Added back, the figure moves only by
-    what the code itself allocated and freed. Collections of the youngest generation are not watched: what they free
-    was made since the last collection (about 700 objects), and they run hundreds of times a second in a busy loop.
+    A full collection frees garbage made long before (a cycle made cells ago, a closed shell's namespace), and in the
+    heap's plain reading that can cancel what a cell kept in the same moment. Added back, that cannot happen; garbage
+    the cell itself made and a collection freed counts as growth then, which only sends the scan further. Only full
+    collections are watched: reading the heap walks glibc's free chunks (milliseconds where there are 100,000 of
+    them), and the younger generations are collected many times a second in a busy loop; the older garbage is
+    what lives until a full one.
     """
 
     def __init__(self, read: Callable[[], int] | None = heap_bytes) -> None:
@@ -114,7 +117,7 @@ class HeapWatch:
     def _on_collection(self, phase: str, info: dict[str, int]) -> None:
         # Runs inside the collector, on whichever thread triggered it: it must never raise.
         try:
-            if info.get("generation", 0) == 0 or self._read is None:
+            if info.get("generation", 0) < 2 or self._read is None:
                 return
             if phase == "start":
                 self._at_start = self._read()

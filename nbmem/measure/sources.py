@@ -384,6 +384,14 @@ class TorchSource:
         except Exception:
             return None
 
+    def allocator_total(self, index: int) -> int | None:
+        """The device's memory as torch's allocator counts it for a memory fraction (``totalGlobalMem``)."""
+        t = self.cuda()
+        try:
+            return None if t is None else int(t.cuda.get_device_properties(index).total_memory)
+        except Exception:
+            return None
+
     def device_free(self, index: int) -> tuple[int, int] | None:
         """(free, total) bytes of the device as the driver sees them (``cudaMemGetInfo``), CUDA being up."""
         t = self.cuda()

@@ -50,18 +50,20 @@ class RunTrace:
 @dataclass(frozen=True, slots=True)
 class Checked:
     """A value run past the model's answer on one device (``nearby.beyond``): ``steps`` steps in a row with the
-    allocator held to the room less the margin, which ran; its peaks there. The answer is at least its value."""
+    allocator held to ``cap_bytes`` (the room less the margin, twice), which ran; its peaks there. The answer is at
+    least its value, in a room no smaller than that cap."""
 
     value: int
     steps: int
     peak_allocated_bytes: int | None
     peak_reserved_bytes: int | None
+    cap_bytes: int
 
-    def note(self, name: str, model_value: int, capacity_bytes: int) -> str:
+    def note(self, name: str, model_value: int) -> str:
         return (f"checked past the model: {self.steps} steps in a row at {name}={self.value:,} ran with the allocator "
-                f"held to {fmt_bytes(capacity_bytes)} (the room less the margin), so the answer is {self.value:,}, "
-                f"above the model's {model_value:,} (near the limit these runs took less than the model keeps: a "
-                "buffer that stops growing, a workspace given up for another algorithm)")
+                f"held to {fmt_bytes(self.cap_bytes)} (the room less the margin, twice), so the answer is "
+                f"{self.value:,}, above the model's {model_value:,} (near the limit these runs took less than the "
+                "model keeps: a buffer that stops growing, a workspace given up for another algorithm)")
 
 
 @dataclass(frozen=True, slots=True)

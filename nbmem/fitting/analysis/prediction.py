@@ -400,9 +400,9 @@ def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segmen
     if max_value is not None and largest >= max_value:
         all_notes.append(f"{name}={max_value:,}, the largest value asked about, fits: larger ones were not searched")
     capped = capped if largest >= below else ""
-    past = checked if checked is not None and largest < checked.value <= cap else None
+    past = checked if checked is not None and largest < checked.value <= cap and checked.cap_bytes <= capacity else None
     if past is not None:
-        all_notes.append(past.note(name, largest, capacity))
+        all_notes.append(past.note(name, largest))
         largest = past.value
     if largest_only:
         return replace(timeline, largest_value=largest, notes=tuple(all_notes), capped=capped)

@@ -84,9 +84,9 @@ def read_room(src: TorchSource, device: int, margin_bytes: int | None, outside: 
     if got is None:
         raise FitRefused("fitting needs the device's free memory, and CUDA could not say (cudaMemGetInfo)")
     free, total = got
-    fraction = src.memory_fraction(device)
-    if fraction is not None and fraction < 1.0:  # the user's own cap on this process's allocator
-        free = min(free, int(fraction * total) - reserved)
+    fraction, whole = src.memory_fraction(device), src.allocator_total(device)
+    if fraction is not None and fraction < 1.0 and whole:  # the user's own cap on this process's allocator
+        free = min(free, int(fraction * whole) - reserved)
     free -= max(outside or 0, 0)
     segments: tuple[SegmentState, ...] = ()
     if new:

@@ -34,7 +34,8 @@ class BodyRuns(Protocol):
 
     def once(self, value: int, counted: bool) -> tuple[RunSet, str]: ...
 
-    def steps_at(self, value: int, steps: int, capped: bool = False) -> tuple[RunSet, str] | None: ...
+    def steps_at(self, value: int, steps: int, capped: bool = False,
+                 spare: bool = False) -> tuple[RunSet, str] | None: ...
 
     rooms: dict[int, Room]
     checked: dict[int, Checked]
@@ -192,9 +193,13 @@ def beyond(body: BodyRuns, runs: list[RunSet], answer: int, check: RunSet, max_v
     """Past the checked ``answer``, where the model may keep more than the body takes near its limit (a buffer that
     stops growing, a workspace a library gives up for another algorithm when it does not fit): values between the
     answer and where the allocated memory of the runs alone would fill a device's room, halving the stretch, each
-    run ``BEYOND_STEPS`` steps in a row with every allocator held to its room less the margin. The largest that
-    ran goes to ``body.checked``, where the analyses take it as the answer; a fit that is short of time, or a value
-    that the host has no room for, is not run."""
+    run ``BEYOND_STEPS`` steps in a row from the user's state (``as_the_user``) with every allocator held to its
+    room less the margin twice (near its limit whether a value runs depends on where its blocks fall too: a Llama
+    ran 293 under the room less one margin, and its truth was 293, 294 failing). The largest that ran goes to
+    ``body.checked``, where the analyses take it as the answer; a fit that is short of time, or a value that the
+    host has no room for, is not run."""
+    if body.as_the_user is None:  # the state cannot be put back (no copy: ``restore=False``, a remedy's runs)
+        return
     ok = [r for r in runs if r.counted and not r.oom]
     top = max(ok, key=lambda r: r.value, default=None)
     bound = None if top is None or top.value >= answer else _allocated_bound(body.check_rooms(), top, check, answer)
@@ -208,13 +213,12 @@ def beyond(body: BodyRuns, runs: list[RunSet], answer: int, check: RunSet, max_v
         if (value < max(answer * (1 + BEYOND_GAIN), lo * (1 + BEYOND_STEP)) or took > REFINE_SECONDS
                 or (body.host is not None and body.host.over(value, body.name))):
             break
-        if body.as_the_user is not None:
-            # No model stands behind these values: they start where the user's next cell would, the optimizer's
-            # state not yet made where it was not, no workspace of cuBLAS's that the fit's runs made.
-            body.as_the_user()
+        # No model stands behind these values: they start where the user's next cell would, the optimizer's state
+        # not yet made where it was not, no workspace of cuBLAS's that the fit's runs made.
+        body.as_the_user()
         if body.progress is not None:
             body.progress.ahead([value] * BEYOND_STEPS, "a check past the model's answer")
-        ran = body.steps_at(value, BEYOND_STEPS, capped=True)
+        ran = body.steps_at(value, BEYOND_STEPS, capped=True, spare=True)
         if body.progress is not None:
             body.progress.ahead([], "")
         if ran is None:  # torch cannot hold the allocator to the room (before 2.9)
@@ -225,12 +229,14 @@ def beyond(body: BodyRuns, runs: list[RunSet], answer: int, check: RunSet, max_v
             failed.append(value)
             continue
         lo = value
-        body.checked = {d: Checked(value, BEYOND_STEPS, p.peak_allocated_bytes, p.peak_reserved_bytes)
-                        for d, p in ((d, Run(tr, _no_site)) for d, tr in got.traces.items())}
+        rooms = body.check_rooms()
+        body.checked = {d: Checked(value, BEYOND_STEPS, p.peak_allocated_bytes, p.peak_reserved_bytes,
+                                   rooms[d].capacity_bytes - rooms[d].margin_bytes)
+                        for d, p in ((d, Run(tr, _no_site)) for d, tr in got.traces.items()) if d in rooms}
     if failed:
         at = ", ".join(f"{body.name}={v:,}" for v in failed)
         body.notes.append(f"past the model's answer, {BEYOND_STEPS} steps in a row at {at} ran out of memory with "
-                          "the allocator held to the room less the margin")
+                          "the allocator held to the room less the margin, twice")
 
 
 def _no_site(frames: object) -> None:

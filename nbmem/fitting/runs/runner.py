@@ -161,7 +161,7 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchRel
                      else ((), ()))
             if saved is not None:
                 saved.close()  # the copies' host memory unlocked now, not when the copy is collected
-            saved = None
+            saved = body.as_the_user = None  # an error kept by the notebook keeps this frame, not the copy
             devs = body.every_device()
             free_cached(src, devs)
             if body.host is not None:
@@ -429,14 +429,14 @@ class FitBody:
         """``res`` bound by host memory too, where the runs keep memory there (not another GPU's: another host's)."""
         return res if self.host is None or target is not None else with_host(res, self.host.fit(), self.name)
 
-    def steps_at(self, value: int, steps: int, capped: bool = False) -> tuple[RunSet, str] | None:
+    def steps_at(self, value: int, steps: int, capped: bool = False, spare: bool = False) -> tuple[RunSet, str] | None:
         """``steps`` runs of the body at ``value`` under one trace, the namespace put back only after the last (the
         second meets what the first left bound, as a cell run again does). Not a point of the host model, whose
         points are single runs. ``capped``: each device's allocator held to its room less the margin meanwhile
-        (``check_rooms``); None (nothing run) where torch cannot hold it there."""
+        (``check_rooms``), ``spare``: less the margin again; None (nothing run) where torch cannot hold it there."""
         if not capped:
             return self._steps(value, steps)
-        caps = {d: room.capacity_bytes for d, room in self.check_rooms().items()}
+        caps = {d: room.capacity_bytes - (room.margin_bytes if spare else 0) for d, room in self.check_rooms().items()}
         if any(cap > self.rooms[d].capacity_bytes for d, cap in caps.items() if d in self.rooms):
             return None  # another GPU's room larger than this one's: it cannot be stood for here
         with self.src.capped(caps) as held:
