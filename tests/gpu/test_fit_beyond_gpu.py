@@ -81,7 +81,7 @@ def test_a_buffer_that_stops_growing_is_run_past_and_the_answer_runs(fraction: A
         w = torch.empty(min(v, 64) * 8 * MiB, dtype=torch.uint8, device="cuda")
         del w
 
-    res = fitting.fit(body, [8, 16, 32], name="units", clean=ns.clear, restore=False)
+    res = fitting.fit(body, [8, 16, 32], name="units", clean=ns.clear)  # a copy to put back: the checks need it
     assert res.largest_value is not None, res
     said = "\n".join(res.notes)
     assert any(n.startswith("checked past the model: 3 steps in a row") for n in res.notes), said
