@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -36,6 +37,21 @@ class Notebook:
         self.ns.clear()
 
 
+def steps_run(book: Notebook, run: Any, value: int) -> int:
+    """Run the body as the fit asked (one step, or steps in a row) and say how many steps that was."""
+    before = len(book.steps)
+    run(value)
+    return len(book.steps) - before
+
+
+def trace(addrs: Iterator[int], kept: int, passing: int) -> list[dict[str, Any]]:
+    """A run's allocator events: ``kept`` bytes held to its end, ``passing`` bytes made and freed within it."""
+    x, y = next(addrs) << 32, next(addrs) << 32
+    return [{"action": "alloc", "addr": x, "size": kept}, {"action": "alloc", "addr": y, "size": passing},
+            {"action": "free_requested", "addr": y, "size": passing},
+            {"action": "free_requested", "addr": x, "size": kept}]
+
+
 @pytest.fixture
 def stand_in(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """Each run's trace: an input of 1 MiB and activations of 8 MiB per sample. Two steps in a row at
@@ -46,17 +62,10 @@ def stand_in(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
 
     def one_run(run: Any, value: int, counted: bool, src: Any, devs: list[int], stacks: bool,
                 max_entries: int) -> Any:
-        book = seen["book"]
-        before = len(book.steps)
-        run(value)
-        steps = len(book.steps) - before
+        steps = steps_run(seen["book"], run, value)
         seen["runs"].append((value, steps))
         seen["caps"].append((value, steps, (src.caps or {}).get(0)))
-        x, act = next(addrs) << 32, next(addrs) << 32
-        entries = [{"action": "alloc", "addr": x, "size": value * MiB},
-                   {"action": "alloc", "addr": act, "size": value * 8 * MiB},
-                   {"action": "free_requested", "addr": act, "size": value * 8 * MiB},
-                   {"action": "free_requested", "addr": x, "size": value * MiB}]
+        entries = trace(addrs, value * MiB, value * 8 * MiB)
         if steps > 1 and seen["oom_from"] is not None and value >= seen["oom_from"]:
             oom = "CUDA out of memory. Tried to allocate 904.00 MiB"
             return RunSet.single(RunTrace(value, entries[:1], counted, 0, 0, oom=True)), oom
@@ -143,25 +152,18 @@ def saturating(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """Each run's trace: an input of 1 MiB per sample, kept to the end, and a workspace of 8 MiB per sample up to
     512 MiB (a library buffer that stops growing at 64 samples), freed at once. In 1 GiB the true limit of steps in
     a row (each input made while the last one's is bound) is 256 samples; a model that keeps the workspace growing
-    stops near 140. A run under a cap (``FakeSource.capped``)
-    whose blocks need more than it runs out of memory, as the allocator held there does."""
+    stops near 140. A run under a cap (``FakeSource.capped``) whose blocks need more than it runs out of memory, as
+    the allocator held there does."""
     seen: dict[str, Any] = {"runs": [], "book": None, "src": FakeSource()}
     addrs = itertools.count(1)
 
     def one_run(run: Any, value: int, counted: bool, src: Any, devs: list[int], stacks: bool,
                 max_entries: int) -> Any:
-        book = seen["book"]
-        before = len(book.steps)
-        run(value)
-        steps = len(book.steps) - before
+        steps = steps_run(seen["book"], run, value)
         cap = (src.caps or {}).get(0)
         seen["runs"].append((value, steps, cap))
-        x, ws = next(addrs) << 32, next(addrs) << 32
         work = min(value, 64) * 8 * MiB
-        entries = [{"action": "alloc", "addr": x, "size": value * MiB},
-                   {"action": "alloc", "addr": ws, "size": work},
-                   {"action": "free_requested", "addr": ws, "size": work},
-                   {"action": "free_requested", "addr": x, "size": value * MiB}]
+        entries = trace(addrs, value * MiB, work)
         if cap is not None and (2 if steps > 1 else 1) * value * MiB + work > cap:  # a step's input beside the last
             return RunSet.single(RunTrace(value, entries[:1], counted, 0, 0, oom=True)), "CUDA out of memory."
         return RunSet.single(RunTrace(value, entries, counted, 0, 0)), ""
