@@ -261,11 +261,14 @@ def test_heap_a_silent_run_frees_between_cells_does_not_hide_what_the_next_cell_
 
 
 def test_heap_a_collection_inside_the_cell_frees_does_not_hide_what_the_cell_keeps(ip):
-    """A collection during the cell that frees old garbage (here 16 MiB in a cycle made before it; in a test run, the
-    previous test's shell) must not cancel the growth that tells the scan to look past the roots the cell names."""
+    """A full collection during the cell that frees old garbage (here 16 MiB in a cycle that lived through a full
+    collection before it became garbage; in a test run, the previous test's shell) must not cancel the growth that
+    tells the scan to look past the roots the cell names. Garbage that young collections free is not watched (it is
+    what the last few hundred allocations made), so the cycle is made old first."""
     ok(ip, MODEL)
     ok(ip, "holder = [torch.zeros(1)]\ndef stash():\n    holder[0] = torch.ones(2**22)")
-    ip.run_cell("junk = [bytearray(2**24)]; junk.append(junk); del junk", store_history=False)
+    ip.run_cell("junk = [bytearray(2**24)]; junk.append(junk); __import__('gc').collect(); del junk",
+                store_history=False)
     ok(ip, "stash(); __import__('gc').collect()")  # 16 MiB kept by `holder`, 16 MiB of the cycle freed
     rep = session_of(ip).last_report
     assert rep is not None and any(f.name.startswith("holder") for f in rep.holders.findings), rep
