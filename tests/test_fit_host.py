@@ -330,7 +330,7 @@ class _EveryCheckFails:
         return FitResult(name="batch", device="cuda:0", values=(100,), points=(), room=None,
                          largest_value=self.answers[failed])
 
-    def steps_at(self, value: int, steps: int, capped: bool = False) -> tuple[RunSet, str]:
+    def steps_at(self, value: int, steps: int, caps: Any = None) -> tuple[RunSet, str]:
         self.asked.append(value)
         return RunSet.single(RunTrace(value, [], False, 0, 0, oom=True)), "CUDA out of memory"
 

@@ -11,7 +11,7 @@ meets; where it runs out of memory, the answer is capped with the margin a predi
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Protocol
 
 from nbmem.fitting.analysis.model import Checked, Room, Run
@@ -34,8 +34,7 @@ class BodyRuns(Protocol):
 
     def once(self, value: int, counted: bool) -> tuple[RunSet, str]: ...
 
-    def steps_at(self, value: int, steps: int, capped: bool = False,
-                 spare: bool = False) -> tuple[RunSet, str] | None: ...
+    def steps_at(self, value: int, steps: int, caps: Mapping[int, int] | None = None) -> tuple[RunSet, str] | None: ...
 
     rooms: dict[int, Room]
     checked: dict[int, Checked]
@@ -45,6 +44,8 @@ class BodyRuns(Protocol):
     def target(self) -> object: ...  # another GPU the answer is for (``fit``'s ``on``), or None
 
     def check_rooms(self) -> dict[int, Room]: ...
+
+    def check_caps(self, spare: bool = False) -> dict[int, int] | None: ...
 
     def analyse(self, runs: list[RunSet], cell_files: frozenset[str], max_value: int | None = None) -> FitResult: ...
 
@@ -160,7 +161,8 @@ def confirm(body: BodyRuns, runs: list[RunSet], res: FitResult | None, cell_file
             return res
         if body.progress is not None:
             body.progress.ahead([value] * CONFIRM_STEPS, "the check at the answer")
-        ran = body.steps_at(value, CONFIRM_STEPS, capped=capped)
+        caps = body.check_caps() if capped else None
+        ran = None if capped and caps is None else body.steps_at(value, CONFIRM_STEPS, caps)
         if body.progress is not None:
             body.progress.ahead([], "")
         if ran is None:
@@ -215,10 +217,13 @@ def beyond(body: BodyRuns, runs: list[RunSet], answer: int, check: RunSet, max_v
             break
         # No model stands behind these values: they start where the user's next cell would, the optimizer's state
         # not yet made where it was not, no workspace of cuBLAS's that the fit's runs made.
+        caps = body.check_caps(spare=True)
+        if caps is None:
+            return
         body.as_the_user()
         if body.progress is not None:
             body.progress.ahead([value] * BEYOND_STEPS, "a check past the model's answer")
-        ran = body.steps_at(value, BEYOND_STEPS, capped=True, spare=True)
+        ran = body.steps_at(value, BEYOND_STEPS, caps)
         if body.progress is not None:
             body.progress.ahead([], "")
         if ran is None:  # torch cannot hold the allocator to the room (before 2.9)
@@ -229,10 +234,8 @@ def beyond(body: BodyRuns, runs: list[RunSet], answer: int, check: RunSet, max_v
             failed.append(value)
             continue
         lo = value
-        rooms = body.check_rooms()
-        body.checked = {d: Checked(value, BEYOND_STEPS, p.peak_allocated_bytes, p.peak_reserved_bytes,
-                                   rooms[d].capacity_bytes - rooms[d].margin_bytes)
-                        for d, p in ((d, Run(tr, _no_site)) for d, tr in got.traces.items()) if d in rooms}
+        body.checked = {d: Checked(value, BEYOND_STEPS, p.peak_allocated_bytes, p.peak_reserved_bytes, caps[d])
+                        for d, p in ((d, Run(tr, _no_site)) for d, tr in got.traces.items()) if d in caps}
     if failed:
         at = ", ".join(f"{body.name}={v:,}" for v in failed)
         body.notes.append(f"past the model's answer, {BEYOND_STEPS} steps in a row at {at} ran out of memory with "

@@ -429,16 +429,12 @@ class FitBody:
         """``res`` bound by host memory too, where the runs keep memory there (not another GPU's: another host's)."""
         return res if self.host is None or target is not None else with_host(res, self.host.fit(), self.name)
 
-    def steps_at(self, value: int, steps: int, capped: bool = False, spare: bool = False) -> tuple[RunSet, str] | None:
+    def steps_at(self, value: int, steps: int, caps: Mapping[int, int] | None = None) -> tuple[RunSet, str] | None:
         """``steps`` runs of the body at ``value`` under one trace, the namespace put back only after the last (the
-        second meets what the first left bound, as a cell run again does). Not a point of the host model, whose
-        points are single runs. ``capped``: each device's allocator held to its room less the margin meanwhile
-        (``check_rooms``), ``spare``: less the margin again; None (nothing run) where torch cannot hold it there."""
-        if not capped:
+        second meets what the first left bound, as a cell run again does); not a point of the host model. ``caps``:
+        each allocator held to so many bytes meanwhile (``check_caps``); None (nothing run) where torch cannot."""
+        if caps is None:
             return self._steps(value, steps)
-        caps = {d: room.capacity_bytes - (room.margin_bytes if spare else 0) for d, room in self.check_rooms().items()}
-        if any(cap > self.rooms[d].capacity_bytes for d, cap in caps.items() if d in self.rooms):
-            return None  # another GPU's room larger than this one's: it cannot be stood for here
         with self.src.capped(caps) as held:
             return self._steps(value, steps) if held else None
 
@@ -446,9 +442,13 @@ class FitBody:
         """The rooms a check holds each allocator to: this GPU's, or where the answer is for another, that one's."""
         return self.rooms if self.target is None else self.answer_rooms(*self.target)
 
-    def _steps(self, value: int, steps: int) -> tuple[RunSet, str]:
-        one = self.run
+    def check_caps(self, spare: bool = False) -> dict[int, int] | None:
+        """Each room (``check_rooms``) less the margin, again where ``spare``; None where another GPU's is larger."""
+        caps = {d: room.capacity_bytes - (room.margin_bytes if spare else 0) for d, room in self.check_rooms().items()}
+        return None if any(cap > self.rooms[d].capacity_bytes for d, cap in caps.items() if d in self.rooms) else caps
 
+    def _steps(self, value: int, steps: int) -> tuple[RunSet, str]:
+        one = self.run  # the body, run ``steps`` times in place of one run
         def repeated(v: int) -> None:
             for _ in range(steps):
                 one(v)
