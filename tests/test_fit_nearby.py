@@ -215,11 +215,36 @@ def test_a_check_past_the_answer_that_runs_out_of_memory_leaves_the_last_that_ra
     model = next(v for v, n, cap in runs if n == 2 and cap is None)
     tried = [v for v, n, cap in runs if cap is not None]
     assert res.largest_value == model and len(tried) >= 2, (res.largest_value, runs)
-    # never within 3 % of the answer, where the real boundary itself wavers; halving stops there
-    assert all(v >= 1.03 * model for v in tried), (model, tried)
+    # never within 1 % of the largest that ran, where whether a value runs depends on where its blocks fall; the
+    # halving stops there
+    assert all(v >= 1.01 * model for v in tried), (model, tried)
     assert any(n.startswith("past the model's answer, 3 steps in a row at batch=") and "ran out of memory" in n
                for n in res.notes), res.notes
     assert not any(n.startswith("checked past the model") for n in res.notes)
+
+
+def test_past_the_answer_values_nearer_than_3_percent_are_run_where_the_cap_stops_the_body_there(
+        saturating: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cap that stops the body 2 % past the model's answer (a CNN's two margins on a 16 GiB card left 1.8 %): the
+    halving goes on down to 1 % past the largest that ran, so the answer gains what the cap allows."""
+    real = FakeSource.capped
+
+    @contextlib.contextmanager
+    def near(self: Any, caps: dict[int, int]) -> Any:
+        with real(self, {d: 802 * MiB for d in caps}) as held:  # 2 × 145 MiB of inputs and 512 MiB of workspace
+            yield held
+
+    monkeypatch.setattr(FakeSource, "capped", near)
+    monkeypatch.setattr(nearby, "BEYOND_TRIES", 8)  # from far past the answer, halving down to it
+    res = fit_saturating(saturating)
+    runs = saturating["runs"]
+    model = next(v for v, n, cap in runs if n == 2 and cap is None)
+    assert 145 < 1.03 * model, model  # what the case is about: the cap's limit is nearer than 3 %
+    assert model < res.largest_value <= 145, (res.largest_value, runs)
+    lo = model
+    for v in (v for v, n, cap in runs if cap is not None):
+        assert v >= 1.01 * lo, ("each value at least 1 % past the largest that ran", v, lo, runs)
+        lo = v if 2 * v + 512 <= 802 else lo
 
 
 def test_where_torch_cannot_hold_the_allocator_to_the_room_nothing_is_run_past_the_answer(

@@ -163,6 +163,15 @@ class Run:
         self.peak_reserved_bytes = (None if trace.reserved_before_bytes is None
                                     else trace.reserved_before_bytes + seg_peak)
 
+    @classmethod
+    def sizes(cls, trace: RunTrace) -> Run:
+        """The run read for its sizes and peaks alone: no allocation's site is looked up."""
+        return cls(trace, _no_site)
+
+
+def _no_site(frames: Sequence[Mapping[str, Any]] | None) -> None:
+    return None
+
 
 def _tokens(run: Run, exact: bool) -> list[tuple[Any, ...]]:
     """What an event is, whatever the value: action, stream, line and lifetime (and size, at one value)."""

@@ -581,7 +581,7 @@ def proportional_bound(run: RunTrace, value: int) -> int | None:
     scaled in proportion (exact for growth without a fixed part, above it with one). None: unknown start."""
     if run.allocated_before_bytes is None:
         return None
-    r = Run(run, lambda frames: None)
+    r = Run.sizes(run)
     return run.allocated_before_bytes + math.ceil(r.peak_growth_bytes * value / max(1, run.value))
 
 

@@ -59,12 +59,12 @@ REFINE_SECONDS = 30.0
 CONFIRM_STEPS = 2
 #: At most this many such checks (one more at the lower answer a failed one leaves).
 CONFIRM_TRIES = 2
-#: Past a checked answer (``beyond``), a value is run only where it adds at least this much to it: nearer, whether
-#: a value runs depends on where its blocks fall as much as on its size (a Llama on the H200 ran 3 steps at 524,
-#: 1.9 % past its answer, under the cap, where the real boundary's bisection had 524 fail), and a fit already
-#: within a few per cent of the limit spends no time there ...
-BEYOND_GAIN = 0.03
-#: ... and this much to the largest that ran ...
+#: Past a checked answer (``beyond``), a value is run only where it adds at least this much to the largest that
+#: ran: nearer, whether a value runs depends on where its blocks fall as much as on its size (a Llama on the H200,
+#: checked from the fit's warmed state under the room less one margin, ran 3 steps at 524, 1.9 % past its answer,
+#: where the real boundary's bisection had 524 fail). From the user's state and under the room less two margins
+#: the checks need no wider step: a CNN whose cap stops it 4 % short of its boundary reached 0.95 only by values
+#: 1.8 % past the model's answer ...
 BEYOND_STEP = 0.01
 #: ... at most this many times, each halving the stretch still unknown ...
 BEYOND_TRIES = 3
@@ -212,7 +212,7 @@ def beyond(body: BodyRuns, runs: list[RunSet], answer: int, check: RunSet, max_v
     for _ in range(BEYOND_TRIES):
         value = (lo + hi) // 2
         took = BEYOND_STEPS * body.durations.get(top.value, 0.0) * value / top.value
-        if (value < max(answer * (1 + BEYOND_GAIN), lo * (1 + BEYOND_STEP)) or took > REFINE_SECONDS
+        if (value < lo * (1 + BEYOND_STEP) or took > REFINE_SECONDS
                 or (body.host is not None and body.host.over(value, body.name))):
             break
         # No model stands behind these values: they start where the user's next cell would, the optimizer's state
@@ -235,15 +235,11 @@ def beyond(body: BodyRuns, runs: list[RunSet], answer: int, check: RunSet, max_v
             continue
         lo = value
         body.checked = {d: Checked(value, BEYOND_STEPS, p.peak_allocated_bytes, p.peak_reserved_bytes, caps[d])
-                        for d, p in ((d, Run(tr, _no_site)) for d, tr in got.traces.items()) if d in caps}
+                        for d, p in ((d, Run.sizes(tr)) for d, tr in got.traces.items()) if d in caps}
     if failed:
         at = ", ".join(f"{body.name}={v:,}" for v in failed)
         body.notes.append(f"past the model's answer, {BEYOND_STEPS} steps in a row at {at} ran out of memory with "
                           "the allocator held to the room less the margin, twice")
-
-
-def _no_site(frames: object) -> None:
-    return None
 
 
 def _allocated_bound(rooms: dict[int, Room], top: RunSet, check: RunSet, answer: int) -> int | None:
@@ -254,7 +250,7 @@ def _allocated_bound(rooms: dict[int, Room], top: RunSet, check: RunSet, answer:
     for d, tr in check.traces.items():
         if d not in rooms or d not in top.traces:
             continue
-        p_top, p_answer = Run(top.traces[d], _no_site).peak_allocated_bytes, Run(tr, _no_site).peak_allocated_bytes
+        p_top, p_answer = Run.sizes(top.traces[d]).peak_allocated_bytes, Run.sizes(tr).peak_allocated_bytes
         if p_top is None or p_answer is None:
             return None
         slope = (p_answer - p_top) / (answer - top.value)
@@ -293,5 +289,5 @@ def near_answer(body: BodyRuns, runs: list[RunSet], stopped: bool, cell_files: f
     return res
 
 
-__all__ = ["BEYOND_GAIN", "BEYOND_STEP", "BEYOND_STEPS", "BEYOND_TRIES", "CONFIRM_RUNS", "REFINE_FACTOR", "REFINE_RUNS",
+__all__ = ["BEYOND_STEP", "BEYOND_STEPS", "BEYOND_TRIES", "CONFIRM_RUNS", "REFINE_FACTOR", "REFINE_RUNS",
            "REFINE_SECONDS", "beyond", "confirm", "near_answer", "predicted_not_to_fit", "refine"]

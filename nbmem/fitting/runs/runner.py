@@ -134,11 +134,10 @@ def fit(run: Callable[[int], object], values: Sequence[int], *, source: TorchRel
         refined = near_answer(body, runs, _runs(body, vals, warmup, runs, skipped, cell_files), cell_files,
                               max_value, target is None)
         if want is not None and (candidates or left_out):
-            # with the cell's lines as the sites, as refine's analyses and the final one have them
-            plain = (refined if refined is not None and max_value is None and target is None else
-                     analyse_devices(runs, body.answer_rooms(target, own_used), body.segments, name=name,
-                                     cell_files=cell_files, max_value=max_value, largest_only=True, memos=body.memos))
-            plain = body.host_bound(plain, target)
+            # with the cell's lines as the sites, as refine's analyses and the final one have them, and what ran
+            # past the model's answer
+            plain = (body.host_bound(refined, target) if refined is not None and max_value is None and target is None
+                     else body.analyse(runs, cell_files, max_value))
             ran_ok = [r.value for r in runs if r.counted and not r.oom]
             if plain.largest_value is not None and want > plain.largest_value and ran_ok:
                 remedy_notes += left_out
