@@ -45,7 +45,7 @@ class BodyRuns(Protocol):
 
     def check_rooms(self) -> dict[int, Room]: ...
 
-    def check_caps(self, spare: bool = False) -> dict[int, int] | None: ...
+    def check_caps(self, spare: float = 0.0) -> dict[int, int] | None: ...
 
     def analyse(self, runs: list[RunSet], cell_files: frozenset[str], max_value: int | None = None) -> FitResult: ...
 
@@ -71,6 +71,8 @@ BEYOND_TRIES = 3
 #: ... each this many steps in a row: no model stands behind these values, so they run the three steps the model
 #: replays (two ran on the H200 where three failed: a Llama's 524 against its 520).
 BEYOND_STEPS = 3
+#: ... with every allocator held to the room less the margin and this many margins more.
+BEYOND_SPARE_MARGINS = 1.0
 #: The runs a fit's plan counts for them (``progress.planned_runs``): each step is a run of the body.
 CONFIRM_RUNS = CONFIRM_STEPS * CONFIRM_TRIES + BEYOND_STEPS * BEYOND_TRIES
 
@@ -217,7 +219,7 @@ def beyond(body: BodyRuns, runs: list[RunSet], answer: int, check: RunSet, max_v
             break
         # No model stands behind these values: they start where the user's next cell would, the optimizer's state
         # not yet made where it was not, no workspace of cuBLAS's that the fit's runs made.
-        caps = body.check_caps(spare=True)
+        caps = body.check_caps(spare=BEYOND_SPARE_MARGINS)
         if caps is None:
             return
         body.as_the_user()
@@ -289,5 +291,5 @@ def near_answer(body: BodyRuns, runs: list[RunSet], stopped: bool, cell_files: f
     return res
 
 
-__all__ = ["BEYOND_STEP", "BEYOND_STEPS", "BEYOND_TRIES", "CONFIRM_RUNS", "REFINE_FACTOR", "REFINE_RUNS",
-           "REFINE_SECONDS", "beyond", "confirm", "near_answer", "predicted_not_to_fit", "refine"]
+__all__ = ["BEYOND_SPARE_MARGINS", "BEYOND_STEP", "BEYOND_STEPS", "BEYOND_TRIES", "CONFIRM_RUNS", "REFINE_FACTOR",
+           "REFINE_RUNS", "REFINE_SECONDS", "beyond", "confirm", "near_answer", "predicted_not_to_fit", "refine"]
