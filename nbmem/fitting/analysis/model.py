@@ -50,7 +50,7 @@ class RunTrace:
 @dataclass(frozen=True, slots=True)
 class Checked:
     """A value run past the model's answer on one device (``nearby.beyond``): ``steps`` steps in a row with the
-    allocator held to ``cap_bytes`` (the room less the margin, twice), which ran; its peaks there. The answer is at
+    allocator held to ``cap_bytes`` (the room less the margin), which ran; its peaks there. The answer is at
     least its value, in a room no smaller than that cap."""
 
     value: int
@@ -61,7 +61,7 @@ class Checked:
 
     def note(self, name: str, model_value: int) -> str:
         return (f"checked past the model: {self.steps} steps in a row at {name}={self.value:,} ran with the allocator "
-                f"held to {fmt_bytes(self.cap_bytes)} (the room less the margin, twice), so the answer is "
+                f"held to {fmt_bytes(self.cap_bytes)} (the room less the margin), so the answer is "
                 f"{self.value:,}, above the model's {model_value:,} (near the limit these runs took less than the "
                 "model keeps: a buffer that stops growing, a workspace given up for another algorithm)")
 

@@ -45,7 +45,7 @@ class BodyRuns(Protocol):
 
     def check_rooms(self) -> dict[int, Room]: ...
 
-    def check_caps(self, spare: float = 0.0) -> dict[int, int] | None: ...
+    def check_caps(self) -> dict[int, int] | None: ...
 
     def analyse(self, runs: list[RunSet], cell_files: frozenset[str], max_value: int | None = None) -> FitResult: ...
 
@@ -61,18 +61,15 @@ CONFIRM_STEPS = 2
 CONFIRM_TRIES = 2
 #: Past a checked answer (``beyond``), a value is run only where it adds at least this much to the largest that
 #: ran: nearer, whether a value runs depends on where its blocks fall as much as on its size (a Llama on the H200,
-#: checked from the fit's warmed state under the room less one margin, ran 3 steps at 524, 1.9 % past its answer,
-#: where the real boundary's bisection had 524 fail). From the user's state and under the room less two margins
-#: the checks need no wider step: a CNN whose cap stops it 4 % short of its boundary reached 0.95 only by values
-#: 1.8 % past the model's answer ...
+#: checked from the fit's warmed state under the room less the margin, ran 3 steps at 524, 1.9 % past its answer,
+#: where the real boundary's bisection had 524 fail; from the user's state 524 failed under the cap). A wider step
+#: (3 %, once) left a CNN 5-7 % short, its cap's limit 1.8 % past the model's answer ...
 BEYOND_STEP = 0.01
 #: ... at most this many times, each halving the stretch still unknown ...
 BEYOND_TRIES = 3
 #: ... each this many steps in a row: no model stands behind these values, so they run the three steps the model
 #: replays (two ran on the H200 where three failed: a Llama's 524 against its 520).
 BEYOND_STEPS = 3
-#: ... with every allocator held to the room less the margin and this many margins more.
-BEYOND_SPARE_MARGINS = 1.0
 #: The runs a fit's plan counts for them (``progress.planned_runs``): each step is a run of the body.
 CONFIRM_RUNS = CONFIRM_STEPS * CONFIRM_TRIES + BEYOND_STEPS * BEYOND_TRIES
 
@@ -198,10 +195,11 @@ def beyond(body: BodyRuns, runs: list[RunSet], answer: int, check: RunSet, max_v
     stops growing, a workspace a library gives up for another algorithm when it does not fit): values between the
     answer and where the allocated memory of the runs alone would fill a device's room, halving the stretch, each
     run ``BEYOND_STEPS`` steps in a row from the user's state (``as_the_user``) with every allocator held to its
-    room less the margin twice (near its limit whether a value runs depends on where its blocks fall too: a Llama
-    ran 293 under the room less one margin, and its truth was 293, 294 failing). The largest that ran goes to
-    ``body.checked``, where the analyses take it as the answer; a fit that is short of time, or a value that the
-    host has no room for, is not run."""
+    room less the margin, the room the model's answer is for. (From the fit's warmed state a Llama ran 524 under
+    that cap where its real boundary was 519; from the user's state 524 failed, and on two H200s no row went above
+    its boundary. A second margin cost a CNN 2-6 % and kept nothing below that one did not.) The largest that ran
+    goes to ``body.checked``, where the analyses take it as the answer; a fit that is short of time, or a value that
+    the host has no room for, is not run."""
     if body.as_the_user is None:  # the state cannot be put back (no copy: ``restore=False``, a remedy's runs)
         return
     ok = [r for r in runs if r.counted and not r.oom]
@@ -219,7 +217,7 @@ def beyond(body: BodyRuns, runs: list[RunSet], answer: int, check: RunSet, max_v
             break
         # No model stands behind these values: they start where the user's next cell would, the optimizer's state
         # not yet made where it was not, no workspace of cuBLAS's that the fit's runs made.
-        caps = body.check_caps(spare=BEYOND_SPARE_MARGINS)
+        caps = body.check_caps()
         if caps is None:
             return
         body.as_the_user()
@@ -241,7 +239,7 @@ def beyond(body: BodyRuns, runs: list[RunSet], answer: int, check: RunSet, max_v
     if failed:
         at = ", ".join(f"{body.name}={v:,}" for v in failed)
         body.notes.append(f"past the model's answer, {BEYOND_STEPS} steps in a row at {at} ran out of memory with "
-                          "the allocator held to the room less the margin, twice")
+                          "the allocator held to the room less the margin")
 
 
 def _allocated_bound(rooms: dict[int, Room], top: RunSet, check: RunSet, answer: int) -> int | None:
@@ -291,5 +289,5 @@ def near_answer(body: BodyRuns, runs: list[RunSet], stopped: bool, cell_files: f
     return res
 
 
-__all__ = ["BEYOND_SPARE_MARGINS", "BEYOND_STEP", "BEYOND_STEPS", "BEYOND_TRIES", "CONFIRM_RUNS", "REFINE_FACTOR",
+__all__ = ["BEYOND_STEP", "BEYOND_STEPS", "BEYOND_TRIES", "CONFIRM_RUNS", "REFINE_FACTOR",
            "REFINE_RUNS", "REFINE_SECONDS", "beyond", "confirm", "near_answer", "predicted_not_to_fit", "refine"]

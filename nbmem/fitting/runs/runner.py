@@ -441,10 +441,9 @@ class FitBody:
         """The rooms a check holds each allocator to: this GPU's, or where the answer is for another, that one's."""
         return self.rooms if self.target is None else self.answer_rooms(*self.target)
 
-    def check_caps(self, spare: float = 0.0) -> dict[int, int] | None:
-        """Each room (``check_rooms``) less the margin, and ``spare`` margins more; None where another GPU's is
-        larger."""
-        caps = {d: room.capacity_bytes - int(spare * room.margin_bytes) for d, room in self.check_rooms().items()}
+    def check_caps(self) -> dict[int, int] | None:
+        """Each room (``check_rooms``) less the margin; None where another GPU's is larger than this one's."""
+        caps = {d: room.capacity_bytes for d, room in self.check_rooms().items()}
         return None if any(cap > self.rooms[d].capacity_bytes for d, cap in caps.items() if d in self.rooms) else caps
 
     def _steps(self, value: int, steps: int) -> tuple[RunSet, str]:
