@@ -17,7 +17,7 @@ from nbmem.fitting.analysis.allocator import SegmentState
 from nbmem.fitting.analysis.devices import GB, GPUS, GiB, parse_on, target_notes
 from nbmem.fitting.analysis.hostroom import parse_host_limit
 from nbmem.fitting.analysis.model import Room, RunTrace
-from nbmem.fitting.runs import multigpu, runner, torchcheck
+from nbmem.fitting.runs import multigpu, nearby, runner, torchcheck
 from nbmem.fitting.runs.multigpu import NOTHING_ON_CUDA, RunSet, analyse_devices
 from nbmem.fitting.runs.state import FitRefused
 from tests.test_fit_remedies import FakeSource, FakeTorch
@@ -186,6 +186,24 @@ def two_gpus(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     monkeypatch.setattr(runner, "_one_run", one_run)
     monkeypatch.setattr(multigpu, "gc", type("NoGc", (), {"collect": staticmethod(lambda: 0)}))
     return seen
+
+
+def test_a_body_on_two_gpus_gets_no_checks_past_its_answer_and_is_told_why(two_gpus: dict[str, Any]) -> None:
+    """Two allocators held to a cap at once crashed a real two-GPU step (CUDA's "unspecified launch failure"): a
+    body that allocates on both devices is not run past its answer, and the report says why; one on one device is
+    not told so."""
+
+    class Roomy(TwoGpus):
+        def device_free(self, device: int) -> tuple[int, int]:
+            return 1 * GiB, 80 * GiB
+
+    two_gpus["per_unit"] = {0: 2 * MiB, 1: 4 * MiB}
+    res = runner.fit(lambda b: None, [8, 16, 32], source=Roomy({}), name="batch", margin_bytes=0)  # type: ignore[arg-type]
+    assert res.largest_value is not None and res.device == "cuda:0, cuda:1", str(res)
+    assert nearby.ONE_GPU_ONLY in res.notes, res.notes
+    two_gpus["per_unit"] = {1: 4 * MiB}
+    one = runner.fit(lambda b: None, [8, 16, 32], source=Roomy({}), name="batch", margin_bytes=0)  # type: ignore[arg-type]
+    assert nearby.ONE_GPU_ONLY not in one.notes, one.notes
 
 
 def test_the_runner_measures_a_device_its_runs_were_the_first_to_use_once_its_context_exists(

@@ -70,6 +70,11 @@ BEYOND_TRIES = 3
 #: ... each this many steps in a row: no model stands behind these values, so they run the three steps the model
 #: replays (two ran on the H200 where three failed: a Llama's 524 against its 520).
 BEYOND_STEPS = 3
+#: Why a body on several GPUs gets no checks past its answer: with two allocators held at once, a GPT-2 that
+#: accelerate's ``device_map="auto"`` split over two H200s crashed its step ("CUDA error: unspecified launch
+#: failure", the process's CUDA unusable after), three times in three; without the caps it ran.
+ONE_GPU_ONLY = ("no values past the model's answer were run: the body uses more than one GPU, and holding two "
+                "allocators to a cap at once crashed such a step on CUDA (a model split by accelerate)")
 #: The runs a fit's plan counts for them (``progress.planned_runs``): each step is a run of the body.
 CONFIRM_RUNS = CONFIRM_STEPS * CONFIRM_TRIES + BEYOND_STEPS * BEYOND_TRIES
 
@@ -202,6 +207,9 @@ def beyond(body: BodyRuns, runs: list[RunSet], answer: int, check: RunSet, max_v
     the host has no room for, is not run."""
     if body.as_the_user is None:  # the state cannot be put back (no copy: ``restore=False``, a remedy's runs)
         return
+    if len(used_devices(runs)) > 1:
+        body.notes.append(ONE_GPU_ONLY)
+        return
     ok = [r for r in runs if r.counted and not r.oom]
     top = max(ok, key=lambda r: r.value, default=None)
     bound = None if top is None or top.value >= answer else _allocated_bound(body.check_rooms(), top, check, answer)
@@ -289,5 +297,5 @@ def near_answer(body: BodyRuns, runs: list[RunSet], stopped: bool, cell_files: f
     return res
 
 
-__all__ = ["BEYOND_STEP", "BEYOND_STEPS", "BEYOND_TRIES", "CONFIRM_RUNS", "REFINE_FACTOR",
+__all__ = ["BEYOND_STEP", "BEYOND_STEPS", "BEYOND_TRIES", "CONFIRM_RUNS", "ONE_GPU_ONLY", "REFINE_FACTOR",
            "REFINE_RUNS", "REFINE_SECONDS", "beyond", "confirm", "near_answer", "predicted_not_to_fit", "refine"]
