@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -245,6 +246,22 @@ def test_past_the_answer_values_nearer_than_3_percent_are_run_where_the_cap_stop
     for v in (v for v, n, cap in runs if cap is not None):
         assert v >= 1.01 * lo, ("each value at least 1 % past the largest that ran", v, lo, runs)
         lo = v if 2 * v + 512 <= 802 else lo
+
+
+def test_the_time_a_check_past_the_answer_would_take_counts_putting_the_users_state_back(
+        saturating: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Steps that take no time, a restore that takes 50 ms, and 40 ms allowed a check: the first check runs (what a
+    restore takes is not known before one), and none after it."""
+    real = runner._as_the_user_has_it
+
+    def slow(*args: Any) -> None:
+        time.sleep(0.05)
+        real(*args)
+
+    monkeypatch.setattr(runner, "_as_the_user_has_it", slow)
+    monkeypatch.setattr(nearby, "REFINE_SECONDS", 0.04)
+    fit_saturating(saturating)
+    assert [n for _, n, cap in saturating["runs"] if cap is not None] == [3], saturating["runs"]
 
 
 def test_where_torch_cannot_hold_the_allocator_to_the_room_nothing_is_run_past_the_answer(

@@ -11,6 +11,7 @@ meets; where it runs out of memory, the answer is capped with the margin a predi
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Mapping
 from typing import Protocol
 
@@ -217,9 +218,10 @@ def beyond(body: BodyRuns, runs: list[RunSet], answer: int, check: RunSet, max_v
         return
     lo, hi = answer, bound + 1 if max_value is None else min(bound, max_value) + 1  # hi: the least not known to run
     failed: list[int] = []
+    restore_s = 0.0  # what putting the user's state back took (a 7B's trainable state: seconds), once it is known
     for _ in range(BEYOND_TRIES):
         value = (lo + hi) // 2
-        took = BEYOND_STEPS * body.durations.get(top.value, 0.0) * value / top.value
+        took = BEYOND_STEPS * body.durations.get(top.value, 0.0) * value / top.value + restore_s
         if (value < lo * (1 + BEYOND_STEP) or took > REFINE_SECONDS
                 or (body.host is not None and body.host.over(value, body.name))):
             break
@@ -228,7 +230,9 @@ def beyond(body: BodyRuns, runs: list[RunSet], answer: int, check: RunSet, max_v
         caps = body.check_caps()
         if caps is None:
             return
+        started = time.perf_counter()
         body.as_the_user()
+        restore_s = time.perf_counter() - started
         if body.progress is not None:
             body.progress.ahead([value] * BEYOND_STEPS, "a check past the model's answer")
         ran = body.steps_at(value, BEYOND_STEPS, caps)
