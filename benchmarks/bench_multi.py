@@ -238,7 +238,7 @@ class Gpu:
                       others: Sequence[Any] = (), on: str | None = None, own_used: Any = None,
                       fraction_of: Callable[[], int] | None = None) -> None:
         """The fit (``on`` another GPU's memory), the memory check, then the real boundary (under a memory
-        fraction of ``fraction_of()`` bytes on cuda:0 where given, read before each try)."""
+        fraction of ``fraction_of()`` bytes on cuda:0 where given, asked before each try)."""
         from nbmem.fitting.runs.state import snapshot_state
 
         torch = self.torch
@@ -413,16 +413,21 @@ def on_plan(gpu: Gpu, names: Sequence[str], sizes: Sequence[str]) -> list[tuple[
             def step(v: int) -> None:
                 fam.body(model, opt, ns, v)
 
+            read: list[int] = []
+
             def fraction_of() -> int:
                 """A GPU of that size holds this process's CUDA context too; the fraction caps only the allocator,
                 so the context (NVML's figure for this process beyond what its allocator reserves) comes off the
-                size. Read at each try of the truth: the libraries' kernels that the first steps load (cuDNN's,
-                240 MiB for the CNN) are part of it on that GPU too, and a row read before them was 1.5 % roomier."""
-                used = own_used(0) if nvml.devices else None
-                context = max(0, used - torch.cuda.memory_reserved(0)) if used is not None else 0
-                row.note = (f"truth: set_per_process_memory_fraction(({target / GiB:g} GiB - {context / MiB:.0f} "
-                            f"MiB context) / {total / GiB:.1f} GiB)")
-                return int(target - context)
+                size. Read once, at the truth's first try, after the fit's steps: the libraries' kernels they load
+                (cuDNN's, 240 MiB for the CNN) are part of it on that GPU too, and a row read before them was 1.5 %
+                roomier. Every try has the same cap."""
+                if not read:
+                    used = own_used(0) if nvml.devices else None
+                    context = max(0, used - torch.cuda.memory_reserved(0)) if used is not None else 0
+                    row.note = (f"truth: set_per_process_memory_fraction(({target / GiB:g} GiB - "
+                                f"{context / MiB:.0f} MiB context) / {total / GiB:.1f} GiB)")
+                    read.append(int(target - context))
+                return read[0]
 
             gpu.fit_and_truth(row, step, fam.values, ns, [model], opt, (0,), hard, fam.others(model, opt), on=size,
                               own_used=own_used if nvml.devices else None, fraction_of=fraction_of)

@@ -225,7 +225,8 @@ def test_bench_multis_truth_for_another_gpu_runs_under_the_memory_fraction_and_r
                               give_back_workspaces=lambda src, before: given.append(dict(before)))
     gpu = bm.Gpu(SimpleNamespace(cuda=cuda), fitting)
     row = bm.Row("on", "linear", "16GiB")
-    gpu.fit_and_truth(row, step, (2, 4, 8), ns, [model], opt, (0,), float("inf"), on="16GiB", fraction_of=16 * GiB)
+    gpu.fit_and_truth(row, step, (2, 4, 8), ns, [model], opt, (0,), float("inf"), on="16GiB",
+                      fraction_of=lambda: 16 * GiB)
     assert (row.answer, row.truth, row.truth_hi, row.memory_back) == (15, 16, 17, True), row
     assert asked["on"] == "16GiB" and asked["clean"] == ns.clear
     assert cuda.fraction == 1.0 and set(cuda.fractions) == {0.2, 1.0}, "set for each try, and back after it"

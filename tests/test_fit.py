@@ -340,6 +340,26 @@ def test_a_slope_that_jumped_between_the_smallest_values_is_not_the_growth_near_
 
 
 # -- predictions -----------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize(("peak_mib", "taken"), [(18 * 1024, True), (21 * 1024, False), (None, False)])
+def test_a_value_checked_past_the_answer_stands_while_its_peak_fits_the_room_as_it_is_now(
+        peak_mib: int | None, taken: bool) -> None:
+    """A check ran under a cap of 22 GiB; the room is 20 GiB now (kernels loaded since). Its reserved peak of 18 GiB
+    still fits (a run that never reached a cap runs the same under any cap above its peak): the answer is the
+    checked value. A peak of 21 GiB, or an unknown one (then the cap counts), no longer fits: the answer is the
+    model's, and the report says why."""
+    body = training_step()
+    runs = record(body, [8, 16, 32])
+    model = analyse(runs, room(20 * GiB), name="batch", largest_only=True).largest_value
+    assert model is not None
+    value = model + 100
+    checked = fitmodel.Checked(value, 3, 17 * GiB, None if peak_mib is None else peak_mib * MiB, 22 * GiB)
+    res = analyse(runs, room(20 * GiB), name="batch", checked=checked)
+    assert res.largest_value == (value if taken else model), (res.largest_value, model, res.notes)
+    dropped = [n for n in res.notes if n.startswith(f"batch={value:,} ran past the model's answer")]
+    assert bool(dropped) is not taken, res.notes
+    assert any(n.startswith("checked past the model") for n in res.notes) is taken, res.notes
+
+
 @pytest.mark.parametrize("warmup", [True, False])
 def test_linear_growth_is_predicted_exactly_at_the_limit(warmup: bool) -> None:
     body = training_step()

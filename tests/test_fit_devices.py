@@ -5,6 +5,7 @@ runs on two real GPUs are in tests/gpu/test_fit_multi_gpu.py."""
 from __future__ import annotations
 
 import itertools
+import sys
 from typing import Any
 
 import pytest
@@ -188,22 +189,49 @@ def two_gpus(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     return seen
 
 
-def test_a_body_on_two_gpus_gets_no_checks_past_its_answer_and_is_told_why(two_gpus: dict[str, Any]) -> None:
+def test_a_body_on_two_gpus_gets_no_checks_past_its_answer_and_is_told_why(
+        two_gpus: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     """Two allocators held to a cap at once crashed a real two-GPU step (CUDA's "unspecified launch failure"): a
-    body that allocates on both devices is not run past its answer, and the report says why; one on one device is
-    not told so."""
+    body that allocates on both devices is never run under a cap, and the report says why; the same body on one
+    device is run past its answer, with only that device's allocator held."""
+    held: list[dict[int, int]] = []
+    real = FakeSource.capped
+
+    def capped(self: Any, caps: dict[int, int]) -> Any:
+        held.append(dict(caps))
+        return real(self, caps)
+
+    def saturating(value: int, per_unit: int, addrs: Any, fixed: int = 0) -> list[dict[str, Any]]:
+        """An input kept to the end, and a workspace that stops growing at 64 units: the model keeps it growing."""
+        x, a = next(addrs) << 36, next(addrs) << 36
+        work = min(value, 64) * 8 * per_unit
+        return [{"action": "alloc", "addr": x, "size": value * per_unit}, {"action": "alloc", "addr": a, "size": work},
+                {"action": "free_requested", "addr": a, "size": work},
+                {"action": "free_requested", "addr": x, "size": value * per_unit}]
 
     class Roomy(TwoGpus):
         def device_free(self, device: int) -> tuple[int, int]:
             return 1 * GiB, 80 * GiB
 
-    two_gpus["per_unit"] = {0: 2 * MiB, 1: 4 * MiB}
+        def context_devices(self) -> list[int]:
+            return [0, 1]  # both have a context from the start: a body on one of them uses only that one
+
+    monkeypatch.setattr(FakeSource, "capped", capped)
+    monkeypatch.setattr(sys.modules[__name__], "step", saturating)
+    two_gpus["per_unit"] = {1: 1 * MiB}
+    one = runner.fit(lambda b: None, [8, 16, 32], source=Roomy({}), name="batch", margin_bytes=0)  # type: ignore[arg-type]
+    assert held and all(list(c) == [1] for c in held), ("checks past the answer on cuda:1 alone", held, one.notes)
+    assert not any(nearby.SEVERAL_GPUS in n for n in one.notes), one.notes
+    held.clear()
+    two_gpus["per_unit"] = {0: 1 * MiB, 1: 1 * MiB}
     res = runner.fit(lambda b: None, [8, 16, 32], source=Roomy({}), name="batch", margin_bytes=0)  # type: ignore[arg-type]
     assert res.largest_value is not None and res.device == "cuda:0, cuda:1", str(res)
-    assert nearby.ONE_GPU_ONLY in res.notes, res.notes
-    two_gpus["per_unit"] = {1: 4 * MiB}
-    one = runner.fit(lambda b: None, [8, 16, 32], source=Roomy({}), name="batch", margin_bytes=0)  # type: ignore[arg-type]
-    assert nearby.ONE_GPU_ONLY not in one.notes, one.notes
+    assert held == [], "no allocator was held to a cap"
+    assert f"no values past the model's answer were run: {nearby.SEVERAL_GPUS}" in res.notes, res.notes
+    # Asked about a smaller GPU, the check at the answer would hold both allocators to its room: not run either.
+    there = runner.fit(lambda b: None, [8, 16, 32], source=Roomy({}), name="batch", margin_bytes=0,  # type: ignore[arg-type]
+                       on="512MiB", own_used=lambda d: 0)
+    assert held == [] and f"the answer was not run: {nearby.SEVERAL_GPUS}" in there.notes, (held, there.notes)
 
 
 def test_the_runner_measures_a_device_its_runs_were_the_first_to_use_once_its_context_exists(

@@ -148,6 +148,21 @@ def test_past_a_smaller_gpus_checked_answer_the_checks_are_held_to_its_room(satu
     assert any(n.startswith("checked past the model") for n in res.notes), res.notes
 
 
+def test_a_value_asked_about_that_ran_past_a_smaller_gpus_answer_needs_no_remedy(saturating: dict[str, Any]) -> None:
+    """Asked whether the answer the checks past the model reached fits on that GPU: it does, so no remedy's runs are
+    made (they were weighed against the model's answer alone, lower)."""
+    net = test_fit_remedies.Net()  # repeated blocks: activation checkpointing is a remedy to measure
+    first = fit_saturating(saturating, on="768MiB", own_used=lambda d: 0, modules=[net])
+    model = next(v for v, n, cap in saturating["runs"] if n == 2)
+    assert first.largest_value is not None and first.largest_value > model, (first.largest_value, model)
+    plain_runs = len(saturating["runs"])
+    saturating["runs"].clear()
+    res = fit_saturating(saturating, on="768MiB", own_used=lambda d: 0, modules=[net], want=first.largest_value)
+    assert res.largest_value == first.largest_value
+    assert len(saturating["runs"]) == plain_runs, ("no remedy's runs", saturating["runs"])
+    assert not res.remedies, res.remedies
+
+
 @pytest.fixture
 def saturating(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     """Each run's trace: an input of 1 MiB per sample, kept to the end, and a workspace of 8 MiB per sample up to
@@ -258,7 +273,14 @@ def test_the_time_a_check_past_the_answer_would_take_counts_putting_the_users_st
         time.sleep(0.05)
         real(*args)
 
+    beyond = nearby.beyond
+
+    def no_step_time(body: Any, *args: Any) -> None:
+        body.durations.clear()  # steps that take no time: only the restore counts, however busy the machine
+        beyond(body, *args)
+
     monkeypatch.setattr(runner, "_as_the_user_has_it", slow)
+    monkeypatch.setattr(nearby, "beyond", no_step_time)
     monkeypatch.setattr(nearby, "REFINE_SECONDS", 0.04)
     fit_saturating(saturating)
     assert [n for _, n, cap in saturating["runs"] if cap is not None] == [3], saturating["runs"]

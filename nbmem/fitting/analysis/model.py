@@ -51,7 +51,7 @@ class RunTrace:
 class Checked:
     """A value run past the model's answer on one device (``nearby.beyond``): ``steps`` steps in a row with the
     allocator held to ``cap_bytes`` (the room less the margin), which ran; its peaks there. The answer is at
-    least its value, in a room no smaller than that cap."""
+    least its value, in a room no smaller than its peak reserved (than that cap, where the peak is unknown)."""
 
     value: int
     steps: int

@@ -400,7 +400,14 @@ def analyse(runs: Sequence[RunTrace], room: Room, *, name: str = "value", segmen
     if max_value is not None and largest >= max_value:
         all_notes.append(f"{name}={max_value:,}, the largest value asked about, fits: larger ones were not searched")
     capped = capped if largest >= below else ""
-    past = checked if checked is not None and largest < checked.value <= cap and checked.cap_bytes <= capacity else None
+    past = checked if checked is not None and largest < checked.value <= cap else None
+    # A run whose reserved memory never passed ``need`` runs the same under any cap at or above it: the room may
+    # have shrunk since (kernels the later runs loaded) below the cap, not below that.
+    need = None if past is None else past.cap_bytes if past.peak_reserved_bytes is None else past.peak_reserved_bytes
+    if past is not None and need is not None and need > capacity:
+        all_notes.append(f"{name}={past.value:,} ran past the model's answer, its peak at {fmt_bytes(need)} reserved, "
+                         f"and the room is {fmt_bytes(capacity)} now: the answer is the model's")
+        past = None
     if past is not None:
         all_notes.append(past.note(name, largest))
         largest = past.value

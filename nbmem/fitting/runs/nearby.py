@@ -1,5 +1,6 @@
 """The fit's runs near its answer: more runs while the prediction lies far beyond the values run (``refine``),
-then two steps in a row at the answer itself (``confirm``).
+then two steps in a row at the answer itself (``confirm``), then a few values past it, each three steps in a row
+from the user's state with the allocator held to the room (``beyond``; a body on one GPU only).
 
 The allocator model replays the runs' allocations, scaled to the value, through the caching allocator's rules;
 where single blocks are a large part of the room, where in the segments they land (cudaMalloc's addresses,
@@ -12,7 +13,7 @@ meets; where it runs out of memory, the answer is capped with the margin a predi
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 from nbmem.fitting.analysis.model import Checked, Room, Run
@@ -46,7 +47,7 @@ class BodyRuns(Protocol):
 
     def check_rooms(self) -> dict[int, Room]: ...
 
-    def check_caps(self) -> dict[int, int] | None: ...
+    def check_caps(self, devices: Sequence[int]) -> dict[int, int] | None: ...
 
     def analyse(self, runs: list[RunSet], cell_files: frozenset[str], max_value: int | None = None) -> FitResult: ...
 
@@ -71,11 +72,12 @@ BEYOND_TRIES = 3
 #: ... each this many steps in a row: no model stands behind these values, so they run the three steps the model
 #: replays (two ran on the H200 where three failed: a Llama's 524 against its 520).
 BEYOND_STEPS = 3
-#: Why a body on several GPUs gets no checks past its answer: with two allocators held at once, a GPT-2 that
-#: accelerate's ``device_map="auto"`` split over two H200s crashed its step ("CUDA error: unspecified launch
-#: failure", the process's CUDA unusable after), three times in three; without the caps it ran.
-ONE_GPU_ONLY = ("no values past the model's answer were run: the body uses more than one GPU, and holding two "
-                "allocators to a cap at once crashed such a step on CUDA (a model split by accelerate)")
+#: Why a body on several GPUs gets no check under a cap (past its answer, or at it for another GPU): with two
+#: allocators held at once, a GPT-2 that accelerate's ``device_map="auto"`` split over two H200s crashed its step
+#: ("CUDA error: unspecified launch failure", the process's CUDA unusable after) in each of 5 runs; without the
+#: caps it ran.
+SEVERAL_GPUS = ("the body uses more than one GPU, and holding two allocators to a cap at once crashed such a step "
+                "on CUDA (a model split by accelerate)")
 #: The runs a fit's plan counts for them (``progress.planned_runs``): each step is a run of the body.
 CONFIRM_RUNS = CONFIRM_STEPS * CONFIRM_TRIES + BEYOND_STEPS * BEYOND_TRIES
 
@@ -164,9 +166,13 @@ def confirm(body: BodyRuns, runs: list[RunSet], res: FitResult | None, cell_file
             notes.append(f"the answer was not run: {CONFIRM_STEPS} steps at {name}={value:,} would take about "
                          f"{took:.0f} s")
             return res
+        used = used_devices(runs)
+        if capped and len(used) > 1:
+            notes.append(f"the answer was not run: {SEVERAL_GPUS}")
+            return res
         if body.progress is not None:
             body.progress.ahead([value] * CONFIRM_STEPS, "the check at the answer")
-        caps = body.check_caps() if capped else None
+        caps = body.check_caps(used) if capped else None
         ran = None if capped and caps is None else body.steps_at(value, CONFIRM_STEPS, caps)
         if body.progress is not None:
             body.progress.ahead([], "")
@@ -208,9 +214,6 @@ def beyond(body: BodyRuns, runs: list[RunSet], answer: int, check: RunSet, max_v
     the host has no room for, is not run."""
     if body.as_the_user is None:  # the state cannot be put back (no copy: ``restore=False``, a remedy's runs)
         return
-    if len(used_devices(runs)) > 1:
-        body.notes.append(ONE_GPU_ONLY)
-        return
     ok = [r for r in runs if r.counted and not r.oom]
     top = max(ok, key=lambda r: r.value, default=None)
     bound = None if top is None or top.value >= answer else _allocated_bound(body.check_rooms(), top, check, answer)
@@ -225,9 +228,13 @@ def beyond(body: BodyRuns, runs: list[RunSet], answer: int, check: RunSet, max_v
         if (value < lo * (1 + BEYOND_STEP) or took > REFINE_SECONDS
                 or (body.host is not None and body.host.over(value, body.name))):
             break
+        used = used_devices([*runs, check])
+        if len(used) > 1:
+            body.notes.append(f"no values past the model's answer were run: {SEVERAL_GPUS}")
+            return
         # No model stands behind these values: they start where the user's next cell would, the optimizer's state
         # not yet made where it was not, no workspace of cuBLAS's that the fit's runs made.
-        caps = body.check_caps()
+        caps = body.check_caps(used)
         if caps is None:
             return
         started = time.perf_counter()
@@ -301,5 +308,5 @@ def near_answer(body: BodyRuns, runs: list[RunSet], stopped: bool, cell_files: f
     return res
 
 
-__all__ = ["BEYOND_STEP", "BEYOND_STEPS", "BEYOND_TRIES", "CONFIRM_RUNS", "ONE_GPU_ONLY", "REFINE_FACTOR",
-           "REFINE_RUNS", "REFINE_SECONDS", "beyond", "confirm", "near_answer", "predicted_not_to_fit", "refine"]
+__all__ = ["BEYOND_STEP", "BEYOND_STEPS", "BEYOND_TRIES", "CONFIRM_RUNS", "REFINE_FACTOR", "REFINE_RUNS",
+           "REFINE_SECONDS", "SEVERAL_GPUS", "beyond", "confirm", "near_answer", "predicted_not_to_fit", "refine"]

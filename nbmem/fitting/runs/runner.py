@@ -441,10 +441,11 @@ class FitBody:
         """The rooms a check holds each allocator to: this GPU's, or where the answer is for another, that one's."""
         return self.rooms if self.target is None else self.answer_rooms(*self.target)
 
-    def check_caps(self) -> dict[int, int] | None:
-        """Each room (``check_rooms``) less the margin; None where another GPU's is larger than this one's."""
-        caps = {d: room.capacity_bytes for d, room in self.check_rooms().items()}
-        return None if any(cap > self.rooms[d].capacity_bytes for d, cap in caps.items() if d in self.rooms) else caps
+    def check_caps(self, devices: Sequence[int]) -> dict[int, int] | None:
+        """The room (``check_rooms``) less the margin of each of ``devices`` (those the runs use: no other allocator
+        is held); None where another GPU's is larger than this one's, or none of them has a room."""
+        caps = {d: room.capacity_bytes for d, room in self.check_rooms().items() if d in devices}
+        return None if not caps or any(c > self.rooms[d].capacity_bytes for d, c in caps.items()) else caps
 
     def _steps(self, value: int, steps: int) -> tuple[RunSet, str]:
         one = self.run  # the body, run ``steps`` times in place of one run
