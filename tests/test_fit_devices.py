@@ -21,6 +21,7 @@ from nbmem.fitting.analysis.model import Room, RunTrace
 from nbmem.fitting.runs import multigpu, nearby, runner, torchcheck
 from nbmem.fitting.runs.multigpu import NOTHING_ON_CUDA, RunSet, analyse_devices
 from nbmem.fitting.runs.state import FitRefused
+from tests.test_fit_nearby import trace
 from tests.test_fit_remedies import FakeSource, FakeTorch
 
 MiB = 1 << 20
@@ -203,11 +204,7 @@ def test_a_body_on_two_gpus_gets_no_checks_past_its_answer_and_is_told_why(
 
     def saturating(value: int, per_unit: int, addrs: Any, fixed: int = 0) -> list[dict[str, Any]]:
         """An input kept to the end, and a workspace that stops growing at 64 units: the model keeps it growing."""
-        x, a = next(addrs) << 36, next(addrs) << 36
-        work = min(value, 64) * 8 * per_unit
-        return [{"action": "alloc", "addr": x, "size": value * per_unit}, {"action": "alloc", "addr": a, "size": work},
-                {"action": "free_requested", "addr": a, "size": work},
-                {"action": "free_requested", "addr": x, "size": value * per_unit}]
+        return trace(addrs, value * per_unit, min(value, 64) * 8 * per_unit)
 
     class Roomy(TwoGpus):
         def device_free(self, device: int) -> tuple[int, int]:

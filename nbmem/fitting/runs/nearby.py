@@ -166,8 +166,8 @@ def confirm(body: BodyRuns, runs: list[RunSet], res: FitResult | None, cell_file
             notes.append(f"the answer was not run: {CONFIRM_STEPS} steps at {name}={value:,} would take about "
                          f"{took:.0f} s")
             return res
-        used = used_devices(runs)
-        if capped and len(used) > 1:
+        used = used_devices(runs) if capped else []
+        if len(used) > 1:
             notes.append(f"the answer was not run: {SEVERAL_GPUS}")
             return res
         if body.progress is not None:
@@ -221,6 +221,7 @@ def beyond(body: BodyRuns, runs: list[RunSet], answer: int, check: RunSet, max_v
         return
     lo, hi = answer, bound + 1 if max_value is None else min(bound, max_value) + 1  # hi: the least not known to run
     failed: list[int] = []
+    used = used_devices([*runs, check])
     restore_s = 0.0  # what putting the user's state back took (a 7B's trainable state: seconds), once it is known
     for _ in range(BEYOND_TRIES):
         value = (lo + hi) // 2
@@ -228,7 +229,6 @@ def beyond(body: BodyRuns, runs: list[RunSet], answer: int, check: RunSet, max_v
         if (value < lo * (1 + BEYOND_STEP) or took > REFINE_SECONDS
                 or (body.host is not None and body.host.over(value, body.name))):
             break
-        used = used_devices([*runs, check])
         if len(used) > 1:
             body.notes.append(f"no values past the model's answer were run: {SEVERAL_GPUS}")
             return
